@@ -1,0 +1,6 @@
+//! tensorfold: an exact, fast inference engine for Qwen3.5 language models.
+//!
+//! See `ARCHITECTURE.md` for the layers and the data flow of a token, and `docs/numerics.md`
+//! for the arithmetic contract every backend keeps.
+
+pub mod numerics;
