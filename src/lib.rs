@@ -3,4 +3,10 @@
 //! See `ARCHITECTURE.md` for the layers and the data flow of a token, and `docs/numerics.md`
 //! for the arithmetic contract every backend keeps.
 
+pub mod backend;
+pub mod checkpoint;
+pub mod config;
+pub mod model;
 pub mod numerics;
+#[doc(hidden)]
+pub mod testutil;

@@ -1,0 +1,283 @@
+//! The CPU backend: the numerical reference, and fast.
+//!
+//! Weights are used in place from the memory map. Each operation runs at once on the calling
+//! thread (and, for the large ones, on the thread pool), with the arithmetic of
+//! [`kernels`], which is the executable form of docs/numerics.md.
+
+pub mod kernels;
+
+use crate::backend::{Backend, BackendError, Batch};
+use crate::config::ModelConfig;
+use crate::model::rope::RopeTable;
+use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+
+/// The CPU backend.
+#[derive(Clone, Debug, Default)]
+pub struct Cpu {}
+
+impl Cpu {
+    pub fn new() -> Self {
+        Self {}
+    }
+}
+
+/// A row-major f32 buffer `[rows, cols]` (capacity; operations use a prefix of the rows).
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    pub data: Vec<f32>,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl Tensor {
+    fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+}
+
+/// One sequence's state on the CPU.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeqState {
+    /// Tokens processed so far (the position of the next one).
+    pub position: usize,
+    /// Per GDN layer: the `[Kc−1, conv_dim]` window of pre-conv inputs, oldest first.
+    pub conv: Vec<Vec<f32>>,
+    /// Per GDN layer: the `[Hv, dv, dk]` recurrent state.
+    pub recurrent: Vec<Vec<f32>>,
+    /// Per attention layer: keys `[position, Hkv, Dh]` (normalised and rotated).
+    pub keys: Vec<Vec<f32>>,
+    /// Per attention layer: values `[position, Hkv, Dh]`.
+    pub values: Vec<Vec<f32>>,
+}
+
+impl SeqState {
+    /// The zero state of position 0 for `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let n_lin = cfg.num_linear_layers();
+        let n_full = cfg.num_full_layers();
+        Self {
+            position: 0,
+            conv: vec![vec![0.0; (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()]; n_lin],
+            recurrent: vec![vec![0.0; cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim]; n_lin],
+            keys: vec![Vec::new(); n_full],
+            values: vec![Vec::new(); n_full],
+        }
+    }
+}
+
+/// Every sequence slot on the CPU, plus the shared RoPE table.
+#[derive(Clone, Debug)]
+pub struct CpuStates {
+    cfg: ModelConfig,
+    slots: Vec<Option<SeqState>>,
+    rope: RopeTable,
+}
+
+impl CpuStates {
+    /// The state in `slot`.
+    pub fn get(&self, slot: u32) -> Result<&SeqState, BackendError> {
+        self.slots
+            .get(slot as usize)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
+    }
+    fn get_mut(&mut self, slot: u32) -> Result<&mut SeqState, BackendError> {
+        self.slots
+            .get_mut(slot as usize)
+            .and_then(Option::as_mut)
+            .ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
+    }
+    /// Replaces the state in `slot` (restore, swap in).
+    pub fn put(&mut self, slot: u32, s: SeqState) -> Result<(), BackendError> {
+        *self.get_mut(slot)? = s;
+        Ok(())
+    }
+}
+
+impl Backend for Cpu {
+    type Matrix = Matrix;
+    type Vector = Vec<f32>;
+    type Tensor = Tensor;
+    type States = CpuStates;
+
+    fn describe(&self) -> String {
+        "cpu".into()
+    }
+
+    fn upload_matrix(&self, m: &Matrix) -> Result<Matrix, BackendError> {
+        Ok(m.clone())
+    }
+
+    fn upload_vector(&self, v: &[f32]) -> Result<Vec<f32>, BackendError> {
+        Ok(v.to_vec())
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<Tensor, BackendError> {
+        Ok(Tensor { data: vec![0.0; rows * cols], rows, cols })
+    }
+
+    fn read_tensor(&self, t: &Tensor, rows: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        out.clear();
+        out.extend_from_slice(&t.data[..rows * t.cols]);
+        Ok(())
+    }
+
+    fn new_states(&self, cfg: &ModelConfig) -> Result<CpuStates, BackendError> {
+        Ok(CpuStates { cfg: cfg.clone(), slots: Vec::new(), rope: RopeTable::new(cfg.rotary_dim(), cfg.rope_theta) })
+    }
+
+    fn alloc_slot(&self, states: &mut CpuStates) -> Result<u32, BackendError> {
+        let s = SeqState::new(&states.cfg);
+        if let Some(i) = states.slots.iter().position(Option::is_none) {
+            states.slots[i] = Some(s);
+            return Ok(i as u32);
+        }
+        states.slots.push(Some(s));
+        Ok(states.slots.len() as u32 - 1)
+    }
+
+    fn free_slot(&self, states: &mut CpuStates, slot: u32) -> Result<(), BackendError> {
+        states.get(slot)?;
+        states.slots[slot as usize] = None;
+        Ok(())
+    }
+
+    fn slot_position(&self, states: &CpuStates, slot: u32) -> Result<usize, BackendError> {
+        Ok(states.get(slot)?.position)
+    }
+
+    fn begin_step(&self, states: &mut CpuStates, batch: &Batch) -> Result<(), BackendError> {
+        batch.validate()?;
+        let max = states.cfg.max_position_embeddings;
+        let width = states.cfg.num_key_value_heads * states.cfg.head_dim;
+        let mut top = 0;
+        for s in &batch.seqs {
+            let st = states.get_mut(s.slot)?;
+            if st.position != s.pos as usize {
+                return Err(BackendError::Slot {
+                    slot: s.slot as usize,
+                    problem: format!("is at position {}, but the step continues it at {}", st.position, s.pos),
+                });
+            }
+            let end = (s.pos + s.len) as usize;
+            if end > max {
+                return Err(BackendError::ContextFull { position: end - 1, max });
+            }
+            for (k, v) in st.keys.iter_mut().zip(st.values.iter_mut()) {
+                k.resize(end * width, 0.0);
+                v.resize(end * width, 0.0);
+            }
+            top = top.max(end);
+        }
+        states.rope.ensure(top);
+        Ok(())
+    }
+
+    fn end_step(&self, states: &mut CpuStates, batch: &Batch) -> Result<(), BackendError> {
+        for s in &batch.seqs {
+            states.get_mut(s.slot)?.position += s.len as usize;
+        }
+        Ok(())
+    }
+
+    fn embed(&self, table: &Matrix, batch: &Batch, x: &mut Tensor) {
+        kernels::embed(table, &batch.ids, &mut x.data);
+    }
+
+    fn rms_norm(&self, x: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
+        for r in 0..rows {
+            let (c, o) = (x.cols, &mut out.data[r * x.cols..(r + 1) * x.cols]);
+            kernels::rms_norm_row(&x.data[r * c..(r + 1) * c], w, eps, o);
+        }
+    }
+
+    fn add_rms_norm(&self, x: &mut Tensor, y: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
+        let c = x.cols;
+        for r in 0..rows {
+            let xr = &mut x.data[r * c..(r + 1) * c];
+            for (a, &b) in xr.iter_mut().zip(y.row(r)) {
+                *a += b;
+            }
+            kernels::rms_norm_row(xr, w, eps, &mut out.data[r * c..(r + 1) * c]);
+        }
+    }
+
+    fn matmul(&self, x: &Tensor, rows: usize, outs: &mut [(&Matrix, &mut Tensor)]) {
+        for (w, y) in outs.iter_mut() {
+            debug_assert_eq!(w.cols, x.cols);
+            let ldy = y.cols;
+            kernels::matmul_rows(w, &x.data, rows, &mut y.data, ldy, 0, w.rows);
+        }
+    }
+
+    fn swiglu(&self, gate: &Tensor, up: &Tensor, rows: usize, out: &mut Tensor) {
+        let n = rows * gate.cols;
+        for ((o, &g), &u) in out.data[..n].iter_mut().zip(&gate.data[..n]).zip(&up.data[..n]) {
+            *o = crate::numerics::silu(g) * u;
+        }
+    }
+
+    fn gated_delta_net(
+        &self,
+        w: &GatedDeltaNetWeights,
+        layer: usize,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        states: &mut CpuStates,
+        qkv: &Tensor,
+        z: &Tensor,
+        b: &Tensor,
+        a: &Tensor,
+        out: &mut Tensor,
+    ) {
+        for s in &batch.seqs {
+            let st = states.get_mut(s.slot).expect("slot checked in begin_step");
+            let (r0, n) = (s.first_row as usize, s.len as usize);
+            let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
+            let out_range = rows(out);
+            let SeqState { conv, recurrent, .. } = st;
+            kernels::gated_delta_net_seq(
+                cfg,
+                w,
+                &mut conv[layer],
+                &mut recurrent[layer],
+                &qkv.data[rows(qkv)],
+                &z.data[rows(z)],
+                &b.data[rows(b)],
+                &a.data[rows(a)],
+                n,
+                &mut out.data[out_range],
+            );
+        }
+    }
+
+    fn gated_attention(
+        &self,
+        w: &AttentionWeights,
+        layer: usize,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        states: &mut CpuStates,
+        q_gate: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        out: &mut Tensor,
+    ) {
+        let CpuStates { slots, rope, .. } = states;
+        for s in &batch.seqs {
+            let st = slots[s.slot as usize].as_mut().expect("slot checked in begin_step");
+            let (r0, n, pos) = (s.first_row as usize, s.len as usize, s.pos as usize);
+            let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
+            kernels::attention_write_kv(cfg, w, rope, pos, n, &k.data[rows(k)], &v.data[rows(v)], &mut st.keys[layer], &mut st.values[layer]);
+            let out_range = rows(out);
+            kernels::attention_seq(cfg, w, rope, pos, n, &q_gate.data[rows(q_gate)], &st.keys[layer], &st.values[layer], &mut out.data[out_range]);
+        }
+    }
+
+    fn gather_rows(&self, x: &Tensor, batch: &Batch, out: &mut Tensor) {
+        let c = x.cols;
+        for (i, &r) in batch.logit_rows.iter().enumerate() {
+            out.data[i * c..(i + 1) * c].copy_from_slice(x.row(r as usize));
+        }
+    }
+}

@@ -1,0 +1,172 @@
+//! The operations a device must provide to run the model, and the description of one step.
+//!
+//! [`crate::model::forward`] is written once against the [`Backend`] trait; the CPU backend
+//! ([`cpu`]) executes each operation at once and is the numerical reference, a device backend
+//! records the same operations into its queue (and, for decode, into a captured graph). Every
+//! operation's arithmetic is fixed by `docs/numerics.md`, so all backends return the same bits.
+//!
+//! Nothing in a step's control flow depends on token values or positions: those are data
+//! ([`Batch`]) that a backend reads from its own memory. That is what lets a device capture a
+//! decode step once and replay it for every token and every session.
+
+pub mod cpu;
+
+use crate::config::ModelConfig;
+use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+
+/// A failure inside a backend (allocation, device errors, a request the state cannot hold).
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("position {position} is beyond max_position_embeddings ({max}) of this model")]
+    ContextFull { position: usize, max: usize },
+    #[error("sequence slot {slot} {problem}")]
+    Slot { slot: usize, problem: String },
+    #[error("batch: {0}")]
+    Batch(String),
+    #[error("{0}")]
+    Device(String),
+}
+
+/// The rows of one sequence inside a step: `len` consecutive rows starting at `first_row`,
+/// holding the tokens at positions `pos .. pos + len` of the sequence whose state lives in
+/// `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqRows {
+    pub slot: u32,
+    pub first_row: u32,
+    pub len: u32,
+    pub pos: u32,
+}
+
+/// One forward step: a chunk of a prompt, a decode token, or several sequences' tokens at once.
+/// The logits of a row do not depend on what else is in the batch.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Batch {
+    /// Token id of each row.
+    pub ids: Vec<u32>,
+    /// The sequences, in row order, covering every row exactly once.
+    pub seqs: Vec<SeqRows>,
+    /// Rows whose logits are wanted, in output order.
+    pub logit_rows: Vec<u32>,
+}
+
+impl Batch {
+    /// `ids` of one sequence in `slot` starting at position `pos`; logits for the last row only,
+    /// or for every row when `all_logits`.
+    pub fn single(slot: u32, pos: u32, ids: &[u32], all_logits: bool) -> Self {
+        let n = ids.len() as u32;
+        Self {
+            ids: ids.to_vec(),
+            seqs: vec![SeqRows { slot, first_row: 0, len: n, pos }],
+            logit_rows: if all_logits { (0..n).collect() } else { vec![n.saturating_sub(1)] },
+        }
+    }
+
+    /// Number of rows (tokens) in the step.
+    pub fn rows(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Checks that `seqs` tile the rows in order and `logit_rows` are in range.
+    pub fn validate(&self) -> Result<(), BackendError> {
+        let mut next = 0u32;
+        for s in &self.seqs {
+            if s.first_row != next || s.len == 0 {
+                return Err(BackendError::Batch(format!("sequence rows {s:?} do not continue at row {next}")));
+            }
+            next += s.len;
+        }
+        if next as usize != self.ids.len() {
+            return Err(BackendError::Batch(format!("sequences cover {next} rows, the batch has {}", self.ids.len())));
+        }
+        if let Some(r) = self.logit_rows.iter().find(|&&r| r as usize >= self.ids.len()) {
+            return Err(BackendError::Batch(format!("logit row {r} out of range")));
+        }
+        Ok(())
+    }
+}
+
+/// A device that runs the model's operations.
+///
+/// Tensors are row-major f32 `[rows, cols]` buffers allocated for a maximum row count; each
+/// operation acts on the first `batch.rows()` rows (or `batch.logit_rows.len()` for the logits
+/// path). Weights are uploaded once ([`Backend::upload_matrix`]); per-sequence state lives in
+/// [`Backend::States`], addressed by slot.
+pub trait Backend {
+    /// A weight matrix resident on the device.
+    type Matrix;
+    /// An f32 vector resident on the device.
+    type Vector;
+    /// An f32 activation buffer.
+    type Tensor;
+    /// The state (conv windows, recurrent states, KV caches) of every sequence slot.
+    type States;
+
+    /// A short description for logs (`cpu (avx512, 2 threads)`).
+    fn describe(&self) -> String;
+    fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix, BackendError>;
+    fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
+    fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor, BackendError>;
+    /// Copies the first `rows·cols` values of a tensor to the host.
+    fn read_tensor(&self, t: &Self::Tensor, rows: usize, out: &mut Vec<f32>) -> Result<(), BackendError>;
+
+    /// Empty state storage for `cfg`.
+    fn new_states(&self, cfg: &ModelConfig) -> Result<Self::States, BackendError>;
+    /// A fresh zero state (position 0) in a new slot.
+    fn alloc_slot(&self, states: &mut Self::States) -> Result<u32, BackendError>;
+    /// Releases a slot and its memory.
+    fn free_slot(&self, states: &mut Self::States, slot: u32) -> Result<(), BackendError>;
+    /// Position (tokens already processed) of a slot.
+    fn slot_position(&self, states: &Self::States, slot: u32) -> Result<usize, BackendError>;
+    /// Makes `batch` runnable: checks every sequence continues its slot at the right position,
+    /// grows KV caches and the RoPE table to hold it, and loads the step description where the
+    /// operations read it. Called before the operations of a step.
+    fn begin_step(&self, states: &mut Self::States, batch: &Batch) -> Result<(), BackendError>;
+    /// Advances every slot of the step by its row count. Called after the operations.
+    fn end_step(&self, states: &mut Self::States, batch: &Batch) -> Result<(), BackendError>;
+
+    /// `x[r] = decode(table[ids[r]])` (spec E1).
+    fn embed(&self, table: &Self::Matrix, batch: &Batch, x: &mut Self::Tensor);
+    /// `out[r] = RMSNorm(x[r]; w)` with `w` the effective scale (numerics §3).
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, rows: usize, out: &mut Self::Tensor);
+    /// `x[r] += y[r]; out[r] = RMSNorm(x[r]; w)`: a residual add fused with the next norm.
+    fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, w: &Self::Vector, eps: f32, rows: usize, out: &mut Self::Tensor);
+    /// `out_i[r] = W_i · x[r]` for every pair, all reading the same input (fused projections).
+    fn matmul(&self, x: &Self::Tensor, rows: usize, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
+    /// `out[r] = silu(gate[r]) ⊙ up[r]` (spec M1).
+    fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, rows: usize, out: &mut Self::Tensor);
+    /// The Gated DeltaNet mixer after its input projections, spec (G2)–(G12): causal conv,
+    /// SiLU, q/k L2 norms, gates, delta rule, gated RMSNorm. `layer` indexes the GDN layers.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_delta_net(
+        &self,
+        w: &GatedDeltaNetWeights<Self::Matrix, Self::Vector>,
+        layer: usize,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        states: &mut Self::States,
+        qkv: &Self::Tensor,
+        z: &Self::Tensor,
+        b: &Self::Tensor,
+        a: &Self::Tensor,
+        out: &mut Self::Tensor,
+    );
+    /// The gated attention mixer after its input projections, spec (A1)–(A7): q/k RMSNorm,
+    /// partial RoPE, KV cache write, causal softmax attention (GQA), sigmoid gate. `layer`
+    /// indexes the full-attention layers.
+    #[allow(clippy::too_many_arguments)]
+    fn gated_attention(
+        &self,
+        w: &AttentionWeights<Self::Matrix, Self::Vector>,
+        layer: usize,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        states: &mut Self::States,
+        q_gate: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        out: &mut Self::Tensor,
+    );
+    /// `out[i] = x[batch.logit_rows[i]]`.
+    fn gather_rows(&self, x: &Self::Tensor, batch: &Batch, out: &mut Self::Tensor);
+}

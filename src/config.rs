@@ -1,0 +1,529 @@
+//! `config.json` and `generation_config.json`: the hyperparameters of a Qwen3.5 text model.
+//!
+//! Field names follow the Hugging Face `Qwen3_5TextConfig` keys
+//! (transformers `models/qwen3_5/configuration_qwen3_5.py`). The loader accepts every variant
+//! seen in the wild (qwen35-spec.md §1 and the fixtures README):
+//! - the text fields nested under `text_config` (`Qwen3_5ForConditionalGeneration`) or flat
+//!   (`Qwen3_5ForCausalLM`);
+//! - `layer_types` spelled out, or only `full_attention_interval`;
+//! - `rope_parameters` (with `rope_type` or mlx-lm's `type`, optional `mrope_section`) or the older
+//!   flat `rope_theta` / `partial_rotary_factor` keys;
+//! - a `quantization` (mlx-lm) or `quantization_config` block with per-module overrides.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+/// A problem with a configuration file. Every variant names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path} is not valid JSON: {source}")]
+    Json { path: PathBuf, source: serde_json::Error },
+    #[error("{path}: missing field `{field}`")]
+    Missing { path: PathBuf, field: String },
+    #[error("{path}: field `{field}` {problem}")]
+    Invalid { path: PathBuf, field: String, problem: String },
+    #[error("{path}: unsupported model_type `{model_type}` (tensorfold runs qwen3_5 / qwen3_5_text models)")]
+    UnsupportedModelType { path: PathBuf, model_type: String },
+    #[error("{path}: unsupported quantization mode `{mode}` (supported: affine, bits 4 or 8)")]
+    UnsupportedQuantization { path: PathBuf, mode: String },
+}
+
+/// The two token mixers of the Qwen3.5 hybrid (HF `layer_types` values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerType {
+    /// Gated DeltaNet (`"linear_attention"`).
+    LinearAttention,
+    /// Gated full attention with a KV cache (`"full_attention"`).
+    FullAttention,
+}
+
+/// MLX affine quantization parameters of one module: `w ≈ scale·q + bias` per group of
+/// `group_size` consecutive input elements, `q` an unsigned `bits`-bit code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QuantParams {
+    pub group_size: usize,
+    pub bits: u32,
+}
+
+/// The config's `quantization` block: a default plus per-module overrides, keyed by the
+/// module path as mlx-lm writes it (e.g. `language_model.model.layers.0.mlp.down_proj`).
+/// An override of `false` means the module is stored unquantized.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct QuantConfig {
+    pub default: Option<QuantParams>,
+    pub overrides: BTreeMap<String, Option<QuantParams>>,
+}
+
+impl QuantConfig {
+    /// The parameters for the module at `path` (a tensor name without `.weight`).
+    pub fn for_module(&self, path: &str) -> Option<QuantParams> {
+        match self.overrides.get(path) {
+            Some(p) => *p,
+            None => self.default,
+        }
+    }
+}
+
+/// Hyperparameters of the text model, with Hugging Face names. Units: counts of elements
+/// unless stated.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    /// The `config.json` this came from, for error messages.
+    pub path: PathBuf,
+    /// D: width of the residual stream.
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    /// I: width of the SwiGLU MLP.
+    pub intermediate_size: usize,
+    /// Hq: query heads of the gated attention layers.
+    pub num_attention_heads: usize,
+    /// Hkv: key/value heads of the gated attention layers (GQA).
+    pub num_key_value_heads: usize,
+    /// Dh: attention head dimension (256 in every released size; not hidden/heads).
+    pub head_dim: usize,
+    /// Hk: Gated DeltaNet query/key heads.
+    pub linear_num_key_heads: usize,
+    /// Hv: Gated DeltaNet value heads (a multiple of Hk).
+    pub linear_num_value_heads: usize,
+    /// dk.
+    pub linear_key_head_dim: usize,
+    /// dv.
+    pub linear_value_head_dim: usize,
+    /// Kc: depthwise causal convolution width.
+    pub linear_conv_kernel_dim: usize,
+    /// V: rows of the embedding and of the logits (padded; larger than the tokenizer's ids).
+    pub vocab_size: usize,
+    pub rms_norm_eps: f32,
+    /// θ of RoPE.
+    pub rope_theta: f64,
+    /// Fraction of `head_dim` that RoPE rotates.
+    pub partial_rotary_factor: f64,
+    /// Upper bound on positions (and so on the KV cache length).
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub layer_types: Vec<LayerType>,
+    /// EOS ids named by config.json (the tokenizer adds those of the other files).
+    pub eos_token_id: Vec<u32>,
+    pub quantization: QuantConfig,
+}
+
+impl ModelConfig {
+    /// Reads `config.json` in `dir`.
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let path = dir.join("config.json");
+        let root = read_json(&path)?;
+        Self::from_json(&path, &root)
+    }
+
+    /// Parses a config already read from `path`.
+    pub fn from_json(path: &Path, root: &Value) -> Result<Self, ConfigError> {
+        let p = || path.to_path_buf();
+        let root = root.as_object().ok_or_else(|| ConfigError::Invalid {
+            path: p(),
+            field: "(root)".into(),
+            problem: "is not a JSON object".into(),
+        })?;
+        let outer_type = root.get("model_type").and_then(Value::as_str);
+        let text: &Map<String, Value> = match root.get("text_config") {
+            Some(Value::Object(t)) => t,
+            Some(_) => {
+                return Err(ConfigError::Invalid {
+                    path: p(),
+                    field: "text_config".into(),
+                    problem: "is not an object".into(),
+                })
+            }
+            None => root,
+        };
+        for mt in [outer_type, text.get("model_type").and_then(Value::as_str)].into_iter().flatten() {
+            if !matches!(mt, "qwen3_5" | "qwen3_5_text") {
+                return Err(ConfigError::UnsupportedModelType { path: p(), model_type: mt.into() });
+            }
+        }
+        // Look a key up in text_config first, then at the top level.
+        let get = |k: &str| text.get(k).or_else(|| root.get(k)).filter(|v| !v.is_null());
+        let usize_field = |k: &str| -> Result<usize, ConfigError> {
+            let v = get(k).ok_or_else(|| ConfigError::Missing { path: p(), field: k.into() })?;
+            match v.as_u64() {
+                Some(n) if n > 0 => Ok(n as usize),
+                _ => Err(ConfigError::Invalid {
+                    path: p(),
+                    field: k.into(),
+                    problem: format!("must be a positive integer, found {v}"),
+                }),
+            }
+        };
+        let usize_or = |k: &str, d: usize| if get(k).is_some() { usize_field(k) } else { Ok(d) };
+        let f64_of = |k: &str, v: &Value| -> Result<f64, ConfigError> {
+            v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ConfigError::Invalid {
+                path: p(),
+                field: k.into(),
+                problem: format!("must be a number, found {v}"),
+            })
+        };
+
+        let hidden_size = usize_field("hidden_size")?;
+        let num_hidden_layers = usize_field("num_hidden_layers")?;
+        let num_attention_heads = usize_field("num_attention_heads")?;
+        let num_key_value_heads = usize_field("num_key_value_heads")?;
+        // P16: head_dim is not hidden/heads for Qwen3.5; never guess it.
+        let head_dim = usize_field("head_dim")?;
+        let linear_num_key_heads = usize_field("linear_num_key_heads")?;
+        let linear_num_value_heads = usize_field("linear_num_value_heads")?;
+        let linear_key_head_dim = usize_field("linear_key_head_dim")?;
+        let linear_value_head_dim = usize_field("linear_value_head_dim")?;
+        let linear_conv_kernel_dim = usize_or("linear_conv_kernel_dim", 4)?;
+        let intermediate_size = usize_field("intermediate_size")?;
+        let vocab_size = usize_field("vocab_size")?;
+        let max_position_embeddings = usize_or("max_position_embeddings", 262_144)?;
+        let rms_norm_eps = match get("rms_norm_eps") {
+            Some(v) => f64_of("rms_norm_eps", v)? as f32,
+            None => 1e-6,
+        };
+        if num_attention_heads % num_key_value_heads != 0 {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "num_attention_heads".into(),
+                problem: format!("({num_attention_heads}) must be a multiple of num_key_value_heads ({num_key_value_heads})"),
+            });
+        }
+        if linear_num_value_heads % linear_num_key_heads != 0 {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "linear_num_value_heads".into(),
+                problem: format!("({linear_num_value_heads}) must be a multiple of linear_num_key_heads ({linear_num_key_heads})"),
+            });
+        }
+        if linear_conv_kernel_dim < 2 {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "linear_conv_kernel_dim".into(),
+                problem: "must be at least 2".into(),
+            });
+        }
+        if let Some(act) = get("hidden_act").and_then(Value::as_str) {
+            if act != "silu" {
+                return Err(ConfigError::Invalid { path: p(), field: "hidden_act".into(), problem: format!("`{act}` is not supported (only silu)") });
+            }
+        }
+        if get("attention_bias").and_then(Value::as_bool) == Some(true) {
+            return Err(ConfigError::Invalid { path: p(), field: "attention_bias".into(), problem: "true is not supported".into() });
+        }
+
+        let layer_types = match get("layer_types") {
+            Some(Value::Array(items)) => {
+                let mut out = Vec::with_capacity(items.len());
+                for (i, it) in items.iter().enumerate() {
+                    out.push(match it.as_str() {
+                        Some("linear_attention") => LayerType::LinearAttention,
+                        Some("full_attention") => LayerType::FullAttention,
+                        _ => {
+                            return Err(ConfigError::Invalid {
+                                path: p(),
+                                field: format!("layer_types[{i}]"),
+                                problem: format!("must be \"linear_attention\" or \"full_attention\", found {it}"),
+                            })
+                        }
+                    });
+                }
+                if out.len() != num_hidden_layers {
+                    return Err(ConfigError::Invalid {
+                        path: p(),
+                        field: "layer_types".into(),
+                        problem: format!("has {} entries but num_hidden_layers is {num_hidden_layers}", out.len()),
+                    });
+                }
+                out
+            }
+            Some(v) => {
+                return Err(ConfigError::Invalid { path: p(), field: "layer_types".into(), problem: format!("must be a list, found {v}") })
+            }
+            None => {
+                // transformers' Qwen3_5TextConfig.__post_init__: full attention every `interval` layers.
+                let interval = usize_or("full_attention_interval", 4)?;
+                (0..num_hidden_layers)
+                    .map(|i| if (i + 1) % interval == 0 { LayerType::FullAttention } else { LayerType::LinearAttention })
+                    .collect()
+            }
+        };
+
+        // RoPE: rope_parameters (current) or flat keys (older configs). The partial factor may
+        // appear in both places; rope_parameters wins.
+        let rope = get("rope_parameters").or_else(|| get("rope_scaling")).and_then(Value::as_object);
+        let rope_get = |k: &str| rope.and_then(|r| r.get(k)).filter(|v| !v.is_null()).or_else(|| get(k));
+        if let Some(kind) = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str) {
+            if kind != "default" {
+                return Err(ConfigError::Invalid {
+                    path: p(),
+                    field: "rope_parameters.rope_type".into(),
+                    problem: format!("`{kind}` is not supported (only default)"),
+                });
+            }
+        }
+        let rope_theta = match rope_get("rope_theta") {
+            Some(v) => f64_of("rope_theta", v)?,
+            None => return Err(ConfigError::Missing { path: p(), field: "rope_parameters.rope_theta".into() }),
+        };
+        let partial_rotary_factor = match rope_get("partial_rotary_factor") {
+            Some(v) => f64_of("partial_rotary_factor", v)?,
+            None => 1.0,
+        };
+        let rotary = head_dim as f64 * partial_rotary_factor;
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) || rotary.fract() != 0.0 || rotary as usize % 2 != 0 {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "partial_rotary_factor".into(),
+                problem: format!("({partial_rotary_factor}) must give an even rotary dimension of head_dim {head_dim}"),
+            });
+        }
+        // `mrope_section` is not read: with text-only positions every section sees the same
+        // position, so mRoPE equals plain partial RoPE over the rotary dimension (spec P29). Small
+        // test configs keep the released [11, 11, 10] even where their rotary dim is smaller.
+
+        let tie_word_embeddings = get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false);
+        let eos_token_id = parse_id_list(get("eos_token_id")).ok_or_else(|| ConfigError::Invalid {
+            path: p(),
+            field: "eos_token_id".into(),
+            problem: "must be an id or a list of ids".into(),
+        })?;
+        let quantization = parse_quantization(path, root)?;
+
+        Ok(Self {
+            path: path.to_path_buf(),
+            hidden_size,
+            num_hidden_layers,
+            intermediate_size,
+            num_attention_heads,
+            num_key_value_heads,
+            head_dim,
+            linear_num_key_heads,
+            linear_num_value_heads,
+            linear_key_head_dim,
+            linear_value_head_dim,
+            linear_conv_kernel_dim,
+            vocab_size,
+            rms_norm_eps,
+            rope_theta,
+            partial_rotary_factor,
+            max_position_embeddings,
+            tie_word_embeddings,
+            layer_types,
+            eos_token_id,
+            quantization,
+        })
+    }
+
+    /// Rotary dimension: `head_dim · partial_rotary_factor` (64 for every released size).
+    pub fn rotary_dim(&self) -> usize {
+        (self.head_dim as f64 * self.partial_rotary_factor) as usize
+    }
+    /// `Hk·dk`: width of the GDN query (and key) block.
+    pub fn key_dim(&self) -> usize {
+        self.linear_num_key_heads * self.linear_key_head_dim
+    }
+    /// `Hv·dv`: width of the GDN value block and of its output.
+    pub fn value_dim(&self) -> usize {
+        self.linear_num_value_heads * self.linear_value_head_dim
+    }
+    /// `2·key_dim + value_dim`: channels of the causal convolution (q | k | v).
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Number of Gated DeltaNet layers.
+    pub fn num_linear_layers(&self) -> usize {
+        self.layer_types.iter().filter(|t| **t == LayerType::LinearAttention).count()
+    }
+    /// Number of full attention layers (the ones with a KV cache).
+    pub fn num_full_layers(&self) -> usize {
+        self.num_hidden_layers - self.num_linear_layers()
+    }
+}
+
+/// Sampling defaults a checkpoint ships in `generation_config.json` (transformers' names).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct GenerationConfig {
+    pub do_sample: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub eos_token_id: Vec<u32>,
+}
+
+impl GenerationConfig {
+    /// Reads `generation_config.json` in `dir`; a missing file gives the empty default.
+    pub fn from_dir(dir: &Path) -> Result<Self, ConfigError> {
+        let path = dir.join("generation_config.json");
+        if !path.exists() {
+            return Ok(Self::default());
+        }
+        let v = read_json(&path)?;
+        let f = |k: &str| v.get(k).and_then(Value::as_f64).map(|x| x as f32);
+        Ok(Self {
+            do_sample: v.get("do_sample").and_then(Value::as_bool),
+            temperature: f("temperature"),
+            top_p: f("top_p"),
+            top_k: v.get("top_k").and_then(Value::as_u64).map(|x| x as usize),
+            min_p: f("min_p"),
+            repetition_penalty: f("repetition_penalty"),
+            eos_token_id: parse_id_list(v.get("eos_token_id")).ok_or_else(|| ConfigError::Invalid {
+                path: path.clone(),
+                field: "eos_token_id".into(),
+                problem: "must be an id or a list of ids".into(),
+            })?,
+        })
+    }
+}
+
+/// Reads and parses a JSON file.
+pub fn read_json(path: &Path) -> Result<Value, ConfigError> {
+    let bytes = std::fs::read(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+    serde_json::from_slice(&bytes).map_err(|source| ConfigError::Json { path: path.to_path_buf(), source })
+}
+
+/// `null`/absent → empty; an integer → one id; a list of integers → those ids.
+fn parse_id_list(v: Option<&Value>) -> Option<Vec<u32>> {
+    match v {
+        None | Some(Value::Null) => Some(Vec::new()),
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]),
+        Some(Value::Array(a)) => a.iter().map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        _ => None,
+    }
+}
+
+fn parse_quantization(path: &Path, root: &Map<String, Value>) -> Result<QuantConfig, ConfigError> {
+    let Some(block) = root.get("quantization").or_else(|| root.get("quantization_config")) else {
+        return Ok(QuantConfig::default());
+    };
+    let Some(block) = block.as_object() else {
+        return Err(ConfigError::Invalid { path: path.into(), field: "quantization".into(), problem: "must be an object".into() });
+    };
+    let params = |field: &str, obj: &Map<String, Value>| -> Result<QuantParams, ConfigError> {
+        if let Some(mode) = obj.get("mode").and_then(Value::as_str) {
+            if mode != "affine" {
+                return Err(ConfigError::UnsupportedQuantization { path: path.into(), mode: mode.into() });
+            }
+        }
+        if let Some(method) = obj.get("quant_method").and_then(Value::as_str) {
+            return Err(ConfigError::UnsupportedQuantization { path: path.into(), mode: method.into() });
+        }
+        let gs = obj.get("group_size").and_then(Value::as_u64);
+        let bits = obj.get("bits").and_then(Value::as_u64);
+        match (gs, bits) {
+            (Some(gs @ (32 | 64 | 128)), Some(b @ (4 | 8))) => Ok(QuantParams { group_size: gs as usize, bits: b as u32 }),
+            (Some(gs), Some(b)) => Err(ConfigError::UnsupportedQuantization {
+                path: path.into(),
+                mode: format!("affine bits {b} group_size {gs} in `{field}` (supported: bits 4|8, group_size 32|64|128)"),
+            }),
+            _ => Err(ConfigError::Invalid { path: path.into(), field: field.into(), problem: "needs integer `group_size` and `bits`".into() }),
+        }
+    };
+    let default = params("quantization", block)?;
+    let mut overrides = BTreeMap::new();
+    for (k, v) in block {
+        match v {
+            Value::Object(o) => {
+                overrides.insert(k.clone(), Some(params(&format!("quantization.{k}"), o)?));
+            }
+            Value::Bool(false) => {
+                overrides.insert(k.clone(), None);
+            }
+            _ => {}
+        }
+    }
+    Ok(QuantConfig { default: Some(default), overrides })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::shared;
+
+    #[test]
+    fn nested_mlx_config() {
+        let c = ModelConfig::from_dir(&shared("fixtures/tiny/mlx-q4")).unwrap();
+        assert_eq!((c.hidden_size, c.num_hidden_layers, c.head_dim, c.rotary_dim()), (256, 4, 64, 16));
+        assert_eq!(c.layer_types[3], LayerType::FullAttention);
+        assert_eq!(c.layer_types[0], LayerType::LinearAttention);
+        assert_eq!(c.conv_dim(), 2 * 2 * 64 + 4 * 64);
+        assert_eq!(c.quantization.default, Some(QuantParams { group_size: 64, bits: 4 }));
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rope_theta, 1e7);
+        assert_eq!(c.eos_token_id, vec![2017]);
+    }
+
+    #[test]
+    fn flat_demo_configs() {
+        for layout in ["hf", "mlx-q4"] {
+            let c = ModelConfig::from_dir(&shared(&format!("models/tensorfold-demo-py28m/{layout}"))).unwrap();
+            assert_eq!((c.hidden_size, c.num_hidden_layers, c.rotary_dim()), (512, 8, 16), "{layout}");
+            assert_eq!(c.num_full_layers(), 2);
+            assert_eq!(c.max_position_embeddings, 32768);
+        }
+    }
+
+    fn parse(v: Value) -> Result<ModelConfig, ConfigError> {
+        ModelConfig::from_json(Path::new("config.json"), &v)
+    }
+
+    fn base() -> Value {
+        serde_json::json!({
+            "model_type": "qwen3_5_text", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 32, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+            "linear_key_head_dim": 32, "linear_value_head_dim": 32, "intermediate_size": 128, "vocab_size": 100,
+            "rope_theta": 10000.0, "partial_rotary_factor": 0.25
+        })
+    }
+
+    #[test]
+    fn full_attention_interval_builds_layer_types() {
+        let mut v = base();
+        v["num_hidden_layers"] = 8.into();
+        v["full_attention_interval"] = 2.into();
+        let c = parse(v).unwrap();
+        let full: Vec<usize> = (0..8).filter(|&i| c.layer_types[i] == LayerType::FullAttention).collect();
+        assert_eq!(full, vec![1, 3, 5, 7]);
+        assert_eq!(c.rotary_dim(), 8);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let mut v = base();
+        v.as_object_mut().unwrap().remove("head_dim");
+        assert!(parse(v).unwrap_err().to_string().contains("missing field `head_dim`"));
+        let mut v = base();
+        v["model_type"] = "llama".into();
+        assert!(parse(v).unwrap_err().to_string().contains("unsupported model_type `llama`"));
+        let mut v = base();
+        v["quantization"] = serde_json::json!({"group_size": 64, "bits": 4, "mode": "mxfp4"});
+        assert!(parse(v).unwrap_err().to_string().contains("unsupported quantization mode `mxfp4`"));
+        let mut v = base();
+        v["quantization"] = serde_json::json!({"group_size": 64, "bits": 3});
+        assert!(parse(v).unwrap_err().to_string().contains("bits 3"));
+        let mut v = base();
+        v["layer_types"] = serde_json::json!(["linear_attention"]);
+        assert!(parse(v).unwrap_err().to_string().contains("has 1 entries but num_hidden_layers is 4"));
+        let mut v = base();
+        v["partial_rotary_factor"] = 0.3.into();
+        assert!(parse(v).unwrap_err().to_string().contains("partial_rotary_factor"));
+    }
+
+    #[test]
+    fn quantization_overrides() {
+        let mut v = base();
+        v["quantization"] = serde_json::json!({
+            "group_size": 64, "bits": 4,
+            "language_model.model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},
+            "language_model.model.layers.1.mlp.down_proj": false
+        });
+        let q = parse(v).unwrap().quantization;
+        assert_eq!(q.for_module("language_model.model.layers.0.mlp.down_proj"), Some(QuantParams { group_size: 32, bits: 8 }));
+        assert_eq!(q.for_module("language_model.model.layers.1.mlp.down_proj"), None);
+        assert_eq!(q.for_module("language_model.model.layers.2.mlp.down_proj"), Some(QuantParams { group_size: 64, bits: 4 }));
+    }
+}

@@ -1,0 +1,197 @@
+//! The Qwen3.5 text model: its weights and its forward pass, written once for every backend.
+//!
+//! [`forward`] reads like qwen35-spec.md §3, top to bottom: embedding, then per layer an RMSNorm,
+//! the token mixer (Gated DeltaNet or gated attention), a residual add, an RMSNorm, the SwiGLU
+//! MLP and a residual add; then the final norm and the LM head. Each line is one [`Backend`]
+//! operation; the arithmetic inside them is fixed by docs/numerics.md.
+
+pub mod rope;
+pub mod weights;
+
+use std::path::Path;
+
+use crate::backend::{Backend, BackendError, Batch};
+use crate::checkpoint::{Checkpoint, CheckpointError};
+use crate::config::{ConfigError, LayerType, ModelConfig};
+use weights::{Loaded, Mixer, Weights, WeightsError};
+
+/// Why a model could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error(transparent)]
+    Weights(#[from] WeightsError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// A checkpoint read from disk and checked against its config (host side, memory-mapped).
+pub struct HostModel {
+    pub config: ModelConfig,
+    pub checkpoint: Checkpoint,
+    pub loaded: Loaded,
+}
+
+impl HostModel {
+    /// Reads `config.json`, maps the safetensors shards and checks every tensor.
+    pub fn open(dir: &Path) -> Result<Self, LoadError> {
+        let config = ModelConfig::from_dir(dir)?;
+        let checkpoint = Checkpoint::open(dir)?;
+        let loaded = weights::load(&checkpoint, &config)?;
+        Ok(Self { config, checkpoint, loaded })
+    }
+}
+
+/// A model resident on a backend.
+pub struct Model<B: Backend> {
+    pub config: ModelConfig,
+    pub backend: B,
+    pub weights: Weights<B::Matrix, B::Vector>,
+    /// For each layer, its index among the layers of its kind (GDN state / KV cache number).
+    kind_index: Vec<usize>,
+}
+
+impl<B: Backend> Model<B> {
+    /// Uploads host weights to `backend`.
+    pub fn new(host: &HostModel, backend: B) -> Result<Self, BackendError> {
+        let weights = host.loaded.weights.map(&mut |m| backend.upload_matrix(m), &mut |v| backend.upload_vector(v))?;
+        let (mut lin, mut full) = (0, 0);
+        let kind_index = host
+            .config
+            .layer_types
+            .iter()
+            .map(|t| {
+                let c = if *t == LayerType::LinearAttention { &mut lin } else { &mut full };
+                *c += 1;
+                *c - 1
+            })
+            .collect();
+        Ok(Self { config: host.config.clone(), backend, weights, kind_index })
+    }
+
+    /// Activation buffers for steps of up to `max_rows` tokens and `max_logit_rows` logits rows.
+    pub fn scratch(&self, max_rows: usize, max_logit_rows: usize) -> Result<Scratch<B>, BackendError> {
+        let c = &self.config;
+        let b = &self.backend;
+        let (d, n) = (c.hidden_size, max_rows);
+        let attn_width = c.num_attention_heads * c.head_dim;
+        Ok(Scratch {
+            max_rows,
+            max_logit_rows,
+            x: b.tensor(n, d)?,
+            u: b.tensor(n, d)?,
+            y: b.tensor(n, d)?,
+            qkv: b.tensor(n, c.conv_dim())?,
+            z: b.tensor(n, c.value_dim())?,
+            beta: b.tensor(n, c.linear_num_value_heads)?,
+            alpha: b.tensor(n, c.linear_num_value_heads)?,
+            gdn_out: b.tensor(n, c.value_dim())?,
+            q_gate: b.tensor(n, 2 * attn_width)?,
+            k: b.tensor(n, c.num_key_value_heads * c.head_dim)?,
+            v: b.tensor(n, c.num_key_value_heads * c.head_dim)?,
+            attn_out: b.tensor(n, attn_width)?,
+            gate: b.tensor(n, c.intermediate_size)?,
+            up: b.tensor(n, c.intermediate_size)?,
+            act: b.tensor(n, c.intermediate_size)?,
+            last: b.tensor(max_logit_rows, d)?,
+            logits: b.tensor(max_logit_rows, c.vocab_size)?,
+        })
+    }
+
+    /// Runs one step: checks and prepares the states, runs [`forward`], advances the states.
+    /// The logits of `batch.logit_rows` are then in `scratch.logits`.
+    pub fn step(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>) -> Result<(), BackendError> {
+        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
+            return Err(BackendError::Batch(format!(
+                "{} rows / {} logits rows exceed the scratch buffers ({} / {})",
+                batch.rows(),
+                batch.logit_rows.len(),
+                scratch.max_rows,
+                scratch.max_logit_rows
+            )));
+        }
+        self.backend.begin_step(states, batch)?;
+        forward(self, batch, states, scratch);
+        self.backend.end_step(states, batch)
+    }
+}
+
+/// Activation buffers of one step (sized for the largest step they serve).
+pub struct Scratch<B: Backend> {
+    pub max_rows: usize,
+    pub max_logit_rows: usize,
+    /// Residual stream `[rows, D]`.
+    pub x: B::Tensor,
+    /// Normalised residual, the input of every projection `[rows, D]`.
+    pub u: B::Tensor,
+    /// Mixer or MLP output before the residual add `[rows, D]`.
+    pub y: B::Tensor,
+    pub qkv: B::Tensor,
+    pub z: B::Tensor,
+    pub beta: B::Tensor,
+    pub alpha: B::Tensor,
+    pub gdn_out: B::Tensor,
+    pub q_gate: B::Tensor,
+    pub k: B::Tensor,
+    pub v: B::Tensor,
+    pub attn_out: B::Tensor,
+    pub gate: B::Tensor,
+    pub up: B::Tensor,
+    pub act: B::Tensor,
+    /// Final-normed rows whose logits are wanted `[logit rows, D]`.
+    pub last: B::Tensor,
+    /// `[logit rows, V]`.
+    pub logits: B::Tensor,
+}
+
+/// The forward pass of qwen35-spec.md §3.1 over the rows of `batch`.
+pub fn forward<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::States, s: &mut Scratch<B>) {
+    let (b, w, cfg) = (&m.backend, &m.weights, &m.config);
+    let (n, eps) = (batch.rows(), cfg.rms_norm_eps);
+
+    // (E1) x = E[token]
+    b.embed(&w.embed_tokens, batch, &mut s.x);
+    // (E2) for layer 0: u = RMSNorm(x; input_layernorm)
+    b.rms_norm(&s.x, &w.layers[0].input_layernorm, eps, n, &mut s.u);
+
+    for (l, layer) in w.layers.iter().enumerate() {
+        // (E3) y = Mixer(u)
+        match &layer.mixer {
+            Mixer::GatedDeltaNet(g) => {
+                // (G1) m = W_qkv·u, z = W_z·u, b = W_b·u, a = W_a·u
+                b.matmul(&s.u, n, &mut [(&g.in_proj_qkv, &mut s.qkv), (&g.in_proj_z, &mut s.z), (&g.in_proj_b, &mut s.beta), (&g.in_proj_a, &mut s.alpha)]);
+                // (G2)–(G12) conv, SiLU, q/k L2 norm, gates, delta rule, gated RMSNorm
+                b.gated_delta_net(g, m.kind_index[l], cfg, batch, states, &s.qkv, &s.z, &s.beta, &s.alpha, &mut s.gdn_out);
+                // (G13) y = W_out · o
+                b.matmul(&s.gdn_out, n, &mut [(&g.out_proj, &mut s.y)]);
+            }
+            Mixer::Attention(a) => {
+                // (A1)/(A2) q|gate, k, v projections
+                b.matmul(&s.u, n, &mut [(&a.q_proj, &mut s.q_gate), (&a.k_proj, &mut s.k), (&a.v_proj, &mut s.v)]);
+                // (A3)–(A7) q/k norm, RoPE, KV cache, causal attention, sigmoid gate
+                b.gated_attention(a, m.kind_index[l], cfg, batch, states, &s.q_gate, &s.k, &s.v, &mut s.attn_out);
+                // (A8) y = W_o · o
+                b.matmul(&s.attn_out, n, &mut [(&a.o_proj, &mut s.y)]);
+            }
+        }
+        // (E3)/(E4) h = x + y; u = RMSNorm(h; post_attention_layernorm)
+        b.add_rms_norm(&mut s.x, &s.y, &layer.post_attention_layernorm, eps, n, &mut s.u);
+        // (M1) y = W_down · (silu(W_gate·u) ⊙ W_up·u)
+        b.matmul(&s.u, n, &mut [(&layer.mlp.gate_proj, &mut s.gate), (&layer.mlp.up_proj, &mut s.up)]);
+        b.swiglu(&s.gate, &s.up, n, &mut s.act);
+        b.matmul(&s.act, n, &mut [(&layer.mlp.down_proj, &mut s.y)]);
+        // (E4) x = h + y; u = RMSNorm(x) with the next layer's input norm, or (E5) the final norm
+        let next_norm = match w.layers.get(l + 1) {
+            Some(next) => &next.input_layernorm,
+            None => &w.norm,
+        };
+        b.add_rms_norm(&mut s.x, &s.y, next_norm, eps, n, &mut s.u);
+    }
+
+    // (E6) logits = W_lm · x̄ for the rows that want them
+    b.gather_rows(&s.u, batch, &mut s.last);
+    b.matmul(&s.last, batch.logit_rows.len(), &mut [(w.lm_head(), &mut s.logits)]);
+}
