@@ -3,7 +3,8 @@
 # "is a difference ours or the reference's?": e.g. on fixtures/tiny/hf, transformers' hf_full is
 # 9.8e-4 (max abs / std) from this float64 recurrence, tensorfold 1.1e-4.
 # Usage: python3 tools/reference_f64.py MODEL_DIR REFERENCE.safetensors   (needs numpy)
-import struct
+import glob, json, struct, sys
+import numpy as np
 def load_file(p):
     f=open(p,'rb'); n=struct.unpack('<Q',f.read(8))[0]; h=json.loads(f.read(n)); data=f.read(); out={}
     for k,v in h.items():
