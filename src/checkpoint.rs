@@ -35,19 +35,34 @@ pub enum CheckpointError {
     Duplicate { name: String, first: PathBuf, second: PathBuf },
 }
 
-/// A byte range of a memory-mapped file, cheap to clone (the map is reference counted and
-/// stays alive while any view does).
+/// A byte range of a memory-mapped file (or of an owned buffer), cheap to clone: the storage
+/// is reference counted and stays alive while any view does.
 #[derive(Clone)]
 pub struct Bytes {
-    map: Arc<Mmap>,
+    store: Store,
     range: Range<usize>,
 }
 
+#[derive(Clone)]
+enum Store {
+    Map(Arc<Mmap>),
+    Owned(Arc<[u8]>),
+}
+
 impl Bytes {
+    /// Bytes held in memory rather than mapped (tests, generated weights).
+    pub fn from_vec(v: Vec<u8>) -> Self {
+        let n = v.len();
+        Self { store: Store::Owned(v.into()), range: 0..n }
+    }
+
     /// The bytes themselves (any alignment).
     #[inline]
     pub fn as_slice(&self) -> &[u8] {
-        &self.map[self.range.clone()]
+        match &self.store {
+            Store::Map(m) => &m[self.range.clone()],
+            Store::Owned(v) => &v[self.range.clone()],
+        }
     }
     pub fn len(&self) -> usize {
         self.range.len()
@@ -174,7 +189,7 @@ impl Checkpoint {
 
     /// Zero-copy view of the bytes of `t`.
     pub fn bytes(&self, t: &TensorEntry) -> Bytes {
-        Bytes { map: self.files[t.file].1.clone(), range: t.range.clone() }
+        Bytes { store: Store::Map(self.files[t.file].1.clone()), range: t.range.clone() }
     }
 
     /// Total bytes of all shards on disk.

@@ -5,21 +5,64 @@
 //! [`kernels`], which is the executable form of docs/numerics.md.
 
 pub mod kernels;
+pub mod pool;
+pub mod simd;
 
 use crate::backend::{Backend, BackendError, Batch};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+use pool::ThreadPool;
+use simd::{Isa, Transposed};
 
-/// The CPU backend.
-#[derive(Clone, Debug, Default)]
-pub struct Cpu {}
+/// The CPU backend: an instruction set for the matrix products and a thread pool.
+#[derive(Debug)]
+pub struct Cpu {
+    isa: Isa,
+    pool: ThreadPool,
+}
 
-impl Cpu {
-    pub fn new() -> Self {
-        Self {}
+impl Default for Cpu {
+    fn default() -> Self {
+        Self::new()
     }
 }
+
+/// Weight bytes one matmul task should cover: large enough that handing out tasks costs
+/// little, small enough that two to sixty-four threads stay balanced.
+const TASK_BYTES: usize = 96 * 1024;
+
+impl Cpu {
+    /// The fastest instruction set this CPU has ([`Isa::detect`]) and one thread per core
+    /// (`TENSORFOLD_THREADS` overrides).
+    pub fn new() -> Self {
+        let threads = std::env::var("TENSORFOLD_THREADS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        Self::with(Isa::detect(), threads)
+    }
+
+    /// A backend with a given instruction set and thread count (tests compare them).
+    pub fn with(isa: Isa, threads: usize) -> Self {
+        Self { isa, pool: ThreadPool::new(threads) }
+    }
+
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+}
+
+/// A raw pointer that tasks on other threads may write through (each task its own outputs).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+// SAFETY: tasks write disjoint elements; the pool joins them before the buffer is used again.
+unsafe impl Send for SendPtr {}
+unsafe impl Sync for SendPtr {}
 
 /// A row-major f32 buffer `[rows, cols]` (capacity; operations use a prefix of the rows).
 #[derive(Clone, Debug)]
@@ -101,7 +144,7 @@ impl Backend for Cpu {
     type States = CpuStates;
 
     fn describe(&self) -> String {
-        "cpu".into()
+        format!("cpu ({}, {} threads)", self.isa.name(), self.threads())
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<Matrix, BackendError> {
@@ -203,11 +246,42 @@ impl Backend for Cpu {
     }
 
     fn matmul(&self, x: &Tensor, rows: usize, outs: &mut [(&Matrix, &mut Tensor)]) {
-        for (w, y) in outs.iter_mut() {
-            debug_assert_eq!(w.cols, x.cols);
-            let ldy = y.cols;
-            kernels::matmul_rows(w, &x.data, rows, &mut y.data, ldy, 0, w.rows);
+        if rows == 0 {
+            return;
         }
+        // The input in lane order, once per element width (fused products share it).
+        let mut xts: Vec<Transposed> = Vec::new();
+        for (w, _) in outs.iter() {
+            debug_assert_eq!(w.cols, x.cols);
+            if !xts.iter().any(|t| t.per_word == w.elems_per_word()) {
+                xts.push(Transposed::new(&x.data, rows, x.cols, w.elems_per_word()));
+            }
+        }
+        // Tasks: runs of output rows of each matrix, about TASK_BYTES of weights each (scaled
+        // down when many tokens share the panel, so prefill splits finer).
+        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        for (i, (w, _)) in outs.iter().enumerate() {
+            let per_task = (TASK_BYTES / w.row_bytes().max(1) / rows.clamp(1, 16)).max(3);
+            let mut n = 0;
+            while n < w.rows {
+                let c = per_task.min(w.rows - n);
+                tasks.push((i, n, c));
+                n += c;
+            }
+        }
+        let ys: Vec<(SendPtr, usize, usize)> = outs.iter_mut().map(|(_, y)| (SendPtr(y.data.as_mut_ptr()), y.cols, y.data.len())).collect();
+        let ws: Vec<&Matrix> = outs.iter().map(|(w, _)| &**w).collect();
+        let isa = self.isa;
+        self.pool.run(tasks.len(), &|k| {
+            let (i, n0, count) = tasks[k];
+            let w = ws[i];
+            let xt = xts.iter().find(|t| t.per_word == w.elems_per_word()).unwrap();
+            let (ptr, ldy, len) = ys[i];
+            debug_assert!(rows * ldy <= len && n0 + count <= ldy);
+            // SAFETY: the buffer holds `rows · ldy` floats; task k writes only columns
+            // n0..n0+count of its output, and tasks of one output cover disjoint columns.
+            unsafe { simd::matmul(isa, w, xt, ptr.0, ldy, n0, count) };
+        });
     }
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor, rows: usize, out: &mut Tensor) {

@@ -1,0 +1,607 @@
+//! Fast CPU paths of the canonical matrix product, chosen at run time (AVX-512, AVX2+FMA, or
+//! the portable loop), all giving the bits of [`super::kernels::dot_decoded`].
+//!
+//! The canonical order (docs/numerics.md §2) gives lane `j mod 32` every stored 32-bit word
+//! `j` of a weight row, `E` elements per word. Here the 32 lanes are two 16-lane halves (one
+//! zmm register each, or two ymm), so a lane's elements are consecutive steps of one vector
+//! lane: the input row is transposed once per product into that order (`xT[c][e][lane]` =
+//! `x[(32c + lane)·E + e]`), and a block of weight rows is decoded into the same order (a
+//! "panel") once and reused for every token. The final fold of the 32 lanes is the halving
+//! tree, done with register halves.
+//!
+//! Lanes past the end of a row (when the row has fewer than a multiple of 32 words) are
+//! untouched by masked FMAs, exactly as the reference never adds to them.
+
+use crate::model::weights::{FloatType, Matrix, MatrixData};
+
+/// An instruction set the CPU kernels can use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Plain Rust, any CPU.
+    Portable,
+    /// AVX2 + FMA (x86-64-v3).
+    Avx2,
+    /// AVX-512 F/BW/VL.
+    Avx512,
+}
+
+impl Isa {
+    /// Instruction sets this CPU supports, slowest first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                v.push(Isa::Avx2);
+            }
+            if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
+                v.push(Isa::Avx512);
+            }
+        }
+        v
+    }
+
+    /// The fastest available, unless `TENSORFOLD_CPU_ISA` (`portable`, `avx2`, `avx512`) asks
+    /// for a slower one.
+    pub fn detect() -> Isa {
+        let avail = Self::available();
+        let best = *avail.last().unwrap();
+        match std::env::var("TENSORFOLD_CPU_ISA").ok().as_deref() {
+            Some("portable") => Isa::Portable,
+            Some("avx2") if avail.contains(&Isa::Avx2) => Isa::Avx2,
+            Some("avx512") if avail.contains(&Isa::Avx512) => Isa::Avx512,
+            _ => best,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Portable => "portable",
+            Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The input rows of a product in lane order, shared by every output row.
+pub struct Transposed {
+    /// Elements per word of the weights this was made for.
+    pub per_word: usize,
+    /// Words per row (`cols / per_word`).
+    pub words: usize,
+    /// 32-word chunks per row (the last may be partial).
+    pub chunks: usize,
+    pub rows: usize,
+    /// `[rows][chunks][per_word][32]`; lanes past the last word are 0.
+    pub data: Vec<f32>,
+}
+
+impl Transposed {
+    /// Transposes `rows` rows of `x` (`[rows, cols]`) for weights with `per_word` elements per word.
+    pub fn new(x: &[f32], rows: usize, cols: usize, per_word: usize) -> Self {
+        let words = cols / per_word;
+        let chunks = words.div_ceil(32);
+        let stride = chunks * per_word * 32;
+        let mut data = vec![0.0f32; rows * stride];
+        for t in 0..rows {
+            let xr = &x[t * cols..(t + 1) * cols];
+            let dst = &mut data[t * stride..(t + 1) * stride];
+            for j in 0..words {
+                let (c, lane) = (j / 32, j % 32);
+                for e in 0..per_word {
+                    dst[(c * per_word + e) * 32 + lane] = xr[j * per_word + e];
+                }
+            }
+        }
+        Self { per_word, words, chunks, rows, data }
+    }
+
+    fn row(&self, t: usize) -> &[f32] {
+        let stride = self.chunks * self.per_word * 32;
+        &self.data[t * stride..(t + 1) * stride]
+    }
+}
+
+/// `y[t][n] = W[n] · x[t]` for `n in n0 .. n0 + count`, `t < xt.rows`, with the given ISA.
+/// `y` points at a `[rows, ldy]` buffer. Every ISA gives the bits of the portable reference.
+///
+/// # Safety
+/// `y` must be valid for writes of `xt.rows · ldy` floats, `n0 + count ≤ min(ldy, w.rows)`, and
+/// no other thread may access elements `(t, n0..n0+count)` meanwhile (other columns may be
+/// written concurrently: that is how the pool splits a product).
+pub unsafe fn matmul(isa: Isa, w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+    debug_assert_eq!(xt.per_word, w.elems_per_word());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512` is only produced when the CPU reports these features.
+        Isa::Avx512 => unsafe { x86::matmul_avx512(w, xt, y, ldy, n0, count) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above for AVX2, FMA and F16C.
+        Isa::Avx2 => unsafe { x86::matmul_avx2(w, xt, y, ldy, n0, count) },
+        _ => matmul_portable(w, xt, y, ldy, n0, count),
+    }
+}
+
+/// Decodes row `n` of `w` into lane order: `panel[(c·E + e)·32 + lane]` = weight element
+/// `(32c + lane)·E + e` (0 past the last word).
+pub fn decode_panel_row(w: &Matrix, n: usize, panel: &mut [f32]) {
+    let per_word = w.elems_per_word();
+    let mut row = vec![0.0f32; w.cols];
+    w.decode_row(n, &mut row);
+    panel.fill(0.0);
+    for j in 0..w.cols / per_word {
+        let (c, lane) = (j / 32, j % 32);
+        for e in 0..per_word {
+            panel[(c * per_word + e) * 32 + lane] = row[j * per_word + e];
+        }
+    }
+}
+
+/// The reference loop over the transposed layout (the same arithmetic as
+/// [`super::kernels::dot_decoded`], in the layout the SIMD paths use).
+unsafe fn matmul_portable(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+    let e_n = xt.per_word;
+    let mut panel = vec![0.0f32; xt.chunks * e_n * 32];
+    for n in n0..n0 + count {
+        decode_panel_row(w, n, &mut panel);
+        for t in 0..xt.rows {
+            let x = xt.row(t);
+            let mut p = [0.0f32; 32];
+            for c in 0..xt.chunks {
+                let lanes = (xt.words - c * 32).min(32);
+                for e in 0..e_n {
+                    let base = (c * e_n + e) * 32;
+                    for (l, acc) in p.iter_mut().enumerate().take(lanes) {
+                        *acc = crate::numerics::fma(panel[base + l], x[base + l], *acc);
+                    }
+                }
+            }
+            *y.add(t * ldy + n) = crate::numerics::fold_lanes(p);
+        }
+    }
+}
+
+/// Reads 16-bit float `i` of a byte slice as f32 bits-exactly (scales and biases).
+#[inline(always)]
+fn scale_at(ft: FloatType, b: &[u8], i: usize) -> f32 {
+    ft.get(b, i)
+}
+
+/// Per-row accessors the SIMD paths share: byte slices of one row's codes, scales, biases.
+struct RowBytes<'a> {
+    words: &'a [u8],
+    scales: &'a [u8],
+    biases: &'a [u8],
+}
+
+fn row_bytes(w: &Matrix, n: usize) -> RowBytes<'_> {
+    match &w.data {
+        MatrixData::Float { dtype, data } => {
+            let rb = w.cols * dtype.size();
+            RowBytes { words: &data.as_slice()[n * rb..(n + 1) * rb], scales: &[], biases: &[] }
+        }
+        MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } => {
+            let wb = w.cols * *bits as usize / 8;
+            let sb = w.cols / group_size * scale_dtype.size();
+            RowBytes {
+                words: &weight.as_slice()[n * wb..(n + 1) * wb],
+                scales: &scales.as_slice()[n * sb..(n + 1) * sb],
+                biases: &biases.as_slice()[n * sb..(n + 1) * sb],
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    //! The x86-64 paths. One generic kernel, instantiated for a 16-lane vector made of one
+    //! zmm (AVX-512) or two ymm (AVX2) registers.
+
+    use super::{row_bytes, scale_at, Transposed};
+    use crate::model::weights::{FloatType, Matrix, MatrixData};
+    use std::arch::x86_64::*;
+
+    /// 16 f32 lanes and the operations the kernel needs. Every method is `#[inline(always)]`
+    /// and only called from functions compiled with the matching target features.
+    pub(super) trait V16: Copy {
+        unsafe fn zero() -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(self, p: *mut f32);
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+        /// `fma(a, b, c)` in lanes `< n`, `c` elsewhere.
+        unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self;
+        /// 16 u32 words from unaligned bytes (`n` of them; missing ones are 0), converted per
+        /// lane by `field`: `((w >> shift) & mask) as f32`.
+        unsafe fn words(p: *const u8, n: usize) -> [u32; 16];
+        unsafe fn field(w: &[u32; 16], shift: u32, mask: u32) -> Self;
+        /// bf16 in the low (`hi == false`) or high half of each word, widened.
+        unsafe fn bf16(w: &[u32; 16], hi: bool) -> Self;
+        /// f16 in the low or high half of each word, widened.
+        unsafe fn f16(w: &[u32; 16], hi: bool) -> Self;
+        unsafe fn bits(w: &[u32; 16]) -> Self;
+        unsafe fn from_array(a: &[f32; 16]) -> Self;
+        /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
+        unsafe fn fold(a: Self, b: Self) -> f32;
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Z(__m512);
+
+    impl V16 for Z {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Z(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Z(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Z(_mm512_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self {
+            let m: __mmask16 = if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
+            Z(_mm512_mask3_fmadd_ps(a.0, b.0, c.0, m))
+        }
+        #[inline(always)]
+        unsafe fn words(p: *const u8, n: usize) -> [u32; 16] {
+            let m: __mmask16 = if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
+            std::mem::transmute(_mm512_maskz_loadu_epi32(m, p as *const i32))
+        }
+        #[inline(always)]
+        unsafe fn field(w: &[u32; 16], shift: u32, mask: u32) -> Self {
+            let v = _mm512_loadu_si512(w.as_ptr() as *const _);
+            let q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)), _mm512_set1_epi32(mask as i32));
+            Z(_mm512_cvtepi32_ps(q))
+        }
+        #[inline(always)]
+        unsafe fn bf16(w: &[u32; 16], hi: bool) -> Self {
+            let v = _mm512_loadu_si512(w.as_ptr() as *const _);
+            let r = if hi { _mm512_and_si512(v, _mm512_set1_epi32(0xffff0000u32 as i32)) } else { _mm512_slli_epi32(v, 16) };
+            Z(_mm512_castsi512_ps(r))
+        }
+        #[inline(always)]
+        unsafe fn f16(w: &[u32; 16], hi: bool) -> Self {
+            let v = _mm512_loadu_si512(w.as_ptr() as *const _);
+            let h = if hi { _mm512_srli_epi32(v, 16) } else { _mm512_and_si512(v, _mm512_set1_epi32(0xffff)) };
+            Z(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)))
+        }
+        #[inline(always)]
+        unsafe fn bits(w: &[u32; 16]) -> Self {
+            Z(_mm512_castsi512_ps(_mm512_loadu_si512(w.as_ptr() as *const _)))
+        }
+        #[inline(always)]
+        unsafe fn from_array(a: &[f32; 16]) -> Self {
+            Z(_mm512_loadu_ps(a.as_ptr()))
+        }
+        #[inline(always)]
+        unsafe fn fold(a: Self, b: Self) -> f32 {
+            let s16 = _mm512_add_ps(a.0, b.0); // p[i] += p[i+16]
+            let s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps::<1>(s16));
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+            _mm_cvtss_f32(s1)
+        }
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Y2(__m256, __m256);
+
+    #[inline(always)]
+    unsafe fn mask8(n: usize) -> __m256i {
+        let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), iota)
+    }
+
+    impl V16 for Y2 {
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Y2(_mm256_setzero_ps(), _mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0);
+            _mm256_storeu_ps(p.add(8), self.1);
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1))
+        }
+        #[inline(always)]
+        unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self {
+            let r = Self::fma(a, b, c);
+            let m0 = _mm256_castsi256_ps(mask8(n.min(8)));
+            let m1 = _mm256_castsi256_ps(mask8(n.saturating_sub(8)));
+            Y2(_mm256_blendv_ps(c.0, r.0, m0), _mm256_blendv_ps(c.1, r.1, m1))
+        }
+        #[inline(always)]
+        unsafe fn words(p: *const u8, n: usize) -> [u32; 16] {
+            let mut out = [0u32; 16];
+            if n >= 16 {
+                std::ptr::copy_nonoverlapping(p, out.as_mut_ptr() as *mut u8, 64);
+            } else {
+                std::ptr::copy_nonoverlapping(p, out.as_mut_ptr() as *mut u8, 4 * n);
+            }
+            out
+        }
+        #[inline(always)]
+        unsafe fn field(w: &[u32; 16], shift: u32, mask: u32) -> Self {
+            let s = _mm_cvtsi32_si128(shift as i32);
+            let m = _mm256_set1_epi32(mask as i32);
+            let a = _mm256_loadu_si256(w.as_ptr() as *const _);
+            let b = _mm256_loadu_si256(w.as_ptr().add(8) as *const _);
+            Y2(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(a, s), m)), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(b, s), m)))
+        }
+        #[inline(always)]
+        unsafe fn bf16(w: &[u32; 16], hi: bool) -> Self {
+            let a = _mm256_loadu_si256(w.as_ptr() as *const _);
+            let b = _mm256_loadu_si256(w.as_ptr().add(8) as *const _);
+            let f = |v: __m256i| if hi { _mm256_and_si256(v, _mm256_set1_epi32(0xffff0000u32 as i32)) } else { _mm256_slli_epi32(v, 16) };
+            Y2(_mm256_castsi256_ps(f(a)), _mm256_castsi256_ps(f(b)))
+        }
+        #[inline(always)]
+        unsafe fn f16(w: &[u32; 16], hi: bool) -> Self {
+            let mut h = [0u16; 16];
+            for i in 0..16 {
+                h[i] = if hi { (w[i] >> 16) as u16 } else { w[i] as u16 };
+            }
+            let a = _mm_loadu_si128(h.as_ptr() as *const _);
+            let b = _mm_loadu_si128(h.as_ptr().add(8) as *const _);
+            Y2(_mm256_cvtph_ps(a), _mm256_cvtph_ps(b))
+        }
+        #[inline(always)]
+        unsafe fn bits(w: &[u32; 16]) -> Self {
+            Y2(_mm256_loadu_ps(w.as_ptr() as *const f32), _mm256_loadu_ps(w.as_ptr().add(8) as *const f32))
+        }
+        #[inline(always)]
+        unsafe fn from_array(a: &[f32; 16]) -> Self {
+            Self::load(a.as_ptr())
+        }
+        #[inline(always)]
+        unsafe fn fold(a: Self, b: Self) -> f32 {
+            // Lanes 0..8 | 8..16 | 16..24 | 24..32 = a.0 | a.1 | b.0 | b.1.
+            let s16_lo = _mm256_add_ps(a.0, b.0); // p[i] += p[i+16], i < 8
+            let s16_hi = _mm256_add_ps(a.1, b.1); // i in 8..16
+            let s8 = _mm256_add_ps(s16_lo, s16_hi); // p[i] += p[i+8]
+            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+            _mm_cvtss_f32(s1)
+        }
+    }
+
+    /// Decodes 16 lanes (half `h` of chunk `c`) of a row into `out[e]`, `e < E`.
+    #[inline(always)]
+    unsafe fn decode16<V: V16>(w: &Matrix, rb: &super::RowBytes<'_>, c: usize, h: usize, lanes: usize, out: &mut [V; 8]) {
+        let first_word = c * 32 + h * 16;
+        let p = rb.words.as_ptr().add(first_word * 4);
+        let words = V::words(p, lanes);
+        match &w.data {
+            MatrixData::Affine { bits, group_size, scale_dtype, .. } => {
+                let per_word = (32 / bits) as usize;
+                let mut s = [0.0f32; 16];
+                let mut b = [0.0f32; 16];
+                let mut last_g = usize::MAX;
+                let (mut sv, mut bv) = (0.0, 0.0);
+                for l in 0..lanes {
+                    let g = (first_word + l) * per_word / group_size;
+                    if g != last_g {
+                        sv = scale_at(*scale_dtype, rb.scales, g);
+                        bv = scale_at(*scale_dtype, rb.biases, g);
+                        last_g = g;
+                    }
+                    s[l] = sv;
+                    b[l] = bv;
+                }
+                let (s, b) = (V::from_array(&s), V::from_array(&b));
+                let mask = (1u32 << bits) - 1;
+                for (e, o) in out.iter_mut().enumerate().take(per_word) {
+                    *o = V::fma(s, V::field(&words, bits * e as u32, mask), b);
+                }
+            }
+            MatrixData::Float { dtype: FloatType::BF16, .. } => {
+                out[0] = V::bf16(&words, false);
+                out[1] = V::bf16(&words, true);
+            }
+            MatrixData::Float { dtype: FloatType::F16, .. } => {
+                out[0] = V::f16(&words, false);
+                out[1] = V::f16(&words, true);
+            }
+            MatrixData::Float { dtype: FloatType::F32, .. } => {
+                out[0] = V::bits(&words);
+            }
+        }
+    }
+
+    /// The kernel: blocks of `NR` weight rows decoded into a panel once, then `MR` tokens at a
+    /// time, each output with a 32-lane accumulator (two `V16`).
+    #[inline(always)]
+    unsafe fn matmul_generic<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+        let e_n = xt.per_word;
+        let plen = xt.chunks * e_n * 32;
+        let mut panel = vec![0.0f32; NR * plen];
+        let mut dec = [V::zero(); 8];
+        let xstride = plen;
+        let mut n = n0;
+        while n < n0 + count {
+            let nr = NR.min(n0 + count - n);
+            // Decode the panel of rows n .. n + nr.
+            for r in 0..nr {
+                let rb = row_bytes(w, n + r);
+                let pr = panel.as_mut_ptr().add(r * plen);
+                for c in 0..xt.chunks {
+                    let words = (xt.words - c * 32).min(32);
+                    for h in 0..2 {
+                        let lanes = words.saturating_sub(16 * h).min(16);
+                        if lanes == 0 {
+                            continue;
+                        }
+                        decode16::<V>(w, &rb, c, h, lanes, &mut dec);
+                        for (e, d) in dec.iter().enumerate().take(e_n) {
+                            d.store(pr.add((c * e_n + e) * 32 + 16 * h));
+                        }
+                    }
+                }
+            }
+            // Every token against the panel.
+            let mut t = 0;
+            while t < xt.rows {
+                let mr = MR.min(xt.rows - t);
+                let mut acc = [[[V::zero(); 2]; NR]; MR];
+                for c in 0..xt.chunks {
+                    let words = (xt.words - c * 32).min(32);
+                    let full = words == 32;
+                    for e in 0..e_n {
+                        let off = (c * e_n + e) * 32;
+                        for h in 0..2 {
+                            let lanes = words.saturating_sub(16 * h).min(16);
+                            if lanes == 0 {
+                                continue;
+                            }
+                            let mut xv = [V::zero(); MR];
+                            for (i, xvi) in xv.iter_mut().enumerate().take(mr) {
+                                *xvi = V::load(xt.data.as_ptr().add((t + i) * xstride + off + 16 * h));
+                            }
+                            for r in 0..nr {
+                                let wv = V::load(panel.as_ptr().add(r * plen + off + 16 * h));
+                                for i in 0..mr {
+                                    acc[i][r][h] = if full { V::fma(wv, xv[i], acc[i][r][h]) } else { V::fma_first(wv, xv[i], acc[i][r][h], lanes) };
+                                }
+                            }
+                        }
+                    }
+                }
+                for i in 0..mr {
+                    for r in 0..nr {
+                        *y.add((t + i) * ldy + n + r) = V::fold(acc[i][r][0], acc[i][r][1]);
+                    }
+                }
+                t += mr;
+            }
+            n += nr;
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")]
+    pub(super) unsafe fn matmul_avx512(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+        matmul_generic::<Z, 4, 3>(w, xt, y, ldy, n0, count)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn matmul_avx2(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+        matmul_generic::<Y2, 2, 1>(w, xt, y, ldy, n0, count)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::kernels::dot_decoded;
+    use crate::checkpoint::Bytes;
+
+    /// A small deterministic generator for test data.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = self.0;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        }
+        fn f(&mut self) -> f32 {
+            (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        }
+        fn bytes(&mut self, n: usize) -> Vec<u8> {
+            (0..n).map(|_| self.next() as u8).collect()
+        }
+        fn floats(&mut self, n: usize, ft: FloatType) -> Vec<u8> {
+            let mut out = Vec::new();
+            for _ in 0..n {
+                let v = self.f() * 0.1;
+                match ft {
+                    FloatType::F32 => out.extend_from_slice(&v.to_le_bytes()),
+                    FloatType::BF16 => out.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes()),
+                    FloatType::F16 => out.extend_from_slice(&half::f16::from_f32(v).to_bits().to_le_bytes()),
+                }
+            }
+            out
+        }
+    }
+
+    fn matrices(rng: &mut Rng, rows: usize, cols: usize) -> Vec<Matrix> {
+        let mut v = Vec::new();
+        for (bits, gs) in [(4u32, 32usize), (4, 64), (4, 128), (8, 32), (8, 64)] {
+            if cols % gs != 0 {
+                continue;
+            }
+            let groups = cols / gs;
+            // Misaligned views (offset 3) like MLX files.
+            let mut wb = vec![0u8; 3];
+            wb.extend(rng.bytes(rows * cols * bits as usize / 8));
+            let mut sb = vec![0u8; 1];
+            sb.extend(rng.floats(rows * groups, FloatType::BF16));
+            let bb = rng.floats(rows * groups, FloatType::F16);
+            let _ = bb;
+            let bb = rng.floats(rows * groups, FloatType::BF16);
+            let slice = |mut b: Vec<u8>, skip: usize| {
+                b.drain(..skip);
+                Bytes::from_vec(b)
+            };
+            v.push(Matrix {
+                name: format!("affine{bits}g{gs}"),
+                rows,
+                cols,
+                data: MatrixData::Affine { bits, group_size: gs, weight: slice(wb, 3), scales: slice(sb, 1), biases: Bytes::from_vec(bb), scale_dtype: FloatType::BF16 },
+            });
+        }
+        for ft in [FloatType::BF16, FloatType::F16, FloatType::F32] {
+            v.push(Matrix { name: format!("{ft:?}"), rows, cols, data: MatrixData::Float { dtype: ft, data: Bytes::from_vec(rng.floats(rows * cols, ft)) } });
+        }
+        v
+    }
+
+    #[test]
+    fn every_isa_gives_the_reference_bits() {
+        let mut rng = Rng(7);
+        for &(rows, cols) in &[(7usize, 64usize), (5, 256), (9, 320), (4, 1280), (3, 2048 + 256 + 64)] {
+            for w in matrices(&mut rng, rows, cols) {
+                for tokens in [1usize, 2, 5, 9] {
+                    let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f()).collect();
+                    // The reference: decode the row, canonical dot.
+                    let mut want = vec![0.0f32; tokens * rows];
+                    let mut row = vec![0.0f32; cols];
+                    for n in 0..rows {
+                        w.decode_row(n, &mut row);
+                        for t in 0..tokens {
+                            want[t * rows + n] = dot_decoded(w.elems_per_word(), &row, &x[t * cols..(t + 1) * cols]);
+                        }
+                    }
+                    let xt = Transposed::new(&x, tokens, cols, w.elems_per_word());
+                    for isa in Isa::available() {
+                        let mut got = vec![f32::NAN; tokens * rows];
+                        // Two calls over halves of the rows, as the pool splits them.
+                        let h = rows / 2;
+                        unsafe {
+                            matmul(isa, &w, &xt, got.as_mut_ptr(), rows, 0, h);
+                            matmul(isa, &w, &xt, got.as_mut_ptr(), rows, h, rows - h);
+                        }
+                        let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{} {isa:?} rows {rows} cols {cols} tokens {tokens}", w.name);
+                    }
+                }
+            }
+        }
+    }
+}
