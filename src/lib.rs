@@ -8,5 +8,6 @@ pub mod checkpoint;
 pub mod config;
 pub mod model;
 pub mod numerics;
+pub mod sampling;
 #[doc(hidden)]
 pub mod testutil;
