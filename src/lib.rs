@@ -6,6 +6,7 @@
 pub mod backend;
 pub mod checkpoint;
 pub mod config;
+pub mod engine;
 pub mod model;
 pub mod numerics;
 pub mod sampling;

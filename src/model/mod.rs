@@ -5,6 +5,7 @@
 //! MLP and a residual add; then the final norm and the LM head. Each line is one [`Backend`]
 //! operation; the arithmetic inside them is fixed by docs/numerics.md.
 
+pub mod cost;
 pub mod rope;
 pub mod weights;
 

@@ -7,6 +7,7 @@
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+use super::simd::{self, Isa};
 use crate::numerics::{dot_f32, exp, fma, fold_lanes, rsqrt, sigmoid, silu, softplus, sum_squares, LANES};
 
 /// Positions per attention tile: scores are reduced per tile, and tiles are combined in
@@ -37,20 +38,6 @@ pub fn dot_decoded(per_word: usize, w: &[f32], x: &[f32]) -> f32 {
     fold_lanes(p)
 }
 
-/// `y[t][n] = W[n] · x[t]` for `t < rows`: `x` is `[rows, W.cols]`, `y` is `[rows, ldy]` and
-/// columns `n0 .. n0 + count` of it are written (a thread's share of the outputs).
-pub fn matmul_rows(w: &Matrix, x: &[f32], rows: usize, y: &mut [f32], ldy: usize, n0: usize, count: usize) {
-    let k = w.cols;
-    let per_word = w.elems_per_word();
-    let mut wrow = vec![0.0f32; k];
-    for n in n0..n0 + count {
-        w.decode_row(n, &mut wrow);
-        for t in 0..rows {
-            y[t * ldy + n] = dot_decoded(per_word, &wrow, &x[t * k..(t + 1) * k]);
-        }
-    }
-}
-
 /// RMSNorm of one row (numerics §3): `ss` = canonical sum of squares,
 /// `inv = 1 / sqrt(ss / n + eps)`, `out[i] = (x[i] · inv) · w[i]`.
 #[inline]
@@ -69,90 +56,108 @@ pub fn embed(table: &Matrix, ids: &[u32], x: &mut [f32]) {
     }
 }
 
-/// One sequence's rows through the Gated DeltaNet mixer, spec (G2)–(G12), numerics §4.
-///
-/// `qkv` `[T, conv_dim]`, `z` `[T, value_dim]`, `b`, `a` `[T, Hv]` are the projections of this
-/// sequence's `T` rows; `conv` is the `[Kc−1, conv_dim]` window (oldest row first) and
-/// `state` the `[Hv, dv, dk]` recurrent state (row `j` of head `h` is `S_h[:, j]`), both
-/// updated in place; `out` `[T, value_dim]` receives the gated-norm outputs.
+/// Causal depthwise conv + SiLU (spec G2/G3, numerics §4 step 1) of channels `ch0..ch1` for
+/// `t_len` consecutive tokens of one sequence. `qkv` is `[T, conv_dim]`, `conv` the
+/// `[Kc−1, conv_dim]` window (oldest row first, updated), `y` `[T, conv_dim]` receives
+/// `silu(conv)`. Channels are independent, so callers may split them across threads.
 #[allow(clippy::too_many_arguments)]
-pub fn gated_delta_net_seq(
+pub fn gdn_conv(cfg: &ModelConfig, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+    let (kc, cd) = (cfg.linear_conv_kernel_dim, cfg.conv_dim());
+    let mut window = vec![0.0f32; kc];
+    for ch in ch0..ch1 {
+        let tap = &taps[ch * kc..(ch + 1) * kc];
+        for j in 0..kc - 1 {
+            window[j] = conv[j * cd + ch];
+        }
+        for t in 0..t_len {
+            window[kc - 1] = qkv[t * cd + ch];
+            let mut acc = 0.0f32;
+            for j in 0..kc {
+                acc = fma(tap[j], window[j], acc);
+            }
+            y[t * cd + ch] = silu(acc);
+            window.copy_within(1.., 0);
+        }
+        for j in 0..kc - 1 {
+            conv[j * cd + ch] = window[j];
+        }
+    }
+}
+
+/// q/k L2 normalisation of one token (spec G5, numerics §4 step 2): `y` is the token's
+/// `silu(conv)` row; writes `qn`, `kn` (`[Hk·dk]` each), q also scaled by `dk^−1/2`.
+pub fn gdn_qk_norm(cfg: &ModelConfig, y: &[f32], qn: &mut [f32], kn: &mut [f32]) {
+    let (hk, dk, key_dim) = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.key_dim());
+    let q_scale = rsqrt(dk as f32);
+    for i in 0..hk {
+        let q = &y[i * dk..(i + 1) * dk];
+        let inv = rsqrt(sum_squares(q) + L2_NORM_EPS);
+        for e in 0..dk {
+            qn[i * dk + e] = (q[e] * inv) * q_scale;
+        }
+        let k = &y[key_dim + i * dk..key_dim + (i + 1) * dk];
+        let inv = rsqrt(sum_squares(k) + L2_NORM_EPS);
+        for e in 0..dk {
+            kn[i * dk + e] = k[e] * inv;
+        }
+    }
+}
+
+/// The delta rule of one value head over its `dv` state rows (numerics §4 step 4), the
+/// scalar reference: `S = S·α; mem = dot(S, k); δ = (v − mem)·β; S = fma(k, δ, S);
+/// o = dot(S, q)` per row. `s` is `[dv, dk]`.
+pub fn gdn_rows_ref(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+    let dk = k.len();
+    for (j, oj) in o.iter_mut().enumerate() {
+        let row = &mut s[j * dk..(j + 1) * dk];
+        for x in row.iter_mut() {
+            *x *= alpha;
+        }
+        let mem = dot_f32(row, k);
+        let delta = (v[j] - mem) * beta;
+        for (x, &kv) in row.iter_mut().zip(k) {
+            *x = fma(kv, delta, *x);
+        }
+        *oj = dot_f32(row, q);
+    }
+}
+
+/// Value head `h` of one sequence for `t_len` tokens (spec G6–G12, numerics §4 steps 3–5):
+/// gates, delta rule on `state_h` (`[dv, dk]`, updated), gated RMSNorm with `z`. `y` holds the
+/// `silu(conv)` rows `[T, conv_dim]` (values at `2·key_dim + h·dv`), `qn`/`kn` the normalised
+/// q/k `[T, key_dim]`; writes `out[t][h·dv ..]` of `[T, value_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_head(
+    isa: Isa,
     cfg: &ModelConfig,
     w: &GatedDeltaNetWeights,
-    conv: &mut [f32],
-    state: &mut [f32],
-    qkv: &[f32],
+    h: usize,
+    state_h: &mut [f32],
+    y: &[f32],
+    qn: &[f32],
+    kn: &[f32],
     z: &[f32],
     b: &[f32],
     a: &[f32],
     t_len: usize,
     out: &mut [f32],
 ) {
-    let (hk, hv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
-    let (dk, dv, kc) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim);
+    let (hk, hv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let (key_dim, value_dim, cd) = (cfg.key_dim(), cfg.value_dim(), cfg.conv_dim());
-    let group = hv / hk;
-    let q_scale = rsqrt(dk as f32);
-    let mut y = vec![0.0f32; cd];
-    let mut qn = vec![0.0f32; key_dim];
-    let mut kn = vec![0.0f32; key_dim];
+    let kappa = h / (hv / hk);
     let mut o = vec![0.0f32; dv];
     for t in 0..t_len {
-        let m = &qkv[t * cd..(t + 1) * cd];
-        // (G2)/(G3) depthwise causal conv over [window; m], then SiLU; the window shifts by one.
-        for ch in 0..cd {
-            let taps = &w.conv1d[ch * kc..(ch + 1) * kc];
-            let mut acc = 0.0f32;
-            for j in 0..kc - 1 {
-                acc = fma(taps[j], conv[j * cd + ch], acc);
-            }
-            acc = fma(taps[kc - 1], m[ch], acc);
-            y[ch] = silu(acc);
-        }
-        conv.copy_within(cd.., 0);
-        conv[(kc - 2) * cd..].copy_from_slice(m);
-        // (G5) L2-normalise each q and k head; q also scaled by dk^-1/2.
-        for i in 0..hk {
-            let q = &y[i * dk..(i + 1) * dk];
-            let inv = rsqrt(sum_squares(q) + L2_NORM_EPS);
-            for e in 0..dk {
-                qn[i * dk + e] = (q[e] * inv) * q_scale;
-            }
-            let k = &y[key_dim + i * dk..key_dim + (i + 1) * dk];
-            let inv = rsqrt(sum_squares(k) + L2_NORM_EPS);
-            for e in 0..dk {
-                kn[i * dk + e] = k[e] * inv;
-            }
-        }
-        for h in 0..hv {
-            // (G6) gates.
-            let beta = sigmoid(b[t * hv + h]);
-            let alpha = exp(w.a[h] * softplus(a[t * hv + h] + w.dt_bias[h]));
-            let kappa = h / group;
-            let kh = &kn[kappa * dk..(kappa + 1) * dk];
-            let qh = &qn[kappa * dk..(kappa + 1) * dk];
-            let v = &y[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
-            let s_h = &mut state[h * dv * dk..(h + 1) * dv * dk];
-            // (G7)–(G11) per state row: decay, read, delta, write, read-out.
-            for j in 0..dv {
-                let row = &mut s_h[j * dk..(j + 1) * dk];
-                for s in row.iter_mut() {
-                    *s *= alpha;
-                }
-                let mem = dot_f32(row, kh);
-                let delta = (v[j] - mem) * beta;
-                for (s, &kv) in row.iter_mut().zip(kh) {
-                    *s = fma(kv, delta, *s);
-                }
-                o[j] = dot_f32(row, qh);
-            }
-            // (G12) gated RMSNorm over dv with the plain weight, times silu(z).
-            let inv = rsqrt(sum_squares(&o) / dv as f32 + cfg.rms_norm_eps);
-            let zr = &z[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-            let orow = &mut out[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-            for j in 0..dv {
-                orow[j] = ((o[j] * inv) * w.norm[j]) * silu(zr[j]);
-            }
+        let beta = sigmoid(b[t * hv + h]);
+        let alpha = exp(w.a[h] * softplus(a[t * hv + h] + w.dt_bias[h]));
+        let kh = &kn[t * key_dim + kappa * dk..t * key_dim + (kappa + 1) * dk];
+        let qh = &qn[t * key_dim + kappa * dk..t * key_dim + (kappa + 1) * dk];
+        let v = &y[t * cd + 2 * key_dim + h * dv..t * cd + 2 * key_dim + (h + 1) * dv];
+        simd::gdn_rows(isa, state_h, kh, qh, alpha, beta, v, &mut o);
+        let inv = rsqrt(sum_squares(&o) / dv as f32 + cfg.rms_norm_eps);
+        let zr = &z[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
+        let orow = &mut out[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
+        for j in 0..dv {
+            orow[j] = ((o[j] * inv) * w.norm[j]) * silu(zr[j]);
         }
     }
 }
@@ -206,7 +211,7 @@ pub fn attention_write_kv(
 /// τ with FMAs. Tiles combine in increasing order: `M = max m_j`, `c_j = exp(m_j − M)`,
 /// `L = Σ l_j·c_j`, `O[d] = Σ o_j[d]·c_j` (FMAs), and the result is `O[d] / L`.
 #[allow(clippy::too_many_arguments)]
-pub fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tiles: &mut Vec<(f32, f32, Vec<f32>)>, out: &mut [f32]) {
+pub fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, out: &mut [f32]) {
     let dh = q.len();
     let scale = rsqrt(dh as f32);
     scores.clear();
@@ -215,7 +220,7 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, 
         scores.push(dot_f32(q, k) * scale);
     }
     let n_tiles = p / ATTENTION_TILE + 1;
-    tiles.resize_with(n_tiles, || (0.0, 0.0, Vec::new()));
+    let mut tiles: Vec<(f32, f32, Vec<f32>)> = vec![(0.0, 0.0, Vec::new()); n_tiles];
     for (j, tile) in tiles.iter_mut().enumerate().take(n_tiles) {
         let lo = j * ATTENTION_TILE;
         let hi = ((j + 1) * ATTENTION_TILE).min(p + 1);
@@ -249,40 +254,33 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, 
     }
 }
 
-/// One sequence's query rows through attention (spec A1, A3, A4, A6, A7): per query head,
-/// RMS-normalise and rotate q, attend over the cache up to its position, multiply by
-/// `sigmoid(gate)`. `q_gate` is `[T, Hq·2·Dh]` (per head: q then gate), `out` `[T, Hq·Dh]`.
+/// Query head `h` of token `t` of one sequence through attention (spec A1, A3, A4, A6, A7):
+/// RMS-normalise and rotate q, attend over the cache up to position `p`, multiply by
+/// `sigmoid(gate)`. `row` is the token's `[Hq·2·Dh]` q|gate projection (per head: q then gate),
+/// `out` receives `Dh` values.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_seq(
+pub fn attention_query(
+    isa: Isa,
     cfg: &ModelConfig,
     w: &AttentionWeights,
     rope: &RopeTable,
-    pos: usize,
-    t_len: usize,
-    q_gate: &[f32],
+    p: usize,
+    h: usize,
+    row: &[f32],
     keys: &[f32],
     values: &[f32],
+    scratch: &mut (Vec<f32>, Vec<f32>, Vec<f32>),
     out: &mut [f32],
 ) {
     let (hq, hkv, dh, rd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim());
-    let group = hq / hkv;
-    let stride = hkv * dh;
-    let mut q = vec![0.0f32; dh];
-    let mut o = vec![0.0f32; dh];
-    let mut scores = Vec::new();
-    let mut tiles = Vec::new();
-    for t in 0..t_len {
-        let p = pos + t;
-        let (cos, sin) = rope.row(p);
-        for h in 0..hq {
-            let row = &q_gate[t * hq * 2 * dh + h * 2 * dh..t * hq * 2 * dh + (h + 1) * 2 * dh];
-            rms_norm_row(&row[..dh], &w.q_norm, cfg.rms_norm_eps, &mut q);
-            rope_row(&mut q[..rd], cos, sin);
-            attend(&q, keys, values, p, stride, (h / group) * dh, &mut scores, &mut tiles, &mut o);
-            let dst = &mut out[t * hq * dh + h * dh..t * hq * dh + (h + 1) * dh];
-            for d in 0..dh {
-                dst[d] = o[d] * sigmoid(row[dh + d]);
-            }
-        }
+    let (q, scores, tile_o) = scratch;
+    q.resize(dh, 0.0);
+    let (cos, sin) = rope.row(p);
+    let head = &row[h * 2 * dh..(h + 1) * 2 * dh];
+    rms_norm_row(&head[..dh], &w.q_norm, cfg.rms_norm_eps, q);
+    rope_row(&mut q[..rd], cos, sin);
+    simd::attend(isa, q, keys, values, p, hkv * dh, (h / (hq / hkv)) * dh, scores, tile_o, out);
+    for d in 0..dh {
+        out[d] *= sigmoid(head[dh + d]);
     }
 }

@@ -64,6 +64,13 @@ struct SendPtr(*mut f32);
 unsafe impl Send for SendPtr {}
 unsafe impl Sync for SendPtr {}
 
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `Sync` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// A row-major f32 buffer `[rows, cols]` (capacity; operations use a prefix of the rows).
 #[derive(Clone, Debug)]
 pub struct Tensor {
@@ -304,24 +311,41 @@ impl Backend for Cpu {
         a: &Tensor,
         out: &mut Tensor,
     ) {
+        let (cd, key_dim, hv) = (cfg.conv_dim(), cfg.key_dim(), cfg.linear_num_value_heads);
+        let head_state = cfg.linear_value_head_dim * cfg.linear_key_head_dim;
         for s in &batch.seqs {
             let st = states.get_mut(s.slot).expect("slot checked in begin_step");
             let (r0, n) = (s.first_row as usize, s.len as usize);
             let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
+            // Step 1: conv + SiLU, channels split across threads.
+            let mut y = vec![0.0f32; n * cd];
+            let blocks = (n * cd).div_ceil(16 * 1024).clamp(1, 4 * self.threads());
+            let (conv_p, y_p) = (SendPtr(st.conv[layer].as_mut_ptr()), SendPtr(y.as_mut_ptr()));
+            let (conv_len, qkv_rows) = (st.conv[layer].len(), &qkv.data[rows(qkv)]);
+            self.pool.run(blocks, &|i| {
+                let (ch0, ch1) = (cd * i / blocks, cd * (i + 1) / blocks);
+                // SAFETY: block i reads and writes only channels ch0..ch1 of the window and of y.
+                let (conv, y) = unsafe { (std::slice::from_raw_parts_mut(conv_p.get(), conv_len), std::slice::from_raw_parts_mut(y_p.get(), n * cd)) };
+                kernels::gdn_conv(cfg, &w.conv1d, conv, qkv_rows, n, y, ch0, ch1);
+            });
+            // Step 2: q/k L2 norms per token.
+            let mut qn = vec![0.0f32; n * key_dim];
+            let mut kn = vec![0.0f32; n * key_dim];
+            for t in 0..n {
+                kernels::gdn_qk_norm(cfg, &y[t * cd..(t + 1) * cd], &mut qn[t * key_dim..(t + 1) * key_dim], &mut kn[t * key_dim..(t + 1) * key_dim]);
+            }
+            // Steps 3–5: one task per value head.
+            let (state_p, out_p) = (SendPtr(st.recurrent[layer].as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
             let out_range = rows(out);
-            let SeqState { conv, recurrent, .. } = st;
-            kernels::gated_delta_net_seq(
-                cfg,
-                w,
-                &mut conv[layer],
-                &mut recurrent[layer],
-                &qkv.data[rows(qkv)],
-                &z.data[rows(z)],
-                &b.data[rows(b)],
-                &a.data[rows(a)],
-                n,
-                &mut out.data[out_range],
-            );
+            let (zr, br, ar) = (&z.data[rows(z)], &b.data[rows(b)], &a.data[rows(a)]);
+            let isa = self.isa;
+            self.pool.run(hv, &|h| {
+                // SAFETY: head h owns state rows h·dv.., and writes only its dv columns of each
+                // output row; the output buffer holds `out_range`.
+                let state_h = unsafe { std::slice::from_raw_parts_mut(state_p.get().add(h * head_state), head_state) };
+                let out_rows = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(out_range.start), out_range.len()) };
+                kernels::gdn_head(isa, cfg, w, h, state_h, &y, &qn, &kn, zr, br, ar, n, out_rows);
+            });
         }
     }
 
@@ -338,13 +362,24 @@ impl Backend for Cpu {
         out: &mut Tensor,
     ) {
         let CpuStates { slots, rope, .. } = states;
+        let (hq, dh) = (cfg.num_attention_heads, cfg.head_dim);
         for s in &batch.seqs {
             let st = slots[s.slot as usize].as_mut().expect("slot checked in begin_step");
             let (r0, n, pos) = (s.first_row as usize, s.len as usize, s.pos as usize);
             let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
             kernels::attention_write_kv(cfg, w, rope, pos, n, &k.data[rows(k)], &v.data[rows(v)], &mut st.keys[layer], &mut st.values[layer]);
-            let out_range = rows(out);
-            kernels::attention_seq(cfg, w, rope, pos, n, &q_gate.data[rows(q_gate)], &st.keys[layer], &st.values[layer], &mut out.data[out_range]);
+            let (keys, values, rope) = (&st.keys[layer], &st.values[layer], &*rope);
+            let qg = &q_gate.data[rows(q_gate)];
+            let out_p = SendPtr(out.data.as_mut_ptr());
+            let (isa, qcols, ocols) = (self.isa, q_gate.cols, out.cols);
+            // One task per (token, query head).
+            self.pool.run(n * hq, &|i| {
+                let (t, h) = (i / hq, i % hq);
+                let mut scratch = (Vec::new(), Vec::new(), Vec::new());
+                // SAFETY: task (t, h) writes only the Dh outputs of head h in row r0 + t.
+                let dst = unsafe { std::slice::from_raw_parts_mut(out_p.get().add((r0 + t) * ocols + h * dh), dh) };
+                kernels::attention_query(isa, cfg, w, rope, pos + t, h, &qg[t * qcols..(t + 1) * qcols], keys, values, &mut scratch, dst);
+            });
         }
     }
 

@@ -122,6 +122,53 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xt: &Transposed, y: *mut f32, ldy: us
     }
 }
 
+/// Canonical dot of two f32 vectors (numerics §2 with one element per word).
+pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    debug_assert_eq!(a.len(), b.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA was detected; lengths are equal and a multiple of 32.
+        Isa::Avx512 if a.len() % 32 == 0 => unsafe { x86::dot_avx512(a, b) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if a.len() % 32 == 0 => unsafe { x86::dot_avx2(a, b) },
+        _ => crate::numerics::dot_f32(a, b),
+    }
+}
+
+/// The delta rule of one value head (numerics §4 step 4): `s` is its `[dv, dk]` state (row `j`
+/// is `S[:, j]`), `k`/`q` the normalised key and query (`dk`), `v` the values (`dv`); writes
+/// `o` (`dv`). The bits of [`super::kernels::gdn_rows_ref`] on every ISA.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_rows(isa: Isa, s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+    let dk = k.len();
+    debug_assert_eq!(s.len(), dk * o.len());
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA was detected; dk is a multiple of 32, `s` holds dv rows of dk.
+        Isa::Avx512 if dk % 32 == 0 => unsafe { x86::gdn_avx512(s, dk, k, q, alpha, beta, v, o) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if dk % 32 == 0 => unsafe { x86::gdn_avx2(s, dk, k, q, alpha, beta, v, o) },
+        _ => super::kernels::gdn_rows_ref(s, k, q, alpha, beta, v, o),
+    }
+}
+
+/// Attention of one query head at position `p` (numerics §6); the bits of
+/// [`super::kernels::attend`] on every ISA. `scores` and `tile_o` are scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(isa: Isa, q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the ISA was detected; head_dim is a multiple of 32 and the cache holds p + 1 rows.
+        Isa::Avx512 if q.len() % 32 == 0 => unsafe { x86::attend_avx512(q, keys, values, p, stride, head_off, scores, tile_o, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if q.len() % 32 == 0 => unsafe { x86::attend_avx2(q, keys, values, p, stride, head_off, scores, tile_o, out) },
+        _ => super::kernels::attend(q, keys, values, p, stride, head_off, scores, out),
+    }
+}
+
 /// Decodes row `n` of `w` into lane order: `panel[(c·E + e)·32 + lane]` = weight element
 /// `(32c + lane)·E + e` (0 past the last word).
 pub fn decode_panel_row(w: &Matrix, n: usize, panel: &mut [f32]) {
@@ -220,6 +267,9 @@ mod x86 {
         unsafe fn f16(w: &[u32; 16], hi: bool) -> Self;
         unsafe fn bits(w: &[u32; 16]) -> Self;
         unsafe fn from_array(a: &[f32; 16]) -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn mul(a: Self, b: Self) -> Self;
+        unsafe fn div(a: Self, b: Self) -> Self;
         /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
         unsafe fn fold(a: Self, b: Self) -> f32;
     }
@@ -279,6 +329,18 @@ mod x86 {
         #[inline(always)]
         unsafe fn from_array(a: &[f32; 16]) -> Self {
             Z(_mm512_loadu_ps(a.as_ptr()))
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Z(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Z(_mm512_mul_ps(a.0, b.0))
+        }
+        #[inline(always)]
+        unsafe fn div(a: Self, b: Self) -> Self {
+            Z(_mm512_div_ps(a.0, b.0))
         }
         #[inline(always)]
         unsafe fn fold(a: Self, b: Self) -> f32 {
@@ -367,6 +429,18 @@ mod x86 {
         #[inline(always)]
         unsafe fn from_array(a: &[f32; 16]) -> Self {
             Self::load(a.as_ptr())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Y2(_mm256_set1_ps(x), _mm256_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn mul(a: Self, b: Self) -> Self {
+            Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1))
+        }
+        #[inline(always)]
+        unsafe fn div(a: Self, b: Self) -> Self {
+            Y2(_mm256_div_ps(a.0, b.0), _mm256_div_ps(a.1, b.1))
         }
         #[inline(always)]
         unsafe fn fold(a: Self, b: Self) -> f32 {
@@ -493,6 +567,121 @@ mod x86 {
         }
     }
 
+    /// Canonical dot with one element per lane word (`n` a multiple of 32): lane `k mod 32`.
+    #[inline(always)]
+    unsafe fn dot1<V: V16>(a: *const f32, b: *const f32, n: usize) -> f32 {
+        let (mut p0, mut p1) = (V::zero(), V::zero());
+        let mut i = 0;
+        while i < n {
+            p0 = V::fma(V::load(a.add(i)), V::load(b.add(i)), p0);
+            p1 = V::fma(V::load(a.add(i + 16)), V::load(b.add(i + 16)), p1);
+            i += 32;
+        }
+        V::fold(p0, p1)
+    }
+
+    /// The delta rule of one value head over its `dv` state rows (numerics §4, step 4).
+    #[inline(always)]
+    unsafe fn gdn_rows<V: V16>(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+        let av = V::splat(alpha);
+        for (j, oj) in o.iter_mut().enumerate() {
+            let r = s.as_mut_ptr().add(j * dk);
+            let mut i = 0;
+            while i < dk {
+                V::mul(V::load(r.add(i)), av).store(r.add(i));
+                i += 16;
+            }
+            let mem = dot1::<V>(r, k.as_ptr(), dk);
+            let delta = (v[j] - mem) * beta;
+            let dv = V::splat(delta);
+            let mut i = 0;
+            while i < dk {
+                V::fma(V::load(k.as_ptr().add(i)), dv, V::load(r.add(i))).store(r.add(i));
+                i += 16;
+            }
+            *oj = dot1::<V>(r, q.as_ptr(), dk);
+        }
+    }
+
+    /// Attention of one head over positions `0..=p` with the tile order of numerics §6.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn attend<V: V16>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
+        use crate::backend::cpu::kernels::ATTENTION_TILE;
+        use crate::numerics::exp;
+        let dh = q.len();
+        let scale = crate::numerics::rsqrt(dh as f32);
+        scores.clear();
+        for tau in 0..=p {
+            scores.push(dot1::<V>(q.as_ptr(), keys.as_ptr().add(tau * stride + head_off), dh) * scale);
+        }
+        let n_tiles = p / ATTENTION_TILE + 1;
+        // Per tile: (m, l) and o[dh].
+        tile_o.clear();
+        tile_o.resize(n_tiles * (dh + 2), 0.0);
+        for t in 0..n_tiles {
+            let lo = t * ATTENTION_TILE;
+            let hi = ((t + 1) * ATTENTION_TILE).min(p + 1);
+            let m = scores[lo..hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut l = 0.0f32;
+            let o = tile_o.as_mut_ptr().add(t * (dh + 2) + 2);
+            for tau in lo..hi {
+                let e = exp(scores[tau] - m);
+                l += e;
+                let ev = V::splat(e);
+                let vrow = values.as_ptr().add(tau * stride + head_off);
+                let mut d = 0;
+                while d < dh {
+                    V::fma(ev, V::load(vrow.add(d)), V::load(o.add(d))).store(o.add(d));
+                    d += 16;
+                }
+            }
+            tile_o[t * (dh + 2)] = m;
+            tile_o[t * (dh + 2) + 1] = l;
+        }
+        let big_m = (0..n_tiles).map(|t| tile_o[t * (dh + 2)]).fold(f32::NEG_INFINITY, f32::max);
+        let mut big_l = 0.0f32;
+        out.fill(0.0);
+        for t in 0..n_tiles {
+            let c = exp(tile_o[t * (dh + 2)] - big_m);
+            big_l = crate::numerics::fma(tile_o[t * (dh + 2) + 1], c, big_l);
+            let cv = V::splat(c);
+            let o = tile_o.as_ptr().add(t * (dh + 2) + 2);
+            let mut d = 0;
+            while d < dh {
+                V::fma(V::load(o.add(d)), cv, V::load(out.as_ptr().add(d))).store(out.as_mut_ptr().add(d));
+                d += 16;
+            }
+        }
+        let lv = V::splat(big_l);
+        let mut d = 0;
+        while d < dh {
+            V::div(V::load(out.as_ptr().add(d)), lv).store(out.as_mut_ptr().add(d));
+            d += 16;
+        }
+    }
+
+    macro_rules! instantiate {
+        ($feat:literal, $v:ty, $dot:ident, $gdn:ident, $attend:ident) => {
+            #[target_feature(enable = $feat)]
+            pub(super) unsafe fn $dot(a: &[f32], b: &[f32]) -> f32 {
+                dot1::<$v>(a.as_ptr(), b.as_ptr(), a.len())
+            }
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $gdn(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+                gdn_rows::<$v>(s, dk, k, q, alpha, beta, v, o)
+            }
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
+                attend::<$v>(q, keys, values, p, stride, head_off, scores, tile_o, out)
+            }
+        };
+    }
+    instantiate!("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2", Z, dot_avx512, gdn_avx512, attend_avx512);
+    instantiate!("avx2,fma,f16c", Y2, dot_avx2, gdn_avx2, attend_avx2);
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")]
     pub(super) unsafe fn matmul_avx512(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
         matmul_generic::<Z, 4, 3>(w, xt, y, ldy, n0, count)
@@ -599,6 +788,48 @@ mod tests {
                         }
                         let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{} {isa:?} rows {rows} cols {cols} tokens {tokens}", w.name);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn gdn_rows_and_attention_match_the_reference_on_every_isa() {
+        use crate::backend::cpu::kernels::{attend as attend_ref, gdn_rows_ref};
+        let mut rng = Rng(11);
+        for dk in [64usize, 128] {
+            let dv = dk;
+            let s0: Vec<f32> = (0..dv * dk).map(|_| rng.f()).collect();
+            let k: Vec<f32> = (0..dk).map(|_| rng.f() * 0.1).collect();
+            let q: Vec<f32> = (0..dk).map(|_| rng.f() * 0.1).collect();
+            let v: Vec<f32> = (0..dv).map(|_| rng.f()).collect();
+            let mut want_s = s0.clone();
+            let mut want_o = vec![0.0f32; dv];
+            gdn_rows_ref(&mut want_s, &k, &q, 0.93, 0.4, &v, &mut want_o);
+            for isa in Isa::available() {
+                let mut got_s = s0.clone();
+                let mut got_o = vec![0.0f32; dv];
+                gdn_rows(isa, &mut got_s, &k, &q, 0.93, 0.4, &v, &mut got_o);
+                assert!(got_s.iter().zip(&want_s).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} state dk={dk}");
+                assert!(got_o.iter().zip(&want_o).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} out dk={dk}");
+            }
+        }
+        // Attention over 1, 255, 256, 700 positions (one to three tiles), GQA offsets.
+        for dh in [64usize, 256] {
+            let (hkv, stride) = (2usize, 2 * dh);
+            let n = 701;
+            let keys: Vec<f32> = (0..n * stride).map(|_| rng.f()).collect();
+            let values: Vec<f32> = (0..n * stride).map(|_| rng.f()).collect();
+            let q: Vec<f32> = (0..dh).map(|_| rng.f() * 3.0).collect();
+            for p in [0usize, 254, 255, 256, 700] {
+                for g in 0..hkv {
+                    let mut want = vec![0.0f32; dh];
+                    attend_ref(&q, &keys, &values, p, stride, g * dh, &mut Vec::new(), &mut want);
+                    for isa in Isa::available() {
+                        let mut got = vec![0.0f32; dh];
+                        attend(isa, &q, &keys, &values, p, stride, g * dh, &mut Vec::new(), &mut Vec::new(), &mut got);
+                        assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?} dh={dh} p={p}");
                     }
                 }
             }
