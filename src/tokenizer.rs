@@ -1419,6 +1419,30 @@ mod tests {
             Tokenizer::from_dir(&shared().join("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
         assert_eq!(demo.eos_ids(), &[8189]);
         assert!(demo.chat_template().is_none());
+
+        // tiny/hf keeps its template inside tokenizer_config.json, tiny/mlx-q4 in a .jinja
+        // file; both are the same ChatML template (shared/fixtures/README.md).
+        let hf = Tokenizer::from_dir(&shared().join("fixtures/tiny/hf")).unwrap();
+        let mlx = Tokenizer::from_dir(&shared().join("fixtures/tiny/mlx-q4")).unwrap();
+        assert_eq!(hf.eos_ids(), &[2015, 2017]);
+        assert_eq!(mlx.eos_ids(), &[2015, 2017]);
+        let (hf_t, mlx_t) = (hf.chat_template().unwrap(), mlx.chat_template().unwrap());
+        assert!(
+            hf_t.origin().contains("tokenizer_config.json"),
+            "{}",
+            hf_t.origin()
+        );
+        let msgs = [
+            ChatMessage::new("system", "s"),
+            ChatMessage::new("user", "u"),
+        ];
+        let none = serde_json::Map::new();
+        let rendered = hf_t.render(&msgs, true, &none).unwrap();
+        assert_eq!(rendered, mlx_t.render(&msgs, true, &none).unwrap());
+        assert_eq!(
+            rendered,
+            "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     /// A scratch model directory holding the 2,048-id tokenizer plus the given files.
