@@ -12,3 +12,4 @@ pub mod numerics;
 pub mod sampling;
 #[doc(hidden)]
 pub mod testutil;
+pub mod tokenizer;
