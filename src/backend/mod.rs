@@ -86,6 +86,60 @@ impl Batch {
     }
 }
 
+/// One sequence's state in host memory, in the layout every backend exports and imports (swap
+/// out and in, save and restore, fork). All f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SequenceState {
+    /// Tokens processed so far (the position of the next one).
+    pub position: usize,
+    /// Per GDN layer: the `[Kc−1, conv_dim]` window of pre-conv inputs, oldest row first.
+    pub conv: Vec<Vec<f32>>,
+    /// Per GDN layer: the `[Hv, dv, dk]` recurrent state (row `j` of head `h` is `S_h[:, j]`).
+    pub recurrent: Vec<Vec<f32>>,
+    /// Per attention layer: keys `[position, Hkv, Dh]` (normalised and rotated).
+    pub keys: Vec<Vec<f32>>,
+    /// Per attention layer: values `[position, Hkv, Dh]`.
+    pub values: Vec<Vec<f32>>,
+}
+
+impl SequenceState {
+    /// The zero state of position 0 for `cfg`.
+    pub fn new(cfg: &ModelConfig) -> Self {
+        let n_lin = cfg.num_linear_layers();
+        let n_full = cfg.num_full_layers();
+        Self {
+            position: 0,
+            conv: vec![vec![0.0; (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()]; n_lin],
+            recurrent: vec![vec![0.0; cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim]; n_lin],
+            keys: vec![Vec::new(); n_full],
+            values: vec![Vec::new(); n_full],
+        }
+    }
+
+    /// Checks every array has the size `cfg` implies for this position.
+    pub fn check(&self, cfg: &ModelConfig) -> Result<(), BackendError> {
+        let z = Self::new(cfg);
+        let kv = self.position * cfg.num_key_value_heads * cfg.head_dim;
+        let ok = self.conv.len() == z.conv.len()
+            && self.recurrent.len() == z.recurrent.len()
+            && self.keys.len() == z.keys.len()
+            && self.values.len() == z.values.len()
+            && self.conv.iter().all(|c| c.len() == z.conv[0].len())
+            && self.recurrent.iter().all(|r| r.len() == z.recurrent[0].len())
+            && self.keys.iter().chain(&self.values).all(|k| k.len() >= kv);
+        if !ok || self.position > cfg.max_position_embeddings {
+            return Err(BackendError::Batch(format!("a sequence state of position {} does not fit this model's shapes", self.position)));
+        }
+        Ok(())
+    }
+
+    /// Bytes of f32 data held (the KV arrays up to `position`).
+    pub fn bytes(&self, cfg: &ModelConfig) -> usize {
+        let kv = self.position * cfg.num_key_value_heads * cfg.head_dim;
+        4 * (self.conv.iter().map(Vec::len).sum::<usize>() + self.recurrent.iter().map(Vec::len).sum::<usize>() + 2 * kv * self.keys.len())
+    }
+}
+
 /// A device that runs the model's operations.
 ///
 /// Tensors are row-major f32 `[rows, cols]` buffers allocated for a maximum row count; each
@@ -118,6 +172,11 @@ pub trait Backend {
     fn free_slot(&self, states: &mut Self::States, slot: u32) -> Result<(), BackendError>;
     /// Position (tokens already processed) of a slot.
     fn slot_position(&self, states: &Self::States, slot: u32) -> Result<usize, BackendError>;
+    /// Copies a slot's state to host memory (swap out, save, fork). The KV arrays hold exactly
+    /// `position` rows.
+    fn export_slot(&self, states: &Self::States, slot: u32) -> Result<SequenceState, BackendError>;
+    /// Replaces a slot's state with `state` (swap in, restore).
+    fn import_slot(&self, states: &mut Self::States, slot: u32, state: &SequenceState) -> Result<(), BackendError>;
     /// Makes `batch` runnable: checks every sequence continues its slot at the right position,
     /// grows KV caches and the RoPE table to hold it, and loads the step description where the
     /// operations read it. Called before the operations of a step.

@@ -8,7 +8,7 @@ pub mod kernels;
 pub mod pool;
 pub mod simd;
 
-use crate::backend::{Backend, BackendError, Batch};
+use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
@@ -85,62 +85,27 @@ impl Tensor {
     }
 }
 
-/// One sequence's state on the CPU.
-#[derive(Clone, Debug, PartialEq)]
-pub struct SeqState {
-    /// Tokens processed so far (the position of the next one).
-    pub position: usize,
-    /// Per GDN layer: the `[Kc−1, conv_dim]` window of pre-conv inputs, oldest first.
-    pub conv: Vec<Vec<f32>>,
-    /// Per GDN layer: the `[Hv, dv, dk]` recurrent state.
-    pub recurrent: Vec<Vec<f32>>,
-    /// Per attention layer: keys `[position, Hkv, Dh]` (normalised and rotated).
-    pub keys: Vec<Vec<f32>>,
-    /// Per attention layer: values `[position, Hkv, Dh]`.
-    pub values: Vec<Vec<f32>>,
-}
-
-impl SeqState {
-    /// The zero state of position 0 for `cfg`.
-    pub fn new(cfg: &ModelConfig) -> Self {
-        let n_lin = cfg.num_linear_layers();
-        let n_full = cfg.num_full_layers();
-        Self {
-            position: 0,
-            conv: vec![vec![0.0; (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim()]; n_lin],
-            recurrent: vec![vec![0.0; cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim]; n_lin],
-            keys: vec![Vec::new(); n_full],
-            values: vec![Vec::new(); n_full],
-        }
-    }
-}
-
 /// Every sequence slot on the CPU, plus the shared RoPE table.
 #[derive(Clone, Debug)]
 pub struct CpuStates {
     cfg: ModelConfig,
-    slots: Vec<Option<SeqState>>,
+    slots: Vec<Option<SequenceState>>,
     rope: RopeTable,
 }
 
 impl CpuStates {
     /// The state in `slot`.
-    pub fn get(&self, slot: u32) -> Result<&SeqState, BackendError> {
+    pub fn get(&self, slot: u32) -> Result<&SequenceState, BackendError> {
         self.slots
             .get(slot as usize)
             .and_then(Option::as_ref)
             .ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
     }
-    fn get_mut(&mut self, slot: u32) -> Result<&mut SeqState, BackendError> {
+    fn get_mut(&mut self, slot: u32) -> Result<&mut SequenceState, BackendError> {
         self.slots
             .get_mut(slot as usize)
             .and_then(Option::as_mut)
             .ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
-    }
-    /// Replaces the state in `slot` (restore, swap in).
-    pub fn put(&mut self, slot: u32, s: SeqState) -> Result<(), BackendError> {
-        *self.get_mut(slot)? = s;
-        Ok(())
     }
 }
 
@@ -177,7 +142,7 @@ impl Backend for Cpu {
     }
 
     fn alloc_slot(&self, states: &mut CpuStates) -> Result<u32, BackendError> {
-        let s = SeqState::new(&states.cfg);
+        let s = SequenceState::new(&states.cfg);
         if let Some(i) = states.slots.iter().position(Option::is_none) {
             states.slots[i] = Some(s);
             return Ok(i as u32);
@@ -194,6 +159,16 @@ impl Backend for Cpu {
 
     fn slot_position(&self, states: &CpuStates, slot: u32) -> Result<usize, BackendError> {
         Ok(states.get(slot)?.position)
+    }
+
+    fn export_slot(&self, states: &CpuStates, slot: u32) -> Result<SequenceState, BackendError> {
+        Ok(states.get(slot)?.clone())
+    }
+
+    fn import_slot(&self, states: &mut CpuStates, slot: u32, state: &SequenceState) -> Result<(), BackendError> {
+        state.check(&states.cfg)?;
+        *states.get_mut(slot)? = state.clone();
+        Ok(())
     }
 
     fn begin_step(&self, states: &mut CpuStates, batch: &Batch) -> Result<(), BackendError> {

@@ -257,16 +257,19 @@ mod x86 {
         unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
         /// `fma(a, b, c)` in lanes `< n`, `c` elsewhere.
         unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self;
-        /// 16 u32 words from unaligned bytes (`n` of them; missing ones are 0), converted per
-        /// lane by `field`: `((w >> shift) & mask) as f32`.
-        unsafe fn words(p: *const u8, n: usize) -> [u32; 16];
-        unsafe fn field(w: &[u32; 16], shift: u32, mask: u32) -> Self;
+        /// 16 u32 words in registers.
+        type W: Copy;
+        /// 16 words from unaligned bytes (`n` of them; missing ones are 0).
+        unsafe fn words(p: *const u8, n: usize) -> Self::W;
+        /// `((w >> shift) & mask) as f32` per lane.
+        unsafe fn field(w: Self::W, shift: u32, mask: u32) -> Self;
         /// bf16 in the low (`hi == false`) or high half of each word, widened.
-        unsafe fn bf16(w: &[u32; 16], hi: bool) -> Self;
+        unsafe fn bf16(w: Self::W, hi: bool) -> Self;
         /// f16 in the low or high half of each word, widened.
-        unsafe fn f16(w: &[u32; 16], hi: bool) -> Self;
-        unsafe fn bits(w: &[u32; 16]) -> Self;
-        unsafe fn from_array(a: &[f32; 16]) -> Self;
+        unsafe fn f16(w: Self::W, hi: bool) -> Self;
+        unsafe fn bits(w: Self::W) -> Self;
+        /// `table[idx[l]]` per lane, `idx[l] < 8`, from 8 floats at `table`.
+        unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self;
         unsafe fn splat(x: f32) -> Self;
         unsafe fn mul(a: Self, b: Self) -> Self;
         unsafe fn div(a: Self, b: Self) -> Self;
@@ -299,36 +302,38 @@ mod x86 {
             let m: __mmask16 = if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
             Z(_mm512_mask3_fmadd_ps(a.0, b.0, c.0, m))
         }
+        type W = __m512i;
         #[inline(always)]
-        unsafe fn words(p: *const u8, n: usize) -> [u32; 16] {
-            let m: __mmask16 = if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
-            std::mem::transmute(_mm512_maskz_loadu_epi32(m, p as *const i32))
+        unsafe fn words(p: *const u8, n: usize) -> __m512i {
+            if n >= 16 {
+                _mm512_loadu_si512(p as *const _)
+            } else {
+                _mm512_maskz_loadu_epi32(((1u32 << n) - 1) as __mmask16, p as *const i32)
+            }
         }
         #[inline(always)]
-        unsafe fn field(w: &[u32; 16], shift: u32, mask: u32) -> Self {
-            let v = _mm512_loadu_si512(w.as_ptr() as *const _);
+        unsafe fn field(v: __m512i, shift: u32, mask: u32) -> Self {
             let q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)), _mm512_set1_epi32(mask as i32));
             Z(_mm512_cvtepi32_ps(q))
         }
         #[inline(always)]
-        unsafe fn bf16(w: &[u32; 16], hi: bool) -> Self {
-            let v = _mm512_loadu_si512(w.as_ptr() as *const _);
+        unsafe fn bf16(v: __m512i, hi: bool) -> Self {
             let r = if hi { _mm512_and_si512(v, _mm512_set1_epi32(0xffff0000u32 as i32)) } else { _mm512_slli_epi32(v, 16) };
             Z(_mm512_castsi512_ps(r))
         }
         #[inline(always)]
-        unsafe fn f16(w: &[u32; 16], hi: bool) -> Self {
-            let v = _mm512_loadu_si512(w.as_ptr() as *const _);
+        unsafe fn f16(v: __m512i, hi: bool) -> Self {
             let h = if hi { _mm512_srli_epi32(v, 16) } else { _mm512_and_si512(v, _mm512_set1_epi32(0xffff)) };
             Z(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)))
         }
         #[inline(always)]
-        unsafe fn bits(w: &[u32; 16]) -> Self {
-            Z(_mm512_castsi512_ps(_mm512_loadu_si512(w.as_ptr() as *const _)))
+        unsafe fn bits(v: __m512i) -> Self {
+            Z(_mm512_castsi512_ps(v))
         }
         #[inline(always)]
-        unsafe fn from_array(a: &[f32; 16]) -> Self {
-            Z(_mm512_loadu_ps(a.as_ptr()))
+        unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self {
+            let t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
+            Z(_mm512_permutexvar_ps(_mm512_loadu_si512(idx.as_ptr() as *const _), t))
         }
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
@@ -387,48 +392,46 @@ mod x86 {
             let m1 = _mm256_castsi256_ps(mask8(n.saturating_sub(8)));
             Y2(_mm256_blendv_ps(c.0, r.0, m0), _mm256_blendv_ps(c.1, r.1, m1))
         }
+        type W = (__m256i, __m256i);
         #[inline(always)]
-        unsafe fn words(p: *const u8, n: usize) -> [u32; 16] {
-            let mut out = [0u32; 16];
+        unsafe fn words(p: *const u8, n: usize) -> (__m256i, __m256i) {
             if n >= 16 {
-                std::ptr::copy_nonoverlapping(p, out.as_mut_ptr() as *mut u8, 64);
+                (_mm256_loadu_si256(p as *const _), _mm256_loadu_si256(p.add(32) as *const _))
             } else {
-                std::ptr::copy_nonoverlapping(p, out.as_mut_ptr() as *mut u8, 4 * n);
+                let mut buf = [0u32; 16];
+                std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr() as *mut u8, 4 * n);
+                (_mm256_loadu_si256(buf.as_ptr() as *const _), _mm256_loadu_si256(buf.as_ptr().add(8) as *const _))
             }
-            out
         }
         #[inline(always)]
-        unsafe fn field(w: &[u32; 16], shift: u32, mask: u32) -> Self {
+        unsafe fn field(w: (__m256i, __m256i), shift: u32, mask: u32) -> Self {
             let s = _mm_cvtsi32_si128(shift as i32);
             let m = _mm256_set1_epi32(mask as i32);
-            let a = _mm256_loadu_si256(w.as_ptr() as *const _);
-            let b = _mm256_loadu_si256(w.as_ptr().add(8) as *const _);
-            Y2(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(a, s), m)), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(b, s), m)))
+            Y2(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.0, s), m)), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.1, s), m)))
         }
         #[inline(always)]
-        unsafe fn bf16(w: &[u32; 16], hi: bool) -> Self {
-            let a = _mm256_loadu_si256(w.as_ptr() as *const _);
-            let b = _mm256_loadu_si256(w.as_ptr().add(8) as *const _);
+        unsafe fn bf16(w: (__m256i, __m256i), hi: bool) -> Self {
             let f = |v: __m256i| if hi { _mm256_and_si256(v, _mm256_set1_epi32(0xffff0000u32 as i32)) } else { _mm256_slli_epi32(v, 16) };
-            Y2(_mm256_castsi256_ps(f(a)), _mm256_castsi256_ps(f(b)))
+            Y2(_mm256_castsi256_ps(f(w.0)), _mm256_castsi256_ps(f(w.1)))
         }
         #[inline(always)]
-        unsafe fn f16(w: &[u32; 16], hi: bool) -> Self {
-            let mut h = [0u16; 16];
-            for i in 0..16 {
-                h[i] = if hi { (w[i] >> 16) as u16 } else { w[i] as u16 };
-            }
-            let a = _mm_loadu_si128(h.as_ptr() as *const _);
-            let b = _mm_loadu_si128(h.as_ptr().add(8) as *const _);
-            Y2(_mm256_cvtph_ps(a), _mm256_cvtph_ps(b))
+        unsafe fn f16(w: (__m256i, __m256i), hi: bool) -> Self {
+            // Gather the 16-bit halves (values ≤ 0xffff, so the saturating pack is exact), fix the
+            // pack's lane order, widen.
+            let half = |v: __m256i| if hi { _mm256_srli_epi32(v, 16) } else { _mm256_and_si256(v, _mm256_set1_epi32(0xffff)) };
+            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(half(w.0), half(w.1)));
+            Y2(_mm256_cvtph_ps(_mm256_castsi256_si128(p)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(p)))
         }
         #[inline(always)]
-        unsafe fn bits(w: &[u32; 16]) -> Self {
-            Y2(_mm256_loadu_ps(w.as_ptr() as *const f32), _mm256_loadu_ps(w.as_ptr().add(8) as *const f32))
+        unsafe fn bits(w: (__m256i, __m256i)) -> Self {
+            Y2(_mm256_castsi256_ps(w.0), _mm256_castsi256_ps(w.1))
         }
         #[inline(always)]
-        unsafe fn from_array(a: &[f32; 16]) -> Self {
-            Self::load(a.as_ptr())
+        unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self {
+            let t = _mm256_loadu_ps(table);
+            let i0 = _mm256_loadu_si256(idx.as_ptr() as *const _);
+            let i1 = _mm256_loadu_si256(idx.as_ptr().add(8) as *const _);
+            Y2(_mm256_permutevar8x32_ps(t, i0), _mm256_permutevar8x32_ps(t, i1))
         }
         #[inline(always)]
         unsafe fn splat(x: f32) -> Self {
@@ -455,45 +458,118 @@ mod x86 {
         }
     }
 
+    /// One row's scales and biases widened to f32 once (affine only), padded so that 8 values
+    /// can be read from any group.
+    struct RowScales {
+        s: Vec<f32>,
+        b: Vec<f32>,
+        /// Per half `h`: lane → group offset from the half's first group.
+        idx: [[u32; 16]; 2],
+    }
+
+    impl RowScales {
+        fn new(w: &Matrix) -> Self {
+            let (groups, per_word, gs) = match &w.data {
+                MatrixData::Affine { bits, group_size, .. } => (w.cols / group_size, (32 / bits) as usize, *group_size),
+                _ => (0, 1, 1),
+            };
+            let mut idx = [[0u32; 16]; 2];
+            for (h, ih) in idx.iter_mut().enumerate() {
+                let first = 16 * h;
+                for (l, v) in ih.iter_mut().enumerate() {
+                    *v = (((first + l) * per_word) / gs - (first * per_word) / gs) as u32;
+                }
+            }
+            Self { s: vec![0.0; groups + 8], b: vec![0.0; groups + 8], idx }
+        }
+
+        fn load(&mut self, w: &Matrix, rb: &super::RowBytes<'_>) {
+            if let MatrixData::Affine { scale_dtype, group_size, .. } = &w.data {
+                let n = w.cols / group_size;
+                let (s, b) = (&mut self.s[..n], &mut self.b[..n]);
+                match scale_dtype {
+                    // The common case, without a per-element dtype dispatch.
+                    FloatType::BF16 => {
+                        for (d, c) in s.iter_mut().zip(rb.scales.chunks_exact(2)) {
+                            *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                        }
+                        for (d, c) in b.iter_mut().zip(rb.biases.chunks_exact(2)) {
+                            *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+                        }
+                    }
+                    ft => {
+                        for g in 0..n {
+                            s[g] = scale_at(*ft, rb.scales, g);
+                            b[g] = scale_at(*ft, rb.biases, g);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// Decodes 16 lanes (half `h` of chunk `c`) of a row into `out[e]`, `e < E`.
     #[inline(always)]
-    unsafe fn decode16<V: V16>(w: &Matrix, rb: &super::RowBytes<'_>, c: usize, h: usize, lanes: usize, out: &mut [V; 8]) {
+    unsafe fn decode16<V: V16>(w: &Matrix, rb: &super::RowBytes<'_>, rs: &RowScales, c: usize, h: usize, lanes: usize, out: &mut [V; 8]) {
         let first_word = c * 32 + h * 16;
-        let p = rb.words.as_ptr().add(first_word * 4);
-        let words = V::words(p, lanes);
+        let words = V::words(rb.words.as_ptr().add(first_word * 4), lanes);
         match &w.data {
-            MatrixData::Affine { bits, group_size, scale_dtype, .. } => {
+            MatrixData::Affine { bits, group_size, .. } => {
                 let per_word = (32 / bits) as usize;
-                let mut s = [0.0f32; 16];
-                let mut b = [0.0f32; 16];
-                let mut last_g = usize::MAX;
-                let (mut sv, mut bv) = (0.0, 0.0);
-                for l in 0..lanes {
-                    let g = (first_word + l) * per_word / group_size;
-                    if g != last_g {
-                        sv = scale_at(*scale_dtype, rb.scales, g);
-                        bv = scale_at(*scale_dtype, rb.biases, g);
-                        last_g = g;
-                    }
-                    s[l] = sv;
-                    b[l] = bv;
-                }
-                let (s, b) = (V::from_array(&s), V::from_array(&b));
+                let g0 = first_word * per_word / group_size;
+                let s = V::permute8(rs.s.as_ptr().add(g0), &rs.idx[h]);
+                let b = V::permute8(rs.b.as_ptr().add(g0), &rs.idx[h]);
                 let mask = (1u32 << bits) - 1;
                 for (e, o) in out.iter_mut().enumerate().take(per_word) {
-                    *o = V::fma(s, V::field(&words, bits * e as u32, mask), b);
+                    *o = V::fma(s, V::field(words, bits * e as u32, mask), b);
                 }
             }
             MatrixData::Float { dtype: FloatType::BF16, .. } => {
-                out[0] = V::bf16(&words, false);
-                out[1] = V::bf16(&words, true);
+                out[0] = V::bf16(words, false);
+                out[1] = V::bf16(words, true);
             }
             MatrixData::Float { dtype: FloatType::F16, .. } => {
-                out[0] = V::f16(&words, false);
-                out[1] = V::f16(&words, true);
+                out[0] = V::f16(words, false);
+                out[1] = V::f16(words, true);
             }
             MatrixData::Float { dtype: FloatType::F32, .. } => {
-                out[0] = V::bits(&words);
+                out[0] = V::bits(words);
+            }
+        }
+    }
+
+    /// Few tokens (decode): each weight row is decoded in registers and used at once.
+    #[inline(always)]
+    unsafe fn matvec_generic<V: V16, const MR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+        let e_n = xt.per_word;
+        let xstride = xt.chunks * e_n * 32;
+        let mr = xt.rows;
+        debug_assert!(mr <= MR);
+        let mut rs = RowScales::new(w);
+        let mut dec = [V::zero(); 8];
+        for n in n0..n0 + count {
+            let rb = row_bytes(w, n);
+            rs.load(w, &rb);
+            let mut acc = [[V::zero(); 2]; MR];
+            for c in 0..xt.chunks {
+                let words = (xt.words - c * 32).min(32);
+                for h in 0..2 {
+                    let lanes = words.saturating_sub(16 * h).min(16);
+                    if lanes == 0 {
+                        continue;
+                    }
+                    decode16::<V>(w, &rb, &rs, c, h, lanes, &mut dec);
+                    for (e, wv) in dec.iter().enumerate().take(e_n) {
+                        let off = (c * e_n + e) * 32 + 16 * h;
+                        for (i, a) in acc.iter_mut().enumerate().take(mr) {
+                            let xv = V::load(xt.data.as_ptr().add(i * xstride + off));
+                            a[h] = if lanes == 16 { V::fma(*wv, xv, a[h]) } else { V::fma_first(*wv, xv, a[h], lanes) };
+                        }
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate().take(mr) {
+                *y.add(i * ldy + n) = V::fold(a[0], a[1]);
             }
         }
     }
@@ -504,8 +580,12 @@ mod x86 {
     unsafe fn matmul_generic<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
         let e_n = xt.per_word;
         let plen = xt.chunks * e_n * 32;
+        if xt.rows <= 4 {
+            return matvec_generic::<V, 4>(w, xt, y, ldy, n0, count);
+        }
         let mut panel = vec![0.0f32; NR * plen];
         let mut dec = [V::zero(); 8];
+        let mut rs = RowScales::new(w);
         let xstride = plen;
         let mut n = n0;
         while n < n0 + count {
@@ -513,6 +593,7 @@ mod x86 {
             // Decode the panel of rows n .. n + nr.
             for r in 0..nr {
                 let rb = row_bytes(w, n + r);
+                rs.load(w, &rb);
                 let pr = panel.as_mut_ptr().add(r * plen);
                 for c in 0..xt.chunks {
                     let words = (xt.words - c * 32).min(32);
@@ -521,7 +602,7 @@ mod x86 {
                         if lanes == 0 {
                             continue;
                         }
-                        decode16::<V>(w, &rb, c, h, lanes, &mut dec);
+                        decode16::<V>(w, &rb, &rs, c, h, lanes, &mut dec);
                         for (e, d) in dec.iter().enumerate().take(e_n) {
                             d.store(pr.add((c * e_n + e) * 32 + 16 * h));
                         }

@@ -1,0 +1,64 @@
+//! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
+
+mod info;
+mod run;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Result};
+use clap::{Parser, Subcommand};
+
+/// An exact, fast inference engine for Qwen3.5 models.
+#[derive(Parser, Debug)]
+#[command(name = "tensorfold", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate text from a prompt (the embedded demo model when no -m is given).
+    Run(run::RunArgs),
+    /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
+    Info(info::InfoArgs),
+}
+
+pub fn dispatch(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Run(a) => run::run(a),
+        Command::Info(a) => info::info(a),
+    }
+}
+
+/// The directory name of the model that ships with the repository.
+const DEMO: &str = "models/tensorfold-demo-py28m";
+
+/// The model directory: `-m DIR`, else `$TENSORFOLD_MODEL`, else the demo model shipped in the
+/// repository (looked up beside the executable's build tree, then in the source tree this binary
+/// was built from).
+pub fn model_dir(arg: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = arg {
+        return Ok(p.to_path_buf());
+    }
+    if let Some(p) = std::env::var_os("TENSORFOLD_MODEL") {
+        return Ok(PathBuf::from(p));
+    }
+    let mut candidates = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        // target/{release,debug}/tensorfold → the repository root two levels up.
+        for up in exe.ancestors().skip(1).take(4) {
+            candidates.push(up.join(DEMO));
+        }
+    }
+    candidates.push(Path::new(env!("CARGO_MANIFEST_DIR")).join(DEMO));
+    for c in &candidates {
+        if c.join("config.json").is_file() {
+            return Ok(c.clone());
+        }
+    }
+    bail!(
+        "no model given, and the demo model that ships with tensorfold was not found (looked in {}); pass -m DIR, a directory holding config.json, *.safetensors and tokenizer.json",
+        candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
+    )
+}

@@ -1,0 +1,297 @@
+//! `tensorfold run`: prompt in, streamed text out, speeds at the end.
+
+use std::io::{IsTerminal, Read, Write};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tensorfold::backend::cpu::Cpu;
+use tensorfold::config::GenerationConfig;
+use tensorfold::engine::{Engine, DEFAULT_CHUNK};
+use tensorfold::model::{HostModel, Model};
+use tensorfold::sampling::{SamplingParams, Sampler};
+use tensorfold::tokenizer::{ChatMessage, Tokenizer};
+
+#[derive(Args, Debug)]
+pub struct RunArgs {
+    /// Model directory (config.json, *.safetensors, tokenizer.json); default: the demo model.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// The prompt text.
+    #[arg(short = 'p', long = "prompt", conflicts_with_all = ["file", "prompt_ids"])]
+    pub prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(short = 'f', long = "file", conflicts_with = "prompt_ids")]
+    pub file: Option<PathBuf>,
+    /// The prompt as token ids, comma-separated (no tokenization, no template).
+    #[arg(long = "prompt-ids", value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Wrap the prompt in the model's chat template as one user message.
+    #[arg(long)]
+    pub chat: bool,
+    /// Tokens to generate at most (-1: until an end-of-sequence token or the context is full).
+    #[arg(short = 'n', long = "n-predict", default_value_t = 256, allow_hyphen_values = true)]
+    pub n_predict: i64,
+    /// Temperature; 0 is greedy. Default: the checkpoint's generation_config.json.
+    #[arg(long = "temp")]
+    pub temp: Option<f32>,
+    #[arg(long = "top-k")]
+    pub top_k: Option<usize>,
+    #[arg(long = "top-p")]
+    pub top_p: Option<f32>,
+    #[arg(long = "min-p")]
+    pub min_p: Option<f32>,
+    #[arg(long = "repeat-penalty")]
+    pub repeat_penalty: Option<f32>,
+    /// Tokens the penalties look back over (-1: all, 0: off).
+    #[arg(long = "repeat-last-n", allow_hyphen_values = true)]
+    pub repeat_last_n: Option<i64>,
+    #[arg(long = "presence-penalty", allow_hyphen_values = true)]
+    pub presence_penalty: Option<f32>,
+    #[arg(long = "frequency-penalty", allow_hyphen_values = true)]
+    pub frequency_penalty: Option<f32>,
+    /// Random seed (a fixed default, so runs repeat).
+    #[arg(short = 's', long = "seed")]
+    pub seed: Option<u64>,
+    /// Print generated token ids, one per line, instead of text.
+    #[arg(long = "print-ids")]
+    pub print_ids: bool,
+    /// Write the logits of every processed position (`logits` f32 [T, V], `ids` i32 [T]) to a
+    /// safetensors file.
+    #[arg(long = "dump-logits")]
+    pub dump_logits: Option<PathBuf>,
+    /// Tokens per prompt-processing step.
+    #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
+    pub chunk: usize,
+}
+
+/// Sampling settings: the checkpoint's generation_config.json as transformers and vLLM read it
+/// (do_sample false → greedy; otherwise its values over neutral defaults), else llama.cpp's
+/// defaults; then the flags.
+fn sampling_params(a: &RunArgs, gc: &GenerationConfig, has_gc: bool) -> SamplingParams {
+    let mut p = if !has_gc {
+        SamplingParams::default()
+    } else if gc.do_sample == Some(false) || (gc.do_sample.is_none() && gc.temperature.is_none()) {
+        SamplingParams::greedy()
+    } else {
+        SamplingParams {
+            temperature: gc.temperature.unwrap_or(1.0),
+            top_k: gc.top_k.unwrap_or(0),
+            top_p: gc.top_p.unwrap_or(1.0),
+            min_p: gc.min_p.unwrap_or(0.0),
+            repetition_penalty: gc.repetition_penalty.unwrap_or(1.0),
+            ..SamplingParams::default()
+        }
+    };
+    if let Some(t) = a.temp {
+        p.temperature = t;
+    }
+    if let Some(k) = a.top_k {
+        p.top_k = k;
+    }
+    if let Some(x) = a.top_p {
+        p.top_p = x;
+    }
+    if let Some(x) = a.min_p {
+        p.min_p = x;
+    }
+    if let Some(x) = a.repeat_penalty {
+        p.repetition_penalty = x;
+    }
+    if let Some(x) = a.repeat_last_n {
+        p.repeat_last_n = x;
+    }
+    if let Some(x) = a.presence_penalty {
+        p.presence_penalty = x;
+    }
+    if let Some(x) = a.frequency_penalty {
+        p.frequency_penalty = x;
+    }
+    if let Some(s) = a.seed {
+        p.seed = s;
+    }
+    p
+}
+
+pub fn run(a: RunArgs) -> Result<()> {
+    let dir = super::model_dir(a.model.as_deref())?;
+    let t_load = Instant::now();
+    let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    for name in host.loaded.ignored.iter().take(3) {
+        eprintln!("warning: {}: tensor `{name}` is not part of the text model; ignored", dir.display());
+    }
+    let tokenizer = Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+    let gc_path = dir.join("generation_config.json");
+    let gc = GenerationConfig::from_dir(&dir)?;
+    let params = sampling_params(&a, &gc, gc_path.exists());
+    params.validate()?;
+
+    let prompt_ids: Vec<u32> = match (&a.prompt_ids, &a.prompt, &a.file) {
+        (Some(ids), _, _) => {
+            if a.chat {
+                bail!("--chat applies to text prompts, not --prompt-ids");
+            }
+            ids.clone()
+        }
+        (None, p, f) => {
+            let text = match (p, f) {
+                (Some(p), _) => p.clone(),
+                (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading the prompt file {}", f.display()))?,
+                (None, None) => {
+                    if std::io::stdin().is_terminal() {
+                        bail!("no prompt: pass -p PROMPT, -f FILE or --prompt-ids, or pipe the prompt on stdin");
+                    }
+                    let mut s = String::new();
+                    std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
+                    s
+                }
+            };
+            if a.chat {
+                let Some(t) = tokenizer.chat_template() else {
+                    bail!("--chat: the model in {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja)", dir.display());
+                };
+                // Templates write their own special tokens, so none are added (as transformers).
+                tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &Default::default())?, false)?
+            } else {
+                tokenizer.encode(&text)?
+            }
+        }
+    };
+    if prompt_ids.is_empty() {
+        bail!("the prompt is empty");
+    }
+    let vocab = host.config.vocab_size;
+    if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab) {
+        bail!("prompt id {bad} is outside the model's vocabulary (vocab_size {vocab})");
+    }
+
+    let backend = Cpu::new();
+    let describe = tensorfold::backend::Backend::describe(&backend);
+    let model = Model::new(&host, backend)?;
+    let mut engine = Engine::new(model, a.chunk)?;
+    let mut seq = engine.new_sequence()?;
+    let load_time = t_load.elapsed();
+    eprintln!("model: {} ({describe}), loaded in {:.2} s", dir.display(), load_time.as_secs_f64());
+
+    // Sampling only among ids the tokenizer can decode (the logits row is padded past them).
+    let n_ids = tokenizer.vocab_size().min(vocab);
+    let dump = a.dump_logits.is_some();
+    let mut dumped: Vec<f32> = Vec::new();
+    let mut dumped_ids: Vec<u32> = Vec::new();
+
+    // Prompt processing, with a progress bar when it is long.
+    let bar = if prompt_ids.len() > 4 * a.chunk.max(1) && std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new(prompt_ids.len() as u64);
+        b.set_style(indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({per_sec}, eta {eta})").unwrap());
+        Some(b)
+    } else {
+        None
+    };
+    let t_prompt = Instant::now();
+    let mut logits = engine
+        .feed(&mut seq, &prompt_ids, dump, &mut |done, _| {
+            if let Some(b) = &bar {
+                b.set_position(done as u64);
+            }
+        })?
+        .to_vec();
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let prompt_time = t_prompt.elapsed();
+    if dump {
+        dumped.extend_from_slice(&logits);
+        dumped_ids.extend_from_slice(&prompt_ids);
+        logits = logits[logits.len() - vocab..].to_vec();
+    }
+
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    if !a.print_ids {
+        if let Some(p) = &a.prompt {
+            if !a.chat {
+                write!(out, "{p}")?;
+                out.flush()?;
+            }
+        }
+    }
+    let mut stream = tokenizer.stream();
+    let mut sampler = Sampler::new();
+    let max_new = if a.n_predict < 0 { usize::MAX } else { a.n_predict as usize };
+    let max_pos = host.config.max_position_embeddings;
+    let mut generated = 0usize;
+    let mut gen_time = Duration::ZERO;
+    let mut stop_reason = "length";
+    while generated < max_new {
+        let t = Instant::now();
+        let next = sampler.sample(&logits[..n_ids], &seq.tokens, seq.position() as u64, &params);
+        generated += 1;
+        if a.print_ids {
+            writeln!(out, "{next}")?;
+        } else if !tokenizer.is_eos(next) {
+            if let Some(text) = stream.push(next)? {
+                write!(out, "{text}")?;
+            }
+        }
+        out.flush()?;
+        if tokenizer.is_eos(next) {
+            stop_reason = "eos";
+            gen_time += t.elapsed();
+            break;
+        }
+        if generated == max_new || seq.position() + 1 >= max_pos {
+            if generated != max_new {
+                stop_reason = "context";
+            }
+            gen_time += t.elapsed();
+            break;
+        }
+        logits = engine.feed(&mut seq, &[next], false, &mut |_, _| {})?.to_vec();
+        gen_time += t.elapsed();
+        if dump {
+            dumped.extend_from_slice(&logits);
+            dumped_ids.push(next);
+        }
+    }
+    if !a.print_ids {
+        write!(out, "{}", stream.finish())?;
+        writeln!(out)?;
+    }
+    drop(out);
+
+    let rate = |n: usize, d: Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { f64::INFINITY };
+    eprintln!(
+        "prompt: {} tokens in {:.3} s ({:.1} tok/s) | generation: {} tokens in {:.3} s ({:.1} tok/s), stopped by {}",
+        prompt_ids.len(),
+        prompt_time.as_secs_f64(),
+        rate(prompt_ids.len(), prompt_time),
+        generated,
+        gen_time.as_secs_f64(),
+        rate(generated, gen_time),
+        stop_reason
+    );
+    if let Some(path) = &a.dump_logits {
+        write_logits(path, &dumped, &dumped_ids, vocab).with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("logits: {} rows written to {}", dumped_ids.len(), path.display());
+    }
+    Ok(())
+}
+
+/// Writes `logits` f32 `[T, V]` and `ids` i32 `[T]` to a safetensors file, atomically (a
+/// temporary file renamed into place).
+fn write_logits(path: &std::path::Path, logits: &[f32], ids: &[u32], vocab: usize) -> Result<()> {
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let lb: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let ib: Vec<u8> = ids.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect();
+    let t = ids.len();
+    let views = vec![
+        ("logits".to_string(), TensorView::new(Dtype::F32, vec![t, vocab], &lb)?),
+        ("ids".to_string(), TensorView::new(Dtype::I32, vec![t], &ib)?),
+    ];
+    let tmp = path.with_extension("safetensors.tmp");
+    safetensors::serialize_to_file(views, None, &tmp)?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
