@@ -1,5 +1,6 @@
 //! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
 
+mod bench;
 mod info;
 mod run;
 
@@ -22,12 +23,16 @@ pub enum Command {
     Run(run::RunArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
     Info(info::InfoArgs),
+    /// Time prompt processing and decode against this machine's measured memory bandwidth and
+    /// FMA peak.
+    Bench(bench::BenchArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(a) => run::run(a),
         Command::Info(a) => info::info(a),
+        Command::Bench(a) => bench::bench(a),
     }
 }
 

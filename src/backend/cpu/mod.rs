@@ -5,6 +5,7 @@
 //! [`kernels`], which is the executable form of docs/numerics.md.
 
 pub mod kernels;
+pub mod machine;
 pub mod pool;
 pub mod simd;
 
@@ -78,6 +79,18 @@ impl Cpu {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// Memory copy bandwidth with this backend's threads, bytes/s, one figure per copy
+    /// ([`machine::copy_bandwidth`]).
+    pub fn copy_bandwidth(&self, repeats: usize) -> Vec<f64> {
+        machine::copy_bandwidth(&self.pool, repeats)
+    }
+
+    /// Float32 FMA peak of this backend's instruction set and threads, FLOP/s
+    /// ([`machine::fma_peak`]).
+    pub fn fma_peak(&self, iters: usize) -> f64 {
+        machine::fma_peak(self.isa, &self.pool, iters)
     }
 }
 
