@@ -93,4 +93,91 @@ impl<B: Backend> Engine<B> {
         self.logits = out;
         Ok(&self.logits)
     }
+
+    /// Feeds `ids` to `seq` and returns the greedy next id over ids `< v_eff` (the largest
+    /// logit of the last row, smallest id on ties), sampled on the device where there is one.
+    pub fn feed_greedy(&mut self, seq: &mut Sequence, ids: &[u32], v_eff: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<u32, BackendError> {
+        if ids.is_empty() {
+            return Err(BackendError::Batch("no tokens to feed".into()));
+        }
+        let (head, last) = ids.split_at(ids.len() - ((ids.len() - 1) % self.chunk + 1));
+        let mut done = 0;
+        for part in head.chunks(self.chunk) {
+            // Earlier chunks need no logits.
+            let mut batch = Batch::single(seq.slot, seq.position() as u32, part, false);
+            batch.logit_rows.clear();
+            self.ensure_prefill(part.len())?;
+            let scratch = if part.len() == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+            self.model.step(&batch, &mut self.states, scratch)?;
+            seq.tokens.extend_from_slice(part);
+            done += part.len();
+            progress(done, ids.len());
+        }
+        let batch = Batch::single(seq.slot, seq.position() as u32, last, false);
+        self.ensure_prefill(last.len())?;
+        let scratch = if last.len() == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        let next = self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?;
+        seq.tokens.extend_from_slice(last);
+        progress(ids.len(), ids.len());
+        next.first().copied().ok_or_else(|| BackendError::Batch("no id sampled".into()))
+    }
+
+    /// Allocates the prompt buffers the first time a step of more than one row runs.
+    fn ensure_prefill(&mut self, rows: usize) -> Result<(), BackendError> {
+        if rows > 1 && self.prefill.is_none() {
+            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
+        }
+        Ok(())
+    }
+
+    /// The logits rows of the last one-token step (`[rows, V]`), read from the backend.
+    pub fn decode_logits(&mut self, rows: usize) -> Result<Vec<f32>, BackendError> {
+        let mut v = Vec::new();
+        self.model.backend.read_tensor(&self.decode.logits, rows, &mut v)?;
+        Ok(v)
+    }
+
+    /// Runs `ids` for `seq` as one eager step with [`crate::model::forward_probed`], handing
+    /// every intermediate tensor to `probe(layer, op, values)` (read back to the host).
+    pub fn probe_step(&mut self, seq: &mut Sequence, ids: &[u32], probe: &mut dyn FnMut(usize, &str, Vec<f32>)) -> Result<(), BackendError> {
+        self.ensure_prefill(ids.len())?;
+        let batch = Batch::single(seq.slot, seq.position() as u32, ids, false);
+        let scratch = if ids.len() == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        self.model.backend.begin_step(&mut self.states, &batch)?;
+        let backend = &self.model.backend;
+        let mut err = None;
+        crate::model::forward_probed(&self.model, &batch, &mut self.states, scratch, &mut |l, op, t| {
+            let rows = if op == "lm_head" { batch.logit_rows.len() } else { batch.rows() };
+            let mut v = Vec::new();
+            match backend.read_tensor(t, rows, &mut v) {
+                Ok(()) => probe(l, op, v),
+                Err(e) => {
+                    err.get_or_insert(e);
+                }
+            }
+        });
+        self.model.backend.end_step(&mut self.states, &batch)?;
+        seq.tokens.extend_from_slice(ids);
+        match err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Replaces `seq`'s state (swap in, restore).
+    pub fn import(&mut self, seq: &mut Sequence, state: &crate::backend::SequenceState, tokens: &[u32]) -> Result<(), BackendError> {
+        self.model.backend.import_slot(&mut self.states, seq.slot, state)?;
+        seq.tokens = tokens.to_vec();
+        Ok(())
+    }
+
+    /// A copy of `seq`'s state in host memory.
+    pub fn export(&self, seq: &Sequence) -> Result<crate::backend::SequenceState, BackendError> {
+        self.model.backend.export_slot(&self.states, seq.slot)
+    }
+
+    /// The backend's state storage (for state export and import).
+    pub fn states(&mut self) -> &mut B::States {
+        &mut self.states
+    }
 }

@@ -10,6 +10,7 @@
 //! decode step once and replay it for every token and every session.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::config::ModelConfig;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
@@ -228,4 +229,19 @@ pub trait Backend {
     );
     /// `out[i] = x[batch.logit_rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, batch: &Batch, out: &mut Self::Tensor);
+
+    /// Queues greedy sampling of the first `rows` logits rows over ids `< v_eff`
+    /// ([`crate::sampling::argmax`]'s arithmetic). A device does it where the logits are and
+    /// writes each id where the next step reads its token; the default does nothing until
+    /// [`Backend::argmax_read`].
+    fn argmax_enqueue(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) {}
+
+    /// The ids of the last [`Backend::argmax_enqueue`] (waits for the device). The default
+    /// reads the logits and takes the argmax on the host.
+    fn argmax_read(&self, logits: &Self::Tensor, rows: usize, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        let mut buf = Vec::new();
+        self.read_tensor(logits, rows, &mut buf)?;
+        let v = buf.len() / rows.max(1);
+        Ok((0..rows).map(|r| crate::sampling::argmax(&buf[r * v..r * v + v_eff])).collect())
+    }
 }

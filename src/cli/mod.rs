@@ -1,7 +1,9 @@
 //! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
 
 mod info;
+mod kernels;
 mod run;
+mod verify;
 
 use std::path::{Path, PathBuf};
 
@@ -22,12 +24,50 @@ pub enum Command {
     Run(run::RunArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
     Info(info::InfoArgs),
+    /// Compile the CUDA kernels with NVRTC (`--check`: CI's kernel gate; no GPU needed).
+    Kernels(kernels::KernelsArgs),
+    /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
+    Verify(verify::VerifyArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(a) => run::run(a),
         Command::Info(a) => info::info(a),
+        Command::Kernels(a) => kernels::kernels(a),
+        Command::Verify(a) => verify::verify(a),
+    }
+}
+
+/// Where to run: `cpu`, `cuda` or `cuda:N`; `auto` (the default) picks the first GPU when a
+/// CUDA driver, NVRTC and a device are present, else the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            "auto" => Ok(auto_device()),
+            _ => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => Ok(Device::Cuda(n)),
+                None => Err(format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")),
+            },
+        }
+    }
+}
+
+fn auto_device() -> Device {
+    use tensorfold::backend::cuda;
+    if cuda::compile::nvrtc_available() && cuda::device_count() > 0 {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
     }
 }
 

@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::Cpu;
+use tensorfold::backend::Backend;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
@@ -64,6 +65,9 @@ pub struct RunArgs {
     /// Tokens per prompt-processing step.
     #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
     pub chunk: usize,
+    /// cpu, cuda, cuda:N or auto (a GPU when one is present).
+    #[arg(long = "device", default_value = "auto")]
+    pub device: super::Device,
 }
 
 /// Sampling settings: the checkpoint's generation_config.json as transformers and vLLM read it
@@ -166,16 +170,39 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("prompt id {bad} is outside the model's vocabulary (vocab_size {vocab})");
     }
 
-    let backend = Cpu::new();
-    let describe = tensorfold::backend::Backend::describe(&backend);
-    let model = Model::new(&host, backend)?;
+    match a.device {
+        super::Device::Cpu => generate(&a, &dir, &host, &tokenizer, &prompt_ids, &params, Cpu::new(), t_load),
+        super::Device::Cuda(n) => {
+            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            generate(&a, &dir, &host, &tokenizer, &prompt_ids, &params, backend, t_load)
+        }
+    }
+}
+
+/// Prompt processing and generation on one backend.
+#[allow(clippy::too_many_arguments)]
+fn generate<B: Backend>(
+    a: &RunArgs,
+    dir: &std::path::Path,
+    host: &HostModel,
+    tokenizer: &Tokenizer,
+    prompt_ids: &[u32],
+    params: &SamplingParams,
+    backend: B,
+    t_load: Instant,
+) -> Result<()> {
+    let params = *params;
+    let describe = backend.describe();
+    let model = Model::new(host, backend)?;
     let mut engine = Engine::new(model, a.chunk)?;
     let mut seq = engine.new_sequence()?;
     let load_time = t_load.elapsed();
     eprintln!("model: {} ({describe}), loaded in {:.2} s", dir.display(), load_time.as_secs_f64());
 
     // Sampling only among ids the tokenizer can decode (the logits row is padded past them).
+    let vocab = host.config.vocab_size;
     let n_ids = tokenizer.vocab_size().min(vocab);
+    let greedy = params.temperature <= 0.0 || params.temperature.is_nan() || params.top_k == 1;
     let dump = a.dump_logits.is_some();
     let mut dumped: Vec<f32> = Vec::new();
     let mut dumped_ids: Vec<u32> = Vec::new();
@@ -189,20 +216,28 @@ pub fn run(a: RunArgs) -> Result<()> {
         None
     };
     let t_prompt = Instant::now();
-    let mut logits = engine
-        .feed(&mut seq, &prompt_ids, dump, &mut |done, _| {
-            if let Some(b) = &bar {
-                b.set_position(done as u64);
-            }
-        })?
-        .to_vec();
+    let mut progress = |done: usize, _: usize| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    };
+    // Greedy decoding without logits dumps takes the argmax where the logits are (on a GPU,
+    // inside the step's graph); otherwise the logits come back and the sampler runs here.
+    let device_greedy = greedy && !dump;
+    let mut next_greedy = None;
+    let mut logits = if device_greedy {
+        next_greedy = Some(engine.feed_greedy(&mut seq, prompt_ids, n_ids, &mut progress)?);
+        Vec::new()
+    } else {
+        engine.feed(&mut seq, prompt_ids, dump, &mut progress)?.to_vec()
+    };
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     let prompt_time = t_prompt.elapsed();
     if dump {
         dumped.extend_from_slice(&logits);
-        dumped_ids.extend_from_slice(&prompt_ids);
+        dumped_ids.extend_from_slice(prompt_ids);
         logits = logits[logits.len() - vocab..].to_vec();
     }
 
@@ -225,7 +260,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut stop_reason = "length";
     while generated < max_new {
         let t = Instant::now();
-        let next = sampler.sample(&logits[..n_ids], &seq.tokens, seq.position() as u64, &params);
+        let next = match next_greedy {
+            Some(id) => id,
+            None => sampler.sample(&logits[..n_ids], &seq.tokens, seq.position() as u64, &params),
+        };
         generated += 1;
         if a.print_ids {
             writeln!(out, "{next}")?;
@@ -247,7 +285,11 @@ pub fn run(a: RunArgs) -> Result<()> {
             gen_time += t.elapsed();
             break;
         }
-        logits = engine.feed(&mut seq, &[next], false, &mut |_, _| {})?.to_vec();
+        if device_greedy {
+            next_greedy = Some(engine.feed_greedy(&mut seq, &[next], n_ids, &mut |_, _| {})?);
+        } else {
+            logits = engine.feed(&mut seq, &[next], false, &mut |_, _| {})?.to_vec();
+        }
         gen_time += t.elapsed();
         if dump {
             dumped.extend_from_slice(&logits);
