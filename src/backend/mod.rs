@@ -195,6 +195,13 @@ pub trait Backend {
     fn matmul(&self, x: &Self::Tensor, rows: usize, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
     /// `out[r] = silu(gate[r]) ⊙ up[r]` (spec M1).
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, rows: usize, out: &mut Self::Tensor);
+    /// The MLP's first half: `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up`, as
+    /// [`Backend::matmul`] then [`Backend::swiglu`] (the default); a device may fuse them.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_swiglu(&self, x: &Self::Tensor, rows: usize, gate_w: &Self::Matrix, up_w: &Self::Matrix, gate: &mut Self::Tensor, up: &mut Self::Tensor, act: &mut Self::Tensor) {
+        self.matmul(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+        self.swiglu(gate, up, rows, act);
+    }
     /// The Gated DeltaNet mixer after its input projections, spec (G2)–(G12): causal conv,
     /// SiLU, q/k L2 norms, gates, delta rule, gated RMSNorm. `layer` indexes the GDN layers.
     #[allow(clippy::too_many_arguments)]

@@ -9,6 +9,9 @@ pub struct KernelsArgs {
     /// Compile every kernel and report errors (needs libnvrtc, not a GPU).
     #[arg(long)]
     pub check: bool,
+    /// Print ptxas's registers, shared memory and spills per kernel.
+    #[arg(long)]
+    pub resources: bool,
     /// Target architectures.
     #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_80")]
     pub arch: Vec<String>,
@@ -23,8 +26,15 @@ pub fn kernels(a: KernelsArgs) -> Result<()> {
     let mut failed = 0;
     for arch in &a.arch {
         for src in compile::SOURCES {
-            match compile::compile(src, arch) {
-                Ok(cubin) => println!("ok    {arch} {:<22} {:>7} bytes  {}", src.file, cubin.len(), src.entries.join(", ")),
+            match compile::compile_with_log(src, arch, a.resources) {
+                Ok((cubin, log)) => {
+                    println!("ok    {arch} {:<22} {:>7} bytes  {}", src.file, cubin.len(), src.entries.join(", "));
+                    if a.resources {
+                        for line in log.lines().filter(|l| l.contains("Used") || l.contains("spill") || l.contains("Compiling entry")) {
+                            println!("      {}", line.trim());
+                        }
+                    }
+                }
                 Err(log) => {
                     failed += 1;
                     println!("FAIL  {arch} {}\n{log}", src.file);

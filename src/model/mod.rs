@@ -214,9 +214,8 @@ pub fn forward_probed<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::S
         b.add_rms_norm(&mut s.x, &s.y, &layer.post_attention_layernorm, eps, n, &mut s.u);
         probe(l, "post_attention_layernorm", &s.u);
         // (M1) y = W_down · (silu(W_gate·u) ⊙ W_up·u)
-        b.matmul(&s.u, n, &mut [(&layer.mlp.gate_proj, &mut s.gate), (&layer.mlp.up_proj, &mut s.up)]);
+        b.matmul_swiglu(&s.u, n, &layer.mlp.gate_proj, &layer.mlp.up_proj, &mut s.gate, &mut s.up, &mut s.act);
         probe(l, "mlp.gate_proj", &s.gate);
-        b.swiglu(&s.gate, &s.up, n, &mut s.act);
         probe(l, "mlp (swiglu)", &s.act);
         b.matmul(&s.act, n, &mut [(&layer.mlp.down_proj, &mut s.y)]);
         probe(l, "mlp.down_proj", &s.y);

@@ -22,7 +22,7 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 pub const SOURCES: &[Source] = &[
     Source { file: "embed.cu", text: include_str!("kernels/embed.cu"), entries: &["embed_rows"] },
     Source { file: "rms_norm.cu", text: include_str!("kernels/rms_norm.cu"), entries: &["rms_norm_rows", "add_rms_norm_rows"] },
-    Source { file: "matmul.cu", text: include_str!("kernels/matmul.cu"), entries: &["matmul_t1r1", "matmul_t4r2", "matmul_t8r4"] },
+    Source { file: "matmul.cu", text: include_str!("kernels/matmul.cu"), entries: &["matmul_t1r1", "matmul_t4r2", "matmul_t8r4", "matmul_swiglu_t1", "matmul_swiglu_t4", "matmul_swiglu_t8"] },
     Source { file: "swiglu.cu", text: include_str!("kernels/swiglu.cu"), entries: &["swiglu"] },
     Source { file: "gather_rows.cu", text: include_str!("kernels/gather_rows.cu"), entries: &["gather_rows"] },
     Source { file: "gdn_conv.cu", text: include_str!("kernels/gdn_conv.cu"), entries: &["gdn_conv"] },
@@ -90,12 +90,20 @@ fn cache_dir() -> Option<PathBuf> {
 
 /// Compiles one kernel file to a CUBIN for `arch`, or returns NVRTC's log.
 pub fn compile(src: &Source, arch: &str) -> Result<Vec<u8>, String> {
+    compile_with_log(src, arch, false).map(|(c, _)| c)
+}
+
+/// [`compile`], also returning NVRTC's log; `resources` adds ptxas's register and spill report.
+pub fn compile_with_log(src: &Source, arch: &str, resources: bool) -> Result<(Vec<u8>, String), String> {
     use cudarc::nvrtc::{result, sys};
     let text = format!("{COMMON}\n// ---- {} ----\n{}", src.file, src.text);
     let csrc = CString::new(text).map_err(|e| e.to_string())?;
     let name = CString::new(src.file).unwrap();
     let prog = result::create_program(&csrc, Some(&name)).map_err(|e| format!("{}: nvrtcCreateProgram: {e:?}", src.file))?;
-    let opts = options(arch);
+    let mut opts = options(arch);
+    if resources {
+        opts.push("--ptxas-options=-v".into());
+    }
     // SAFETY: `prog` is a live program; options are plain strings.
     let compiled = unsafe { result::compile_program(prog, &opts) };
     let log = unsafe { result::get_program_log(prog) }
@@ -125,7 +133,7 @@ pub fn compile(src: &Source, arch: &str) -> Result<Vec<u8>, String> {
         }
         buf
     };
-    Ok(cubin)
+    Ok((cubin, log))
 }
 
 /// [`compile`] through the on-disk cache, keyed by the source, the options, the NVRTC version

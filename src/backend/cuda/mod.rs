@@ -832,6 +832,44 @@ impl Backend for Cuda {
         }
     }
 
+    fn matmul_swiglu(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
+        let same = gate_w.fmt == up_w.fmt && gate_w.group == up_w.group && gate_w.sdtype == up_w.sdtype && gate_w.rows == up_w.rows && gate_w.cols == up_w.cols;
+        if rows == 0 || !same || gate.cols != up.cols || gate.cols != act.cols {
+            self.matmul(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+            self.swiglu(gate, up, rows, act);
+            return;
+        }
+        let (name, t) = if rows == 1 {
+            ("matmul_swiglu_t1", 1u32)
+        } else if rows <= 4 {
+            ("matmul_swiglu_t4", 4)
+        } else {
+            ("matmul_swiglu_t8", 8)
+        };
+        let mut d = MatDescs::default();
+        for (i, (m, y)) in [(gate_w, &*gate), (up_w, &*up)].into_iter().enumerate() {
+            d.m[i] = MatDesc {
+                w: ptr(&m.w, &self.stream),
+                s: ptr(&m.s, &self.stream),
+                b: ptr(&m.b, &self.stream),
+                y: ptr(&y.buf, &self.stream),
+                rows: m.rows as u32,
+                cols: m.cols as u32,
+                fmt: m.fmt,
+                group: m.group,
+                sdtype: m.sdtype,
+                ldy: y.cols as u32,
+                row0: 0,
+                pad: 0,
+            };
+        }
+        d.count = 2;
+        let (ldx, n_tok) = (x.cols as u32, rows as u32);
+        let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
+        let f = self.func(name);
+        self.launch(name, |_| unsafe { self.stream.launch_builder(f).arg(&d).arg(&x.buf).arg(&ldx).arg(&n_tok).arg(&mut act.buf).launch(Self::cfg1(grid, 256, 0)) });
+    }
+
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor, rows: usize, out: &mut CudaTensor) {
         let n = (rows * gate.cols) as u32;
         let f = self.func("swiglu");
@@ -898,7 +936,7 @@ impl Backend for Cuda {
                 .arg(&st.seqs)
                 .arg(&st.slot_table)
                 .arg(&mut out.buf)
-                .launch(Self::cfg1((hv, nseq, 1), 256, dv * 4))
+                .launch(Self::cfg1((hv, nseq, 1), 1024, dv * 4))
         });
     }
 

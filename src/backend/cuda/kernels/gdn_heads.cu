@@ -1,7 +1,7 @@
 // Gated DeltaNet gates, delta rule and gated RMSNorm: one block per (value head, sequence),
 // tokens in order, state rows updated in place in the slot's recurrent state.
 // CPU twin: backend::cpu::kernels::gdn_head with gdn_rows_ref (numerics §4 steps 3-5).
-// Grid: (Hv, n_seqs), block 256 (8 warps; warp w takes state rows w, w+8, ...).
+// Grid: (Hv, n_seqs), block 1024 (32 warps; warp w takes state rows w, w+32, ...).
 
 extern "C" __global__ void gdn_heads(const float* y, const float* qn, const float* kn, const float* z,
                                      const float* b, const float* a, const float* a_neg, const float* dt_bias,

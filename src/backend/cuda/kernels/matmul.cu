@@ -41,52 +41,95 @@ __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
     return __uint_as_float(wd);
 }
 
+// Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
+// partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
+// of a word ascending. Words are loaded four at a time (independent loads in flight), which
+// keeps each lane's order: j, j+32, j+64, j+96.
 template <int T, int R, int FMT>
-__device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 ldx, u32 t0, u32 nt) {
+__device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows, const float* x, u32 ldx, u32 t0, u32 nt,
+                                           float (&acc)[T][R]) {
     const int E = Fmt<FMT>::E;
-    const u32 lane = threadIdx.x & 31;
-    const u32 words = m.cols / E;
     const bool affine = FMT == 4 || FMT == 8;
-    const u32 groups = affine ? m.cols / m.group : 1;
-    float acc[T][R];
+    const u32 lane = threadIdx.x & 31;
+    const u32 words = ms[0]->cols / E;
+    const u32* wrow[R];
+    const u8* srow[R];
+    const u8* brow[R];
+    u32 group = affine ? ms[0]->group : 1, sdt = ms[0]->sdtype;
+    u32 ssize = sdt == 0 ? 4 : 2;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        wrow[r] = (const u32*)ms[r]->w + (u64)rows[r] * words;
+        srow[r] = affine ? ms[r]->s + (u64)rows[r] * (ms[r]->cols / group) * ssize : ms[r]->s;
+        brow[r] = affine ? ms[r]->b + (u64)rows[r] * (ms[r]->cols / group) * ssize : ms[r]->b;
+    }
 #pragma unroll
     for (int t = 0; t < T; t++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
-    u32 nr = m.rows - n0 < (u32)R ? m.rows - n0 : (u32)R;
-    const u32* wrow[R];
+    const int U = 4;
+    for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
+        u32 wd[U][R];
 #pragma unroll
-    for (int r = 0; r < R; r++) wrow[r] = (const u32*)m.w + (u64)(n0 + ((u32)r < nr ? r : 0)) * words;
-    for (u32 j = lane; j < words; j += 32) {
-        u32 wd[R];
-        float s[R], b[R];
+        for (int u = 0; u < U; u++)
 #pragma unroll
-        for (int r = 0; r < R; r++) {
-            wd[r] = wrow[r][j];
-            if (affine) {
-                u64 g = (u64)(n0 + ((u32)r < nr ? r : 0)) * groups + (u64)j * E / m.group;
-                s[r] = load_float(m.s, g, m.sdtype);
-                b[r] = load_float(m.b, g, m.sdtype);
-            } else {
-                s[r] = 0.0f;
-                b[r] = 0.0f;
+            for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            u32 j = j0 + 32 * u;
+            if (j >= words) break;
+            float s[R], b[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (affine) {
+                    u32 g = j * E / group;
+                    s[r] = load_float(srow[r], g, sdt);
+                    b[r] = load_float(brow[r], g, sdt);
+                } else {
+                    s[r] = 0.0f;
+                    b[r] = 0.0f;
+                }
             }
-        }
-#pragma unroll
-        for (int e = 0; e < E; e++) {
-            float wf[R];
-#pragma unroll
-            for (int r = 0; r < R; r++) wf[r] = decode<FMT>(wd[r], e, s[r], b[r]);
 #pragma unroll
             for (int t = 0; t < T; t++) {
-                if ((u32)t < nt) {
-                    float xv = x[(u64)(t0 + t) * ldx + (u64)j * E + e];
+                if ((u32)t >= nt) break;
+                const float* xp = x + (u64)(t0 + t) * ldx + (u64)j * E;
+                float xv[E];
+                if (E >= 4) {
 #pragma unroll
-                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(wf[r], xv, acc[t][r]);
+                    for (int q = 0; q < E / 4; q++) {
+                        float4 v = ((const float4*)xp)[q];
+                        xv[4 * q] = v.x;
+                        xv[4 * q + 1] = v.y;
+                        xv[4 * q + 2] = v.z;
+                        xv[4 * q + 3] = v.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; e++) xv[e] = xp[e];
                 }
+#pragma unroll
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[u][r], e, s[r], b[r]), xv[e], acc[t][r]);
             }
         }
     }
+}
+
+template <int T, int R, int FMT>
+__device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 ldx, u32 t0, u32 nt) {
+    const u32 lane = threadIdx.x & 31;
+    u32 nr = m.rows - n0 < (u32)R ? m.rows - n0 : (u32)R;
+    const Mat* ms[R];
+    u32 rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        ms[r] = &m;
+        rows[r] = n0 + ((u32)r < nr ? r : 0);
+    }
+    float acc[T][R];
+    accumulate<T, R, FMT>(ms, rows, x, ldx, t0, nt, acc);
 #pragma unroll
     for (int t = 0; t < T; t++)
 #pragma unroll
@@ -120,3 +163,47 @@ __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, 
 extern "C" __global__ void __launch_bounds__(256) matmul_t1r1(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<1, 1>(ms, x, ldx, n_tok); }
 extern "C" __global__ void __launch_bounds__(256) matmul_t4r2(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<4, 2>(ms, x, ldx, n_tok); }
 extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<8, 4>(ms, x, ldx, n_tok); }
+
+// The MLP's gate and up projections with SwiGLU fused: a warp computes row n of both (same
+// arithmetic as two matmul outputs) and writes gate[n], up[n] and act[n] = silu(gate)·up
+// (CPU twin of the pair: Cpu::matmul then Cpu::swiglu). ms.m[0] is gate_proj, ms.m[1] up_proj,
+// both with the same format; `act` has the layout of their outputs.
+template <int T, int FMT>
+__device__ __forceinline__ void pair_body(const Mats& ms, u32 n, const float* x, u32 ldx, u32 t0, u32 nt, float* act) {
+    const u32 lane = threadIdx.x & 31;
+    const Mat* mp[2] = {&ms.m[0], &ms.m[1]};
+    u32 rows[2] = {n, n};
+    float acc[T][2];
+    accumulate<T, 2, FMT>(mp, rows, x, ldx, t0, nt, acc);
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        float g = fold32(acc[t][0]);
+        float u = fold32(acc[t][1]);
+        if (lane == 0 && (u32)t < nt) {
+            u64 o = (u64)(t0 + t) * ms.m[0].ldy + n;
+            ms.m[0].y[o] = g;
+            ms.m[1].y[o] = u;
+            act[o] = tf_silu(g) * u;
+        }
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u32 ldx, u32 n_tok, float* act) {
+    u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (n >= ms.m[0].rows) return;
+    u32 t0 = blockIdx.y * T;
+    if (t0 >= n_tok) return;
+    u32 nt = n_tok - t0 < (u32)T ? n_tok - t0 : (u32)T;
+    switch (ms.m[0].fmt) {
+        case 4: pair_body<T, 4>(ms, n, x, ldx, t0, nt, act); break;
+        case 8: pair_body<T, 8>(ms, n, x, ldx, t0, nt, act); break;
+        case 2: pair_body<T, 2>(ms, n, x, ldx, t0, nt, act); break;
+        case 1: pair_body<T, 1>(ms, n, x, ldx, t0, nt, act); break;
+        default: pair_body<T, 0>(ms, n, x, ldx, t0, nt, act); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t1(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<1>(ms, x, ldx, n_tok, act); }
+extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t4(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<4>(ms, x, ldx, n_tok, act); }
+extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t8(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<8>(ms, x, ldx, n_tok, act); }
