@@ -223,7 +223,8 @@ fn generate<B: Backend>(
     };
     // Greedy decoding without logits dumps takes the argmax where the logits are (on a GPU,
     // inside the step's graph); otherwise the logits come back and the sampler runs here.
-    let device_greedy = greedy && !dump;
+    let penalties = params.repeat_last_n != 0 && (params.repetition_penalty != 1.0 || params.presence_penalty != 0.0 || params.frequency_penalty != 0.0);
+    let device_greedy = greedy && !dump && !penalties;
     let mut next_greedy = None;
     let mut logits = if device_greedy {
         next_greedy = Some(engine.feed_greedy(&mut seq, prompt_ids, n_ids, &mut progress)?);
