@@ -1,5 +1,6 @@
 //! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
 
+mod chat;
 mod info;
 mod run;
 
@@ -20,6 +21,9 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt (the embedded demo model when no -m is given).
     Run(run::RunArgs),
+    /// Talk with a model: each line on stdin is a message; the conversation lives in one session
+    /// that only ever processes new tokens (/save FILE, /load FILE, /reset, /quit).
+    Chat(chat::ChatArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
     Info(info::InfoArgs),
 }
@@ -27,6 +31,7 @@ pub enum Command {
 pub fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::chat(a),
         Command::Info(a) => info::info(a),
     }
 }
