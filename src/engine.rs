@@ -225,7 +225,7 @@ impl<B: Backend> Engine<B> {
                 self.model.backend.read_tensor(&scratch.logits, want, &mut self.logits)?;
                 out.extend_from_slice(&self.logits);
             }
-            if stride > 0 && s.position % stride == 0 {
+            if stride > 0 && s.position.is_multiple_of(stride) {
                 self.snapshot(s)?;
             }
             done += n;

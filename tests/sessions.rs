@@ -310,9 +310,9 @@ fn a_saved_session_restored_in_a_new_engine_continues_exactly() {
         let mut s = e.new_session(sampling(77)).unwrap();
         let mut sampler = Sampler::new();
         let mut logits = e.feed(&mut s, &prompt, false, &mut |_, _| {}).unwrap().to_vec();
-        for t in 0..4 {
+        for &want in &want_ids[..4] {
             let (id, l) = step(&mut e, &mut s, &mut sampler, &logits);
-            assert_eq!(id, want_ids[t]);
+            assert_eq!(id, want);
             logits = l;
         }
         s.push(s.sample(&mut sampler, &logits));
@@ -451,9 +451,9 @@ fn run_saved_and_loaded_in_a_new_process_equals_one_uninterrupted_run() {
     let whole_ids = lines(&whole);
     assert_eq!(whole_ids.len(), 20);
     assert_eq!([lines(&first), lines(&second)].concat(), whole_ids, "sampled ids across save and load");
-    let (wl, wi) = read_dump(&t("whole.st").as_ref());
-    let (al, ai) = read_dump(&t("a.st").as_ref());
-    let (bl, bi) = read_dump(&t("b.st").as_ref());
+    let (wl, wi) = read_dump(t("whole.st").as_ref());
+    let (al, ai) = read_dump(t("a.st").as_ref());
+    let (bl, bi) = read_dump(t("b.st").as_ref());
     assert_eq!(wi.len(), 7 + 19);
     assert_eq!([ai, bi].concat(), wi);
     assert!([al, bl].concat() == wl, "logits across save and load differ from the uninterrupted run");
