@@ -49,8 +49,9 @@ use crate::sampling::{Sampler, SamplingParams};
 /// Why a session could not be saved, loaded or used.
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("{path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
+    /// (The I/O error is part of the message, not a chained source, so it prints once.)
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
     #[error("{path}: not a tensorfold session file (its first bytes are not the session magic)")]
     NotASession { path: PathBuf },
     #[error("{path}: session format version {found}; this build reads version {supported}")]
@@ -437,7 +438,7 @@ fn layout(cfg: &ModelConfig) -> (u32, u32, u32, u64, u64, u64) {
 
 /// Writes `rec` to `path` atomically: a temporary file beside it, synced, then renamed.
 pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIdentity, cfg: &ModelConfig) -> Result<(), SessionError> {
-    let io = |source| SessionError::Io { path: path.to_path_buf(), source };
+    let io = |error| SessionError::Io { path: path.to_path_buf(), error };
     let st = &*rec.state;
     let (n_conv, n_rec, n_attn, conv_len, rec_len, kv_width) = layout(cfg);
     if st.position > rec.tokens.len() {
@@ -543,7 +544,7 @@ impl<R: Read> Hashed<R> {
 /// `cfg`.
 pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn FnMut() -> Result<ModelIdentity, SessionError>) -> Result<LoadedSession, SessionError> {
     let p = || path.to_path_buf();
-    let io = |source| SessionError::Io { path: p(), source };
+    let io = |error| SessionError::Io { path: p(), error };
     let file = File::open(path).map_err(io)?;
     let found = file.metadata().map_err(io)?.len();
     let mut r = Hashed { inner: BufReader::with_capacity(1 << 20, file), hash: Xxh3::new(), read: 0 };
@@ -668,7 +669,7 @@ fn checksum_error(path: &Path, len: u64) -> Option<SessionError> {
     match run() {
         Ok((stored, computed)) if stored == computed => None,
         Ok((stored, computed)) => Some(SessionError::Checksum { path: p, stored, computed }),
-        Err(source) => Some(SessionError::Io { path: p, source }),
+        Err(error) => Some(SessionError::Io { path: p, error }),
     }
 }
 

@@ -198,7 +198,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut engine = Engine::new(model, a.chunk)?.with_model_dir(&dir);
     let mut seq = match &a.load_session {
         Some(path) => {
-            let mut s = engine.load_session(path).with_context(|| format!("loading the session {}", path.display()))?;
+            let mut s = engine.load_session(path).context("loading the session")?;
             // The session's own settings (seed included), with the flags given over them.
             s.params = a.sampling.apply(s.params);
             s.params.validate()?;
@@ -316,7 +316,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         stop_reason
     );
     if let Some(path) = &a.save_session {
-        engine.save_session(&seq, path).with_context(|| format!("saving the session to {}", path.display()))?;
+        engine.save_session(&seq, path).context("saving the session")?;
         eprintln!("session: {} tokens saved to {}", seq.tokens().len(), path.display());
     }
     if let Some(path) = &a.dump_logits {
