@@ -629,6 +629,7 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
         Ok((_, _, stored, computed)) => return Err(SessionError::Checksum { path: p(), stored, computed }),
         Err(reason) => return Err(checksum_error(path, found).unwrap_or_else(|| SessionError::Corrupt { path: p(), reason })),
     };
+    loaded.params.validate().map_err(|e| SessionError::Corrupt { path: p(), reason: e.to_string() })?;
     let this = identity()?;
     if file_id != this {
         return Err(SessionError::OtherModel { path: p(), file: file_id, this });
