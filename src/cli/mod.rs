@@ -1,5 +1,6 @@
 //! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
 
+mod chat;
 mod info;
 mod kernels;
 mod run;
@@ -22,6 +23,9 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt (the embedded demo model when no -m is given).
     Run(run::RunArgs),
+    /// Talk with a model: each line on stdin is a message; the conversation lives in one session
+    /// that only ever processes new tokens (/save FILE, /load FILE, /reset, /quit).
+    Chat(chat::ChatArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
     Info(info::InfoArgs),
     /// Compile the CUDA kernels with NVRTC (`--check`: CI's kernel gate; no GPU needed).
@@ -33,6 +37,7 @@ pub enum Command {
 pub fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::chat(a),
         Command::Info(a) => info::info(a),
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),

@@ -8,7 +8,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::Cpu;
 use tensorfold::backend::cuda::Cuda;
-use tensorfold::engine::{Engine, Sequence};
+use tensorfold::engine::Engine;
+use tensorfold::sampling::SamplingParams;
+use tensorfold::session::Session;
 use tensorfold::model::{HostModel, Model};
 use tensorfold::sampling::argmax;
 use tensorfold::tokenizer::Tokenizer;
@@ -101,8 +103,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     }
     println!("numerics: exp, log, softplus, sigmoid, silu: {} inputs, device == host bit for bit", xs.len());
 
-    let mut sc = ec.new_sequence()?;
-    let mut sg = eg.new_sequence()?;
+    let mut sc = ec.new_session(SamplingParams::greedy())?;
+    let mut sg = eg.new_session(SamplingParams::greedy())?;
     let t0 = Instant::now();
     let lc = ec.feed(&mut sc, &prompt, true, &mut |_, _| {})?.to_vec();
     let lg = eg.feed(&mut sg, &prompt, true, &mut |_, _| {})?.to_vec();
@@ -110,8 +112,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     if !eq {
         let row = lc.chunks(vocab).zip(lg.chunks(vocab)).position(|(x, y)| !same(x, y).0).unwrap_or(0);
         println!("prompt: logits differ (max abs {max:e}), first at prompt position {row}");
-        let mut fc = ec.new_sequence()?;
-        let mut fg = eg.new_sequence()?;
+        let mut fc = ec.new_session(SamplingParams::greedy())?;
+        let mut fg = eg.new_session(SamplingParams::greedy())?;
         return diagnose(&mut ec, &mut eg, &mut fc, &mut fg, &prompt[..=row.min(prompt.len() - 1)]);
     }
     println!("prompt: {} tokens, {} logits rows bit-identical ({:.2} s)", prompt.len(), prompt.len(), t0.elapsed().as_secs_f64());
@@ -121,7 +123,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     let launches0 = eg.model.backend.launches();
     let t1 = Instant::now();
     for step in 0..a.steps {
-        let pre = if small { Some((ec.export(&sc)?, sc.tokens.clone())) } else { None };
+        let pre = if small { Some((ec.export_state(&sc)?, sc.tokens().to_vec())) } else { None };
         let lc = ec.feed(&mut sc, &[tok], false, &mut |_, _| {})?.to_vec();
         let next_g = eg.feed_greedy(&mut sg, &[tok], n_ids, &mut |_, _| {})?;
         let lg = eg.decode_logits(1)?;
@@ -130,10 +132,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         if !eq || next_c != next_g {
             println!("decode step {step} (position {}): logits {} (max abs {max:e}), greedy ids cpu {next_c} gpu {next_g}", sc.position() - 1, if eq { "equal" } else { "differ" });
             if let Some((state, tokens)) = pre {
-                let mut fc = ec.new_sequence()?;
-                let mut fg = eg.new_sequence()?;
-                ec.import(&mut fc, &state, &tokens)?;
-                eg.import(&mut fg, &state, &tokens)?;
+                let mut fc = ec.session_from_state(&state, &tokens, SamplingParams::greedy())?;
+                let mut fg = eg.session_from_state(&state, &tokens, SamplingParams::greedy())?;
                 return diagnose(&mut ec, &mut eg, &mut fc, &mut fg, &[tok]);
             }
             bail!("logits differ at decode step {step}");
@@ -156,7 +156,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
 }
 
 /// Reruns one step on both backends operation by operation and names the first that differs.
-fn diagnose(ec: &mut Engine<Cpu>, eg: &mut Engine<Cuda>, fc: &mut Sequence, fg: &mut Sequence, ids: &[u32]) -> Result<()> {
+fn diagnose(ec: &mut Engine<Cpu>, eg: &mut Engine<Cuda>, fc: &mut Session, fg: &mut Session, ids: &[u32]) -> Result<()> {
     eg.model.backend.set_graphs(false);
     let mut cpu = Vec::new();
     ec.probe_step(fc, ids, &mut |l, op, v| cpu.push((l, op.to_string(), v)))?;
