@@ -324,14 +324,41 @@ impl<B: Backend> Engine<B> {
     pub fn feed_greedy(&mut self, s: &mut Session, ids: &[u32], v_eff: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<u32, BackendError> {
         let before = s.tokens.len();
         s.tokens.extend_from_slice(ids);
-        let r = self.process_greedy(s, v_eff, progress);
+        let r = self.process_choosing(s, v_eff, false, progress);
         if r.is_err() {
             s.tokens.truncate(before.max(s.position));
         }
         r
     }
 
-    fn process_greedy(&mut self, s: &mut Session, v_eff: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<u32, BackendError> {
+    /// Like [`Engine::feed_greedy`], but samples the next id with the session's settings
+    /// (penalties over its history, the draw keyed by its seed and position) where the logits
+    /// are. Returns `None`, feeding nothing, when the backend cannot sample these settings
+    /// itself ([`Backend::set_sampling`]); then use [`Engine::feed`] and [`Session::sample`],
+    /// which give the same id.
+    pub fn feed_sample(&mut self, s: &mut Session, ids: &[u32], v_eff: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Option<u32>, BackendError> {
+        let mut history = s.tokens.clone();
+        history.extend_from_slice(ids);
+        let p = s.params;
+        let n = match p.repeat_last_n {
+            0 => 0,
+            n if n < 0 => history.len(),
+            n => (n as usize).min(history.len()),
+        };
+        let row = crate::backend::RowSampling { params: p, window: history[history.len() - n..].to_vec(), position: history.len() as u64 };
+        if !self.model.backend.set_sampling(std::slice::from_ref(&row))? {
+            return Ok(None);
+        }
+        let before = s.tokens.len();
+        s.tokens.extend_from_slice(ids);
+        let r = self.process_choosing(s, v_eff, true, progress);
+        if r.is_err() {
+            s.tokens.truncate(before.max(s.position));
+        }
+        r.map(Some)
+    }
+
+    fn process_choosing(&mut self, s: &mut Session, v_eff: usize, sample: bool, progress: &mut dyn FnMut(usize, usize)) -> Result<u32, BackendError> {
         let total = s.tokens.len() - s.position;
         if total == 0 {
             return Err(BackendError::Batch("no tokens to feed".into()));
@@ -364,7 +391,11 @@ impl<B: Backend> Engine<B> {
             self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
         }
         let scratch = if last == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
-        let next = self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?;
+        let next = if sample {
+            self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?
+        } else {
+            self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?
+        };
         s.position += last;
         if stride > 0 && s.position.is_multiple_of(stride) {
             self.snapshot(s)?;

@@ -141,6 +141,16 @@ impl SequenceState {
     }
 }
 
+/// How to choose the next id of one logits row on the device ([`Backend::set_sampling`]).
+#[derive(Clone, Debug)]
+pub struct RowSampling {
+    pub params: crate::sampling::SamplingParams,
+    /// The penalty window: the last `repeat_last_n` ids of the history (empty when off).
+    pub window: Vec<u32>,
+    /// The position the sampled id will have (the history length): keys the random draw.
+    pub position: u64,
+}
+
 /// A device that runs the model's operations.
 ///
 /// Tensors are row-major f32 `[rows, cols]` buffers allocated for a maximum row count; each
@@ -242,6 +252,22 @@ pub trait Backend {
     /// writes each id where the next step reads its token; the default does nothing until
     /// [`Backend::argmax_read`].
     fn argmax_enqueue(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) {}
+
+    /// Prepares sampling of the next step's logits rows on the device, one entry per row, before
+    /// the step begins. Returns `false` when this backend does not sample these settings itself
+    /// (the default); the caller then reads the logits and samples on the host, with the same
+    /// result.
+    fn set_sampling(&self, _rows: &[RowSampling]) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// Queues sampling of the first `rows` logits rows as [`Backend::set_sampling`] prepared.
+    fn sample_enqueue(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) {}
+
+    /// The ids of the last [`Backend::sample_enqueue`] (waits for the device).
+    fn sample_read(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        Err(BackendError::Device("this backend does not sample on the device".into()))
+    }
 
     /// The ids of the last [`Backend::argmax_enqueue`] (waits for the device). The default
     /// reads the logits and takes the argmax on the host.

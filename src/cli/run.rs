@@ -265,13 +265,19 @@ fn generate<B: Backend>(
     let greedy = p.temperature <= 0.0 || p.temperature.is_nan() || p.top_k == 1;
     let penalties = p.repeat_last_n != 0 && (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
     let device_greedy = greedy && !penalties && !dump;
+    // Other settings sample on the device where the backend can (the same ids either way).
+    let mut device_sample = !greedy && !dump;
     let mut next_greedy = None;
-    let mut logits = if device_greedy {
+    let mut logits = Vec::new();
+    if device_greedy {
         next_greedy = Some(engine.feed_greedy(&mut seq, prompt_ids, n_ids, &mut progress)?);
-        Vec::new()
-    } else {
-        engine.feed(&mut seq, prompt_ids, dump, &mut progress)?.to_vec()
-    };
+    } else if device_sample {
+        next_greedy = engine.feed_sample(&mut seq, prompt_ids, n_ids, &mut progress)?;
+        device_sample = next_greedy.is_some();
+    }
+    if next_greedy.is_none() {
+        logits = engine.feed(&mut seq, prompt_ids, dump, &mut progress)?.to_vec();
+    }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
@@ -332,6 +338,11 @@ fn generate<B: Backend>(
         }
         if device_greedy {
             next_greedy = Some(engine.feed_greedy(&mut seq, &[], n_ids, &mut |_, _| {})?);
+        } else if device_sample {
+            next_greedy = engine.feed_sample(&mut seq, &[], n_ids, &mut |_, _| {})?;
+            if next_greedy.is_none() {
+                anyhow::bail!("the device stopped accepting these sampling settings");
+            }
         } else {
             logits = engine.feed(&mut seq, &[], false, &mut |_, _| {})?.to_vec();
         }

@@ -139,6 +139,10 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
             bail!("logits differ at decode step {step}");
         }
         tok = next_c;
+        // Swapping the session out and back (into whichever slot is free) changes nothing.
+        if step % 7 == 3 {
+            eg.swap_out(&mut sg)?;
+        }
     }
     let dt = t1.elapsed().as_secs_f64();
     let launches = eg.model.backend.launches() - launches0;
@@ -151,6 +155,29 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         launches,
         dt
     );
+
+    // Sampling on the device against the host sampler, from the same state: llama.cpp's
+    // defaults with a repetition penalty, so every step of the contract runs.
+    let params = SamplingParams { repetition_penalty: 1.1, ..SamplingParams::default() };
+    sc.params = params;
+    sg.params = params;
+    let sample_steps = a.steps.min(100);
+    let mut pending: Vec<u32> = vec![tok];
+    for step in 0..sample_steps {
+        let lc = ec.feed(&mut sc, &pending, false, &mut |_, _| {})?.to_vec();
+        let mut sampler = tensorfold::sampling::Sampler::new();
+        let next_c = sc.sample(&mut sampler, &lc[..n_ids]);
+        let Some(next_g) = eg.feed_sample(&mut sg, &pending, n_ids, &mut |_, _| {})? else {
+            bail!("the GPU did not accept sampling settings {params:?}");
+        };
+        let lg = eg.decode_logits(1)?;
+        let (eq, max) = same(&lc, &lg);
+        if !eq || next_c != next_g {
+            bail!("sampling step {step}: logits {} (max abs {max:e}), sampled ids cpu {next_c} gpu {next_g}", if eq { "equal" } else { "differ" });
+        }
+        pending = vec![next_c];
+    }
+    println!("sampling: {sample_steps} steps (temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {}): device ids == host ids", params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty);
     println!("verify: OK on {device}");
     Ok(())
 }

@@ -131,6 +131,19 @@ impl<B: Backend> Model<B> {
         self.backend.end_step(states, batch)?;
         self.backend.argmax_read(&scratch.logits, batch.logit_rows.len(), v_eff)
     }
+
+    /// [`Model::step`], then sampling on the device as [`Backend::set_sampling`] prepared (which
+    /// the caller ran first and which returned `true`).
+    pub fn step_sample(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
+            return Err(BackendError::Batch("the step exceeds its scratch buffers".into()));
+        }
+        self.backend.begin_step(states, batch)?;
+        forward(self, batch, states, scratch);
+        self.backend.sample_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
+        self.backend.end_step(states, batch)?;
+        self.backend.sample_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+    }
 }
 
 /// Activation buffers of one step (sized for the largest step they serve).

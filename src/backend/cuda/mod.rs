@@ -165,21 +165,52 @@ struct GraphKey {
     scratch: u64,
 }
 
+/// Which token-choosing kernel ends a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chooser {
+    Argmax,
+    Sample,
+}
+
 /// A recorded step.
 struct Recorded {
     graph: cudarc::driver::CudaGraph,
-    /// Whether the greedy argmax was recorded with it.
-    argmax: bool,
+    /// The token-choosing kernel recorded with it, if any.
+    chooser: Option<Chooser>,
 }
 
-/// An argmax to run after a replayed graph that was recorded without one.
+/// A token-choosing kernel to run after a replayed graph that was recorded without it.
 #[derive(Clone, Copy, Debug)]
-struct PendingArgmax {
+struct PendingChooser {
+    kind: Chooser,
     logits: u64,
     rows: u32,
     v_eff: u32,
     ld: u32,
 }
+
+/// Sampling parameters of one row as `sample.cu` reads them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SampleParamsRepr {
+    temperature: f32,
+    top_p: f32,
+    min_p: f32,
+    rep: f32,
+    pres: f32,
+    freq: f32,
+    top_k: u32,
+    window_cap: u32,
+    seed: u64,
+}
+// SAFETY: plain data with the layout of `SampleParams` in sample.cu; zero bytes are valid.
+unsafe impl DeviceRepr for SampleParamsRepr {}
+unsafe impl cudarc::driver::ValidAsZeroBits for SampleParamsRepr {}
+
+/// Penalty window ids per row the device sampler holds.
+pub const SAMPLE_WINDOW: usize = 1024;
+/// Largest top-k the device sampler handles.
+pub const SAMPLE_MAX_K: usize = 1024;
 
 /// Per-step device buffers and backend-owned temporaries (fixed addresses: graphs read them).
 struct Step {
@@ -209,8 +240,14 @@ struct Step {
     mode: Mode,
     batch_rows: usize,
     graphs: HashMap<GraphKey, Recorded>,
-    captured_argmax: bool,
-    pending_argmax: Option<PendingArgmax>,
+    captured_chooser: Option<Chooser>,
+    pending_chooser: Option<PendingChooser>,
+    /// Device sampler inputs: per-row parameters, penalty windows, positions; and its scratch.
+    sample_params: CudaSlice<SampleParamsRepr>,
+    sample_win: CudaSlice<u32>,
+    sample_wlen: CudaSlice<u32>,
+    sample_pos: CudaSlice<u64>,
+    sample_work: Option<CudaSlice<f32>>,
     error: Option<BackendError>,
     launches: u64,
 }
@@ -294,8 +331,13 @@ impl Cuda {
             mode: Mode::Eager,
             batch_rows: 0,
             graphs: HashMap::new(),
-            captured_argmax: false,
-            pending_argmax: None,
+            captured_chooser: None,
+            pending_chooser: None,
+            sample_params: stream.alloc_zeros::<SampleParamsRepr>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
+            sample_win: alloc(64 * SAMPLE_WINDOW)?,
+            sample_wlen: alloc(64)?,
+            sample_pos: stream.alloc_zeros::<u64>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
+            sample_work: None,
             error: None,
             launches: 0,
         };
@@ -362,6 +404,54 @@ impl Cuda {
             }
         }
         st.launches += 1;
+    }
+
+    /// Queues the kernel that picks each row's next id (recorded into a graph being captured;
+    /// after the graph when it replays one recorded without this kernel).
+    fn enqueue_chooser(&self, kind: Chooser, logits: &CudaTensor, rows: usize, v_eff: usize) {
+        let (v, ld) = (v_eff as u32, logits.cols as u32);
+        let lp = ptr(&logits.buf, &self.stream);
+        let mut st = self.step.lock().unwrap();
+        match st.mode {
+            Mode::Replaying(key) => {
+                if st.graphs[&key].chooser != Some(kind) {
+                    st.pending_chooser = Some(PendingChooser { kind, logits: lp, rows: rows as u32, v_eff: v, ld });
+                }
+                return;
+            }
+            Mode::Capturing(_) => st.captured_chooser = Some(kind),
+            Mode::Eager => {}
+        }
+        if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
+            st.error.get_or_insert(dev_err("choosing tokens", e));
+        }
+        st.launches += 1;
+    }
+
+    fn launch_chooser(&self, st: &mut Step, kind: Chooser, logits: u64, rows: u32, v_eff: u32, ld: u32) -> Result<(), cudarc::driver::DriverError> {
+        let cfg = Self::cfg1((rows, 1, 1), 1024, 0);
+        // SAFETY: arguments match argmax.cu / sample.cu; `logits` is the step's logits tensor
+        // (`rows` rows of `ld` floats), the other buffers hold at least 64 rows.
+        unsafe {
+            match kind {
+                Chooser::Argmax => self.stream.launch_builder(self.func("argmax_rows")).arg(&logits).arg(&v_eff).arg(&ld).arg(&st.sampled).arg(&st.ids).launch(cfg).map(|_| ()),
+                Chooser::Sample => self
+                    .stream
+                    .launch_builder(self.func("sample_rows"))
+                    .arg(&logits)
+                    .arg(&v_eff)
+                    .arg(&ld)
+                    .arg(&st.sample_params)
+                    .arg(&st.sample_win)
+                    .arg(&st.sample_wlen)
+                    .arg(&st.sample_pos)
+                    .arg(st.sample_work.as_ref().expect("set_sampling ran"))
+                    .arg(&st.sampled)
+                    .arg(&st.ids)
+                    .launch(cfg)
+                    .map(|_| ()),
+            }
+        }
     }
 
     fn check(&self) -> Result<(), BackendError> {
@@ -695,16 +785,13 @@ impl Backend for Cuda {
                 let graph = graph.ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
                 graph.upload().map_err(|e| dev_err("uploading a graph", e))?;
                 graph.launch().map_err(|e| dev_err("launching a graph", e))?;
-                let argmax = std::mem::take(&mut st.captured_argmax);
-                st.graphs.insert(key, Recorded { graph, argmax });
+                let chooser = st.captured_chooser.take();
+                st.graphs.insert(key, Recorded { graph, chooser });
             }
             Mode::Replaying(key) => {
                 st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
-                if let Some(p) = st.pending_argmax.take() {
-                    let f = self.func("argmax_rows");
-                    // SAFETY: arguments match argmax.cu; `p.logits` is the logits tensor of this step.
-                    unsafe { self.stream.launch_builder(f).arg(&p.logits).arg(&p.v_eff).arg(&p.ld).arg(&st.sampled).arg(&st.ids).launch(Self::cfg1((p.rows, 1, 1), 1024, 0)) }
-                        .map_err(|e| dev_err("argmax_rows", e))?;
+                if let Some(p) = st.pending_chooser.take() {
+                    self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
                     st.launches += 1;
                 }
             }
@@ -725,8 +812,8 @@ impl Backend for Cuda {
         {
             let mut st = self.step.lock().unwrap();
             let key = GraphKey { rows: batch.rows(), seqs: batch.seqs.len(), logit_rows: batch.logit_rows.len(), scratch: x.id };
-            st.captured_argmax = false;
-            st.pending_argmax = None;
+            st.captured_chooser = None;
+            st.pending_chooser = None;
             let decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= 64;
             if decode_like {
                 // Graphs use a partial buffer sized for the longest context, never reallocated.
@@ -1014,25 +1101,68 @@ impl Backend for Cuda {
     }
 
     fn argmax_enqueue(&self, logits: &CudaTensor, rows: usize, v_eff: usize) {
-        let (v, ld) = (v_eff as u32, logits.cols as u32);
-        {
-            let mut st = self.step.lock().unwrap();
-            match st.mode {
-                Mode::Replaying(key) => {
-                    if !st.graphs[&key].argmax {
-                        st.pending_argmax = Some(PendingArgmax { logits: ptr(&logits.buf, &self.stream), rows: rows as u32, v_eff: v, ld });
-                    }
-                    return;
-                }
-                Mode::Capturing(_) => st.captured_argmax = true,
-                Mode::Eager => {}
-            }
+        self.enqueue_chooser(Chooser::Argmax, logits, rows, v_eff);
+    }
+
+    fn set_sampling(&self, rows: &[crate::backend::RowSampling]) -> Result<bool, BackendError> {
+        let ok = !rows.is_empty()
+            && rows.len() <= 64
+            && rows.iter().all(|r| r.params.top_k >= 1 && r.params.top_k <= SAMPLE_MAX_K && r.window.len() <= SAMPLE_WINDOW);
+        if !ok {
+            return Ok(false);
         }
-        let f = self.func("argmax_rows");
-        self.launch("argmax_rows", |st| unsafe {
-            let out = &st.sampled;
-            self.stream.launch_builder(f).arg(&logits.buf).arg(&v).arg(&ld).arg(out).arg(&st.ids).launch(Self::cfg1((rows as u32, 1, 1), 1024, 0))
-        });
+        let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
+        let mut st = self.step.lock().unwrap();
+        let params: Vec<SampleParamsRepr> = rows
+            .iter()
+            .map(|r| SampleParamsRepr {
+                temperature: r.params.temperature,
+                top_p: r.params.top_p,
+                min_p: r.params.min_p,
+                rep: r.params.repetition_penalty,
+                pres: r.params.presence_penalty,
+                freq: r.params.frequency_penalty,
+                top_k: r.params.top_k as u32,
+                window_cap: SAMPLE_WINDOW as u32,
+                seed: r.params.seed,
+            })
+            .collect();
+        let mut win = vec![0u32; rows.len() * SAMPLE_WINDOW];
+        for (i, r) in rows.iter().enumerate() {
+            win[i * SAMPLE_WINDOW..i * SAMPLE_WINDOW + r.window.len()].copy_from_slice(&r.window);
+        }
+        let wlen: Vec<u32> = rows.iter().map(|r| r.window.len() as u32).collect();
+        let pos: Vec<u64> = rows.iter().map(|r| r.position).collect();
+        let up = |e| dev_err("sampler inputs", e);
+        {
+            let mut v = st.sample_params.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&params, &mut v).map_err(up)?;
+        }
+        {
+            let mut v = st.sample_win.slice_mut(0..win.len());
+            self.stream.memcpy_htod(&win, &mut v).map_err(up)?;
+        }
+        {
+            let mut v = st.sample_wlen.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&wlen, &mut v).map_err(up)?;
+        }
+        {
+            let mut v = st.sample_pos.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&pos, &mut v).map_err(up)?;
+        }
+        if st.sample_work.is_none() {
+            st.sample_work = Some(self.stream.alloc_zeros::<f32>(64 * cfg.vocab_size).map_err(|e| dev_err("sampler scratch", e))?);
+            st.graphs.clear();
+        }
+        Ok(true)
+    }
+
+    fn sample_enqueue(&self, logits: &CudaTensor, rows: usize, v_eff: usize) {
+        self.enqueue_chooser(Chooser::Sample, logits, rows, v_eff);
+    }
+
+    fn sample_read(&self, logits: &CudaTensor, rows: usize, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        self.argmax_read(logits, rows, v_eff)
     }
 
     fn argmax_read(&self, _logits: &CudaTensor, rows: usize, _v_eff: usize) -> Result<Vec<u32>, BackendError> {
