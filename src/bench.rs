@@ -5,13 +5,16 @@
 //! Definitions (ARCHITECTURE.md, "Performance definitions"):
 //! - a **prompt phase** `pp N` feeds `N` tokens to an empty sequence in chunks and times it;
 //!   FLOPs are [`Costs::prefill_flops`];
-//! - a **decode phase** `tg @ C` feeds `D` tokens one at a time to a sequence already holding
-//!   `C` tokens (the logits of each are computed and read back; no sampling) and times them;
-//!   bytes are [`Costs::decode_bytes`] at each token's context, summed.
+//! - a **decode phase** `tg D @ C` generates `D` tokens greedily, one step each
+//!   ([`Engine::feed_greedy`]: the argmax is taken where the logits are), in a sequence already
+//!   holding `C` tokens, and times them; bytes are [`Costs::decode_bytes`] at each token's
+//!   context, summed.
 
 use crate::backend::{Backend, BackendError};
 use crate::engine::Engine;
 use crate::model::cost::Costs;
+use crate::sampling::SamplingParams;
+use crate::session::Session;
 
 /// What to run.
 #[derive(Clone, Debug)]
@@ -119,20 +122,22 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan
 
     // Warm-up, untimed: touches every weight page and grows the buffers.
     {
-        let mut seq = engine.new_sequence()?;
-        engine.feed(&mut seq, &ids(16.min(chunk.max(2)), vocab, 99), false, &mut |_, _| {})?;
-        for &id in &ids(4, vocab, 98) {
-            engine.feed(&mut seq, &[id], false, &mut |_, _| {})?;
+        let mut seq = engine.new_session(SamplingParams::greedy())?;
+        let mut next = engine.feed_greedy(&mut seq, &ids(16.min(chunk.max(2)), vocab, 99), vocab, &mut |_, _| {})?;
+        for _ in 0..4 {
+            next = engine.feed_greedy(&mut seq, &[next], vocab, &mut |_, _| {})?;
         }
-        engine.free_sequence(seq)?;
+        engine.free_session(seq)?;
     }
 
-    let decode = |engine: &mut Engine<B>, seq: &mut crate::engine::Sequence, seed: u64| -> Result<f64, BackendError> {
-        let toks = ids(d, vocab, seed);
+    // `d` greedy steps from `first`; seconds.
+    let decode = |engine: &mut Engine<B>, seq: &mut Session, first: u32| -> Result<f64, BackendError> {
         let t = std::time::Instant::now();
-        for &id in &toks {
-            engine.feed(seq, &[id], false, &mut |_, _| {})?;
+        let mut next = first;
+        for _ in 0..d {
+            next = engine.feed_greedy(seq, &[next], vocab, &mut |_, _| {})?;
         }
+        std::hint::black_box(next);
         Ok(t.elapsed().as_secs_f64())
     };
 
@@ -141,37 +146,37 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan
         // Decode from an empty sequence.
         if contexts.first() == Some(&0) {
             progress(&format!("repeat {}/{}: tg{d}@0", r + 1, plan.repeats));
-            let mut seq = engine.new_sequence()?;
-            let s = decode(engine, &mut seq, seed)?;
-            engine.free_sequence(seq)?;
+            let mut seq = engine.new_session(SamplingParams::greedy())?;
+            let s = decode(engine, &mut seq, ids(1, vocab, seed)[0])?;
+            engine.free_session(seq)?;
             let i = find(&phases, Kind::Decode, 0);
             phases[i].seconds.push(s);
         }
         // Prompts, each followed by decode at that context when asked.
         for &n in &prompts {
             progress(&format!("repeat {}/{}: pp{n}", r + 1, plan.repeats));
-            let mut seq = engine.new_sequence()?;
+            let mut seq = engine.new_session(SamplingParams::greedy())?;
             let toks = ids(n, vocab, seed + n as u64);
             let t = std::time::Instant::now();
-            engine.feed(&mut seq, &toks, false, &mut |_, _| {})?;
+            let next = engine.feed_greedy(&mut seq, &toks, vocab, &mut |_, _| {})?;
             let s = t.elapsed().as_secs_f64();
             let i = find(&phases, Kind::Prompt, n);
             phases[i].seconds.push(s);
             if contexts.contains(&n) {
                 progress(&format!("repeat {}/{}: tg{d}@{n}", r + 1, plan.repeats));
-                let s = decode(engine, &mut seq, seed + 1)?;
+                let s = decode(engine, &mut seq, next)?;
                 let i = find(&phases, Kind::Decode, n);
                 phases[i].seconds.push(s);
             }
-            engine.free_sequence(seq)?;
+            engine.free_session(seq)?;
         }
         // Decode contexts no prompt phase reaches: fill untimed, then decode.
         for &c in contexts.iter().filter(|&&c| c > 0 && !prompts.contains(&c)) {
             progress(&format!("repeat {}/{}: tg{d}@{c} (filling {c} tokens)", r + 1, plan.repeats));
-            let mut seq = engine.new_sequence()?;
-            engine.feed(&mut seq, &ids(c, vocab, seed + 7), false, &mut |_, _| {})?;
-            let s = decode(engine, &mut seq, seed + 1)?;
-            engine.free_sequence(seq)?;
+            let mut seq = engine.new_session(SamplingParams::greedy())?;
+            let next = engine.feed_greedy(&mut seq, &ids(c, vocab, seed + 7), vocab, &mut |_, _| {})?;
+            let s = decode(engine, &mut seq, next)?;
+            engine.free_session(seq)?;
             let i = find(&phases, Kind::Decode, c);
             phases[i].seconds.push(s);
         }

@@ -192,6 +192,12 @@ impl Checkpoint {
         Bytes { store: Store::Map(self.files[t.file].1.clone()), range: t.range.clone() }
     }
 
+    /// Every shard, in the order tensors refer to them (sorted by file name), with its whole
+    /// mapped contents: the safetensors header followed by the tensor bytes it covers.
+    pub fn shards(&self) -> impl Iterator<Item = (&Path, &[u8])> {
+        self.files.iter().map(|(p, m)| (p.as_path(), &m[..]))
+    }
+
     /// Total bytes of all shards on disk.
     pub fn file_bytes(&self) -> u64 {
         self.files.iter().map(|(_, m)| m.len() as u64).sum()

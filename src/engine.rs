@@ -1,33 +1,25 @@
 //! A loaded model with its state storage and step buffers: the API the program (and later the
-//! server) drives. It turns "these tokens, for this sequence" into backend steps: prompts in
-//! chunks of matrix-matrix products, then one token at a time.
+//! server) drives. It turns "these tokens, for this session" into backend steps: prompts in
+//! chunks of matrix-matrix products, then one token at a time; and it moves sessions' states
+//! between the backend and host memory (swap, fork, save, load, snapshots).
+//!
+//! Everything here goes through the [`Backend`] trait's slot methods (`alloc_slot`,
+//! `free_slot`, `export_slot`, `import_slot`), so every backend gets sessions.
 
-use crate::backend::{Backend, BackendError, Batch};
+use std::borrow::Cow;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::model::{Model, Scratch};
+use crate::sampling::SamplingParams;
+use crate::session::{self, ModelIdentity, PrefixCache, Residence, Reuse, Session, SessionError, SessionRecord, SnapshotConfig};
 
 /// Tokens per prompt chunk: each chunk is one step of matrix-matrix products. The logits do not
 /// depend on it (docs/numerics.md: chunked prefill equals token-by-token).
 pub const DEFAULT_CHUNK: usize = 256;
 
-/// One sequence: its slot in the backend's state storage and the ids it has consumed.
-#[derive(Debug)]
-pub struct Sequence {
-    slot: u32,
-    /// Every id fed through the model, in order (the position of the next one is `len()`).
-    pub tokens: Vec<u32>,
-}
-
-impl Sequence {
-    /// Position of the next token.
-    pub fn position(&self) -> usize {
-        self.tokens.len()
-    }
-    pub fn slot(&self) -> u32 {
-        self.slot
-    }
-}
-
-/// A model, the state of its sequences and the buffers of its steps.
+/// A model, the state of its sessions, the buffers of its steps and the snapshots of states.
 pub struct Engine<B: Backend> {
     pub model: Model<B>,
     states: B::States,
@@ -35,14 +27,50 @@ pub struct Engine<B: Backend> {
     prefill: Option<Scratch<B>>,
     decode: Scratch<B>,
     logits: Vec<f32>,
+    snapshots: PrefixCache,
+    /// Where the model's files are, for its identity in session files.
+    model_dir: Option<PathBuf>,
+    identity: OnceLock<ModelIdentity>,
 }
 
 impl<B: Backend> Engine<B> {
-    /// An engine whose prompt steps hold up to `chunk` tokens.
+    /// An engine whose prompt steps hold up to `chunk` tokens, with snapshots off
+    /// ([`Engine::set_snapshots`] turns them on).
     pub fn new(model: Model<B>, chunk: usize) -> Result<Self, BackendError> {
         let states = model.backend.new_states(&model.config)?;
         let decode = model.scratch(1, 1)?;
-        Ok(Self { model, states, chunk: chunk.max(1), prefill: None, decode, logits: Vec::new() })
+        Ok(Self {
+            model,
+            states,
+            chunk: chunk.max(1),
+            prefill: None,
+            decode,
+            logits: Vec::new(),
+            snapshots: PrefixCache::new(SnapshotConfig::disabled()),
+            model_dir: None,
+            identity: OnceLock::new(),
+        })
+    }
+
+    /// Names the directory the model was loaded from, whose files give its identity in session
+    /// files ([`ModelIdentity::of_dir`], computed on the first save or load).
+    pub fn with_model_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.model_dir = Some(dir.into());
+        self.identity = OnceLock::new();
+        self
+    }
+
+    /// The model's identity, hashed once per engine on first use.
+    ///
+    /// # Errors
+    /// [`SessionError::Identity`] when no model directory was given or its files cannot be read.
+    pub fn identity(&self) -> Result<ModelIdentity, SessionError> {
+        if let Some(id) = self.identity.get() {
+            return Ok(*id);
+        }
+        let dir = self.model_dir.as_ref().ok_or_else(|| SessionError::Identity("the engine was built without its model directory (Engine::with_model_dir)".into()))?;
+        let id = ModelIdentity::of_dir(dir)?;
+        Ok(*self.identity.get_or_init(|| id))
     }
 
     /// Vocabulary width of a logits row.
@@ -50,30 +78,140 @@ impl<B: Backend> Engine<B> {
         self.model.config.vocab_size
     }
 
-    /// A new, empty sequence.
-    pub fn new_sequence(&mut self) -> Result<Sequence, BackendError> {
-        Ok(Sequence { slot: self.model.backend.alloc_slot(&mut self.states)?, tokens: Vec::new() })
+    /// The backend's state storage (slots), e.g. to check which slots are allocated.
+    pub fn states(&self) -> &B::States {
+        &self.states
     }
 
-    /// Frees a sequence's state.
-    pub fn free_sequence(&mut self, seq: Sequence) -> Result<(), BackendError> {
-        self.model.backend.free_slot(&mut self.states, seq.slot)
+    /// The snapshots.
+    pub fn snapshots(&self) -> &PrefixCache {
+        &self.snapshots
     }
 
-    /// Feeds `ids` to `seq` in chunks. Returns the logits of the last id (`[V]`), or of every id
-    /// (`[ids.len(), V]`) when `all_logits`. `progress(done, total)` is called after each chunk.
-    pub fn feed(&mut self, seq: &mut Sequence, ids: &[u32], all_logits: bool, progress: &mut dyn FnMut(usize, usize)) -> Result<&[f32], BackendError> {
-        if ids.is_empty() {
+    /// Sets when snapshots are taken and their memory budget (evicting down to it).
+    pub fn set_snapshots(&mut self, config: SnapshotConfig) {
+        self.snapshots.set_config(config);
+    }
+
+    /// Drops every snapshot.
+    pub fn clear_snapshots(&mut self) {
+        self.snapshots.clear();
+    }
+
+    /// A new, empty session (position 0) in a new slot.
+    pub fn new_session(&mut self, params: SamplingParams) -> Result<Session, BackendError> {
+        let slot = self.model.backend.alloc_slot(&mut self.states)?;
+        Ok(Session::new(Residence::Device(slot), params))
+    }
+
+    /// Frees a session's slot (if it holds one) and its state.
+    pub fn free_session(&mut self, s: Session) -> Result<(), BackendError> {
+        match s.home {
+            Residence::Device(slot) => self.model.backend.free_slot(&mut self.states, slot),
+            Residence::Host(_) => Ok(()),
+        }
+    }
+
+    /// Moves a session's state to host memory and frees its slot (no-op when already there).
+    pub fn swap_out(&mut self, s: &mut Session) -> Result<(), BackendError> {
+        if let Residence::Device(slot) = s.home {
+            let st = self.model.backend.export_slot(&self.states, slot)?;
+            self.model.backend.free_slot(&mut self.states, slot)?;
+            s.home = Residence::Host(Box::new(st));
+        }
+        Ok(())
+    }
+
+    /// Moves a swapped-out session's state into a new slot (no-op when resident).
+    pub fn swap_in(&mut self, s: &mut Session) -> Result<(), BackendError> {
+        if let Residence::Host(st) = &s.home {
+            let slot = self.place(st)?;
+            s.home = Residence::Device(slot);
+        }
+        Ok(())
+    }
+
+    /// A new slot holding `st`.
+    fn place(&mut self, st: &SequenceState) -> Result<u32, BackendError> {
+        let slot = self.model.backend.alloc_slot(&mut self.states)?;
+        if let Err(e) = self.model.backend.import_slot(&mut self.states, slot, st) {
+            let _ = self.model.backend.free_slot(&mut self.states, slot);
+            return Err(e);
+        }
+        Ok(slot)
+    }
+
+    /// The session's state in host memory (a copy when resident).
+    fn state_of<'a>(&self, s: &'a Session) -> Result<Cow<'a, SequenceState>, BackendError> {
+        match &s.home {
+            Residence::Device(slot) => Ok(Cow::Owned(self.model.backend.export_slot(&self.states, *slot)?)),
+            Residence::Host(st) => Ok(Cow::Borrowed(&**st)),
+        }
+    }
+
+    /// A copy of `s` (history, settings, meta, state) in a new slot, to be continued
+    /// independently.
+    pub fn fork(&mut self, s: &Session) -> Result<Session, BackendError> {
+        let st = self.state_of(s)?.into_owned();
+        let slot = self.place(&st)?;
+        let mut f = Session::new(Residence::Device(slot), s.params);
+        f.tokens = s.tokens.clone();
+        f.position = s.position;
+        f.meta = s.meta.clone();
+        Ok(f)
+    }
+
+    /// Empties a session: no tokens, the zero state (settings and meta are kept).
+    pub fn reset(&mut self, s: &mut Session) -> Result<(), BackendError> {
+        let zero = SequenceState::new(&self.model.config);
+        match s.home {
+            Residence::Device(slot) => self.model.backend.import_slot(&mut self.states, slot, &zero)?,
+            Residence::Host(_) => s.home = Residence::Host(Box::new(zero)),
+        }
+        s.tokens.clear();
+        s.position = 0;
+        Ok(())
+    }
+
+    /// Appends `ids` to the session's history and feeds every pending id through the model
+    /// (swapping the session in if needed). Returns the logits (`[V]`) of the last id, or of
+    /// every id fed (`[n, V]`, the pending ids first) when `all_logits`. `progress(done, n)` is
+    /// called after each step. On error the ids not consumed are removed again.
+    ///
+    /// With snapshots on, a snapshot is taken whenever the position reaches a multiple of the
+    /// stride (steps are split there; the logits do not depend on the split).
+    pub fn feed(&mut self, s: &mut Session, ids: &[u32], all_logits: bool, progress: &mut dyn FnMut(usize, usize)) -> Result<&[f32], BackendError> {
+        let before = s.tokens.len();
+        s.tokens.extend_from_slice(ids);
+        let r = self.process(s, all_logits, progress);
+        if r.is_err() {
+            s.tokens.truncate(before.max(s.position));
+        }
+        r?;
+        Ok(&self.logits)
+    }
+
+    /// Feeds the pending ids of `s`; the result is left in `self.logits`.
+    fn process(&mut self, s: &mut Session, all_logits: bool, progress: &mut dyn FnMut(usize, usize)) -> Result<(), BackendError> {
+        let total = s.tokens.len() - s.position;
+        if total == 0 {
             return Err(BackendError::Batch("no tokens to feed".into()));
         }
+        self.swap_in(s)?;
+        let slot = s.slot().expect("swapped in");
         let v = self.vocab_size();
-        let mut out = Vec::with_capacity(if all_logits { ids.len() * v } else { v });
+        let stride = if self.snapshots.config().enabled() { self.snapshots.config().every } else { 0 };
+        let mut out = Vec::with_capacity(if all_logits { total * v } else { v });
         let mut done = 0;
-        for part in ids.chunks(self.chunk) {
-            let last_part = done + part.len() == ids.len();
-            let batch = Batch::single(seq.slot, seq.position() as u32, part, all_logits);
+        while s.position < s.tokens.len() {
+            let pos = s.position;
+            let mut n = (s.tokens.len() - pos).min(self.chunk);
+            if stride > 0 {
+                n = n.min(stride - pos % stride);
+            }
+            let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + n], all_logits);
             let want = batch.logit_rows.len();
-            let scratch = if part.len() == 1 {
+            let scratch = if n == 1 {
                 &mut self.decode
             } else {
                 if self.prefill.is_none() {
@@ -82,15 +220,246 @@ impl<B: Backend> Engine<B> {
                 self.prefill.as_mut().unwrap()
             };
             self.model.step(&batch, &mut self.states, scratch)?;
-            seq.tokens.extend_from_slice(part);
-            if all_logits || last_part {
+            s.position += n;
+            if all_logits || s.position == s.tokens.len() {
                 self.model.backend.read_tensor(&scratch.logits, want, &mut self.logits)?;
                 out.extend_from_slice(&self.logits);
             }
-            done += part.len();
-            progress(done, ids.len());
+            if stride > 0 && s.position.is_multiple_of(stride) {
+                self.snapshot(s)?;
+            }
+            done += n;
+            progress(done, total);
         }
         self.logits = out;
-        Ok(&self.logits)
+        Ok(())
+    }
+
+    /// Keeps the state of `s` at its position as a snapshot (when snapshots are on, it fits the
+    /// budget and that prefix is not held already). Returns whether one was taken.
+    pub fn snapshot(&mut self, s: &Session) -> Result<bool, BackendError> {
+        let bytes = session::snapshot_bytes(&self.model.config, s.position);
+        let prefix = &s.tokens[..s.position];
+        if s.position == 0 || !self.snapshots.fits(bytes) || self.snapshots.touch(prefix) {
+            return Ok(false);
+        }
+        let st = self.state_of(s)?.into_owned();
+        Ok(self.snapshots.insert(prefix, st, bytes))
+    }
+
+    /// Makes `prompt` the session's history and returns the logits (`[V]`) of its last token,
+    /// processing as little as possible: it continues the session's own state when the tokens
+    /// that state consumed are a prefix of `prompt`, or resumes from the longest snapshot that
+    /// is (whichever is longer; at least the last token is always fed, for its logits), else
+    /// starts from the zero state. Takes a snapshot at the end of the prompt (when snapshots are
+    /// on) and at every stride position on the way.
+    pub fn prompt(&mut self, s: &mut Session, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<(Reuse, &[f32]), BackendError> {
+        let n = prompt.len();
+        if n == 0 {
+            return Err(BackendError::Batch("the prompt is empty".into()));
+        }
+        let own = (s.position < n && prompt.starts_with(&s.tokens[..s.position])).then_some(s.position);
+        let snap_len = if self.snapshots.config().enabled() {
+            self.snapshots.longest_prefix(prompt, n - 1).map(|sn| sn.tokens().len())
+        } else {
+            None
+        };
+        let reuse = match (own, snap_len) {
+            (o, Some(l)) if o.is_none_or(|o| l > o) => {
+                let st = self.snapshots.longest_prefix(prompt, l).expect("found above").state();
+                match s.home {
+                    Residence::Device(slot) => self.model.backend.import_slot(&mut self.states, slot, st)?,
+                    Residence::Host(_) => s.home = Residence::Host(Box::new(st.clone())),
+                }
+                s.position = l;
+                Reuse { reused: l, from_snapshot: true, processed: n - l }
+            }
+            (Some(o), _) => Reuse { reused: o, from_snapshot: false, processed: n - o },
+            (None, _) => {
+                self.reset(s)?;
+                Reuse { reused: 0, from_snapshot: false, processed: n }
+            }
+        };
+        // The reused prefix is `prompt[..reused]` in every case.
+        s.tokens.clear();
+        s.tokens.extend_from_slice(prompt);
+        if let Err(e) = self.process(s, false, progress) {
+            s.tokens.truncate(s.position);
+            return Err(e);
+        }
+        if self.snapshots.config().enabled() {
+            self.snapshot(s)?;
+        }
+        Ok((reuse, &self.logits))
+    }
+
+    /// Writes the session to `path` (format in [`crate::session`]), atomically. The session
+    /// stays where it is.
+    pub fn save_session(&self, s: &Session, path: &Path) -> Result<(), SessionError> {
+        let identity = self.identity()?;
+        let rec = SessionRecord { tokens: &s.tokens, params: s.params, meta: &s.meta, state: self.state_of(s)? };
+        session::write_session(path, &rec, identity, &self.model.config)
+    }
+
+    /// Reads a session written by [`Engine::save_session`] (in any process) into a new slot.
+    ///
+    /// # Errors
+    /// The file's own problems ([`SessionError`]: unreadable, not a session, another format
+    /// version, truncated, checksum mismatch, another model, shapes of another model), or no
+    /// free slot.
+    pub fn load_session(&mut self, path: &Path) -> Result<Session, SessionError> {
+        let l = session::read_session(path, &self.model.config, &mut || self.identity())?;
+        let slot = self.place(&l.state)?;
+        let mut s = Session::new(Residence::Device(slot), l.params);
+        s.tokens = l.tokens;
+        s.position = l.state.position;
+        s.meta = l.meta;
+        Ok(s)
+    }
+
+    /// Appends `ids` to the session and feeds every pending id, then samples the greedy next id
+    /// over ids `< v_eff` (the largest logit of the last row, smallest id on ties) where the
+    /// logits are: on a GPU, inside the step's graph, which also leaves the id where the next
+    /// step reads its token. The id is not pushed to the session.
+    pub fn feed_greedy(&mut self, s: &mut Session, ids: &[u32], v_eff: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<u32, BackendError> {
+        let before = s.tokens.len();
+        s.tokens.extend_from_slice(ids);
+        let r = self.process_choosing(s, v_eff, false, progress);
+        if r.is_err() {
+            s.tokens.truncate(before.max(s.position));
+        }
+        r
+    }
+
+    /// Like [`Engine::feed_greedy`], but samples the next id with the session's settings
+    /// (penalties over its history, the draw keyed by its seed and position) where the logits
+    /// are. Returns `None`, feeding nothing, when the backend cannot sample these settings
+    /// itself ([`Backend::set_sampling`]); then use [`Engine::feed`] and [`Session::sample`],
+    /// which give the same id.
+    pub fn feed_sample(&mut self, s: &mut Session, ids: &[u32], v_eff: usize, progress: &mut dyn FnMut(usize, usize)) -> Result<Option<u32>, BackendError> {
+        let mut history = s.tokens.clone();
+        history.extend_from_slice(ids);
+        let p = s.params;
+        let n = match p.repeat_last_n {
+            0 => 0,
+            n if n < 0 => history.len(),
+            n => (n as usize).min(history.len()),
+        };
+        let row = crate::backend::RowSampling { params: p, window: history[history.len() - n..].to_vec(), position: history.len() as u64 };
+        if !self.model.backend.set_sampling(std::slice::from_ref(&row))? {
+            return Ok(None);
+        }
+        let before = s.tokens.len();
+        s.tokens.extend_from_slice(ids);
+        let r = self.process_choosing(s, v_eff, true, progress);
+        if r.is_err() {
+            s.tokens.truncate(before.max(s.position));
+        }
+        r.map(Some)
+    }
+
+    fn process_choosing(&mut self, s: &mut Session, v_eff: usize, sample: bool, progress: &mut dyn FnMut(usize, usize)) -> Result<u32, BackendError> {
+        let total = s.tokens.len() - s.position;
+        if total == 0 {
+            return Err(BackendError::Batch("no tokens to feed".into()));
+        }
+        // All but the last step as usual (snapshots included), then the last one greedy.
+        let stride = if self.snapshots.config().enabled() { self.snapshots.config().every } else { 0 };
+        // The step boundaries `process` uses; the last step's length.
+        let mut pos = s.position;
+        let last = loop {
+            let mut k = (s.tokens.len() - pos).min(self.chunk);
+            if stride > 0 {
+                k = k.min(stride - pos % stride);
+            }
+            if pos + k == s.tokens.len() {
+                break k;
+            }
+            pos += k;
+        };
+        if total > last {
+            let keep = s.tokens.split_off(s.tokens.len() - last);
+            let r = self.process(s, false, progress);
+            s.tokens.extend(keep);
+            r?;
+        }
+        self.swap_in(s)?;
+        let slot = s.slot().expect("swapped in");
+        let pos = s.position;
+        let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + last], false);
+        if last > 1 && self.prefill.is_none() {
+            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
+        }
+        let scratch = if last == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        let next = if sample {
+            self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?
+        } else {
+            self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?
+        };
+        s.position += last;
+        if stride > 0 && s.position.is_multiple_of(stride) {
+            self.snapshot(s)?;
+        }
+        progress(total, total);
+        next.first().copied().ok_or_else(|| BackendError::Batch("no id sampled".into()))
+    }
+
+    /// The logits rows of the last one-token step (`[rows, V]`), read from the backend.
+    pub fn decode_logits(&mut self, rows: usize) -> Result<Vec<f32>, BackendError> {
+        let mut v = Vec::new();
+        self.model.backend.read_tensor(&self.decode.logits, rows, &mut v)?;
+        Ok(v)
+    }
+
+    /// Feeds `ids` to `s` as one eager step with [`crate::model::forward_probed`], handing every
+    /// intermediate tensor to `probe(layer, op, values)` (read back to the host).
+    pub fn probe_step(&mut self, s: &mut Session, ids: &[u32], probe: &mut dyn FnMut(usize, &str, Vec<f32>)) -> Result<(), BackendError> {
+        if !s.pending().is_empty() || ids.is_empty() {
+            return Err(BackendError::Batch("probe_step needs a session without pending ids and some ids".into()));
+        }
+        self.swap_in(s)?;
+        let slot = s.slot().expect("swapped in");
+        if ids.len() > 1 && self.prefill.is_none() {
+            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
+        }
+        let batch = Batch::single(slot, s.position as u32, ids, false);
+        let scratch = if ids.len() == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        self.model.backend.begin_step(&mut self.states, &batch)?;
+        let backend = &self.model.backend;
+        let mut err = None;
+        crate::model::forward_probed(&self.model, &batch, &mut self.states, scratch, &mut |l, op, t| {
+            let rows = if op == "lm_head" { batch.logit_rows.len() } else { batch.rows() };
+            let mut v = Vec::new();
+            match backend.read_tensor(t, rows, &mut v) {
+                Ok(()) => probe(l, op, v),
+                Err(e) => {
+                    err.get_or_insert(e);
+                }
+            }
+        });
+        self.model.backend.end_step(&mut self.states, &batch)?;
+        s.tokens.extend_from_slice(ids);
+        s.position += ids.len();
+        match err {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// A copy of the session's state in host memory.
+    pub fn export_state(&self, s: &Session) -> Result<SequenceState, BackendError> {
+        Ok(self.state_of(s)?.into_owned())
+    }
+
+    /// A new resident session holding `state` after `tokens` (e.g. a state from another engine).
+    pub fn session_from_state(&mut self, state: &SequenceState, tokens: &[u32], params: SamplingParams) -> Result<Session, BackendError> {
+        if state.position != tokens.len() {
+            return Err(BackendError::Batch(format!("a state at position {} with {} tokens", state.position, tokens.len())));
+        }
+        let slot = self.place(state)?;
+        let mut s = Session::new(Residence::Device(slot), params);
+        s.tokens = tokens.to_vec();
+        s.position = tokens.len();
+        Ok(s)
     }
 }

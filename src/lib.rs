@@ -11,6 +11,7 @@ pub mod engine;
 pub mod model;
 pub mod numerics;
 pub mod sampling;
+pub mod session;
 #[doc(hidden)]
 pub mod testutil;
 pub mod tokenizer;

@@ -10,6 +10,7 @@
 //! decode step once and replay it for every token and every session.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::config::ModelConfig;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
@@ -140,6 +141,16 @@ impl SequenceState {
     }
 }
 
+/// How to choose the next id of one logits row on the device ([`Backend::set_sampling`]).
+#[derive(Clone, Debug)]
+pub struct RowSampling {
+    pub params: crate::sampling::SamplingParams,
+    /// The penalty window: the last `repeat_last_n` ids of the history (empty when off).
+    pub window: Vec<u32>,
+    /// The position the sampled id will have (the history length): keys the random draw.
+    pub position: u64,
+}
+
 /// A device that runs the model's operations.
 ///
 /// Tensors are row-major f32 `[rows, cols]` buffers allocated for a maximum row count; each
@@ -194,6 +205,13 @@ pub trait Backend {
     fn matmul(&self, x: &Self::Tensor, rows: usize, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
     /// `out[r] = silu(gate[r]) ⊙ up[r]` (spec M1).
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, rows: usize, out: &mut Self::Tensor);
+    /// The MLP's first half: `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up`, as
+    /// [`Backend::matmul`] then [`Backend::swiglu`] (the default); a device may fuse them.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_swiglu(&self, x: &Self::Tensor, rows: usize, gate_w: &Self::Matrix, up_w: &Self::Matrix, gate: &mut Self::Tensor, up: &mut Self::Tensor, act: &mut Self::Tensor) {
+        self.matmul(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+        self.swiglu(gate, up, rows, act);
+    }
     /// The Gated DeltaNet mixer after its input projections, spec (G2)–(G12): causal conv,
     /// SiLU, q/k L2 norms, gates, delta rule, gated RMSNorm. `layer` indexes the GDN layers.
     #[allow(clippy::too_many_arguments)]
@@ -228,4 +246,35 @@ pub trait Backend {
     );
     /// `out[i] = x[batch.logit_rows[i]]`.
     fn gather_rows(&self, x: &Self::Tensor, batch: &Batch, out: &mut Self::Tensor);
+
+    /// Queues greedy sampling of the first `rows` logits rows over ids `< v_eff`
+    /// ([`crate::sampling::argmax`]'s arithmetic). A device does it where the logits are and
+    /// writes each id where the next step reads its token; the default does nothing until
+    /// [`Backend::argmax_read`].
+    fn argmax_enqueue(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) {}
+
+    /// Prepares sampling of the next step's logits rows on the device, one entry per row, before
+    /// the step begins. Returns `false` when this backend does not sample these settings itself
+    /// (the default); the caller then reads the logits and samples on the host, with the same
+    /// result.
+    fn set_sampling(&self, _rows: &[RowSampling]) -> Result<bool, BackendError> {
+        Ok(false)
+    }
+
+    /// Queues sampling of the first `rows` logits rows as [`Backend::set_sampling`] prepared.
+    fn sample_enqueue(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) {}
+
+    /// The ids of the last [`Backend::sample_enqueue`] (waits for the device).
+    fn sample_read(&self, _logits: &Self::Tensor, _rows: usize, _v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        Err(BackendError::Device("this backend does not sample on the device".into()))
+    }
+
+    /// The ids of the last [`Backend::argmax_enqueue`] (waits for the device). The default
+    /// reads the logits and takes the argmax on the host.
+    fn argmax_read(&self, logits: &Self::Tensor, rows: usize, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        let mut buf = Vec::new();
+        self.read_tensor(logits, rows, &mut buf)?;
+        let v = buf.len() / rows.max(1);
+        Ok((0..rows).map(|r| crate::sampling::argmax(&buf[r * v..r * v + v_eff])).collect())
+    }
 }

@@ -69,5 +69,16 @@ pub fn info(a: InfoArgs) -> Result<()> {
         format!("{:.1} KiB", costs.kv_bytes_per_token as f64 / 1024.0),
         mib(costs.state_bytes(4096))
     );
+    println!(
+        "state bytes      {} + {} + {}·tokens (exact, f32 conv + recurrent + KV per token)",
+        costs.conv_state_bytes, costs.recurrent_state_bytes, costs.kv_bytes_per_token
+    );
+    let every = tensorfold::session::DEFAULT_SNAPSHOT_EVERY;
+    println!(
+        "snapshot         the session state + 4 B of ids per token: {} at {every} tokens ({} bytes), {} at 4096; chat takes one every {every} tokens within 1 GiB by default",
+        mib(costs.snapshot_bytes(every)),
+        costs.snapshot_bytes(every),
+        mib(costs.snapshot_bytes(4096))
+    );
     Ok(())
 }

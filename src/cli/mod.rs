@@ -1,8 +1,11 @@
 //! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
 
 mod bench;
+mod chat;
 mod info;
+mod kernels;
 mod run;
+mod verify;
 
 use std::path::{Path, PathBuf};
 
@@ -21,18 +24,60 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt (the embedded demo model when no -m is given).
     Run(run::RunArgs),
+    /// Talk with a model: each line on stdin is a message; the conversation lives in one session
+    /// that only ever processes new tokens (/save FILE, /load FILE, /reset, /quit).
+    Chat(chat::ChatArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
     Info(info::InfoArgs),
     /// Time prompt processing and decode against this machine's measured memory bandwidth and
     /// FMA peak.
     Bench(bench::BenchArgs),
+    /// Compile the CUDA kernels with NVRTC (`--check`: CI's kernel gate; no GPU needed).
+    Kernels(kernels::KernelsArgs),
+    /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
+    Verify(verify::VerifyArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Run(a) => run::run(a),
+        Command::Chat(a) => chat::chat(a),
         Command::Info(a) => info::info(a),
         Command::Bench(a) => bench::bench(a),
+        Command::Kernels(a) => kernels::kernels(a),
+        Command::Verify(a) => verify::verify(a),
+    }
+}
+
+/// Where to run: `cpu`, `cuda` or `cuda:N`; `auto` (the default) picks the first GPU when a
+/// CUDA driver, NVRTC and a device are present, else the CPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" | "gpu" => Ok(Device::Cuda(0)),
+            "auto" => Ok(auto_device()),
+            _ => match s.strip_prefix("cuda:").and_then(|n| n.parse().ok()) {
+                Some(n) => Ok(Device::Cuda(n)),
+                None => Err(format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")),
+            },
+        }
+    }
+}
+
+fn auto_device() -> Device {
+    use tensorfold::backend::cuda;
+    if cuda::compile::nvrtc_available() && cuda::device_count() > 0 {
+        Device::Cuda(0)
+    } else {
+        Device::Cpu
     }
 }
 

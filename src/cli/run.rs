@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::Cpu;
+use tensorfold::backend::Backend;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
@@ -33,6 +34,34 @@ pub struct RunArgs {
     /// Tokens to generate at most (-1: until an end-of-sequence token or the context is full).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256, allow_hyphen_values = true)]
     pub n_predict: i64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print generated token ids, one per line, instead of text.
+    #[arg(long = "print-ids")]
+    pub print_ids: bool,
+    /// Write the logits of every processed position (`logits` f32 [T, V], `ids` i32 [T]) to a
+    /// safetensors file.
+    #[arg(long = "dump-logits")]
+    pub dump_logits: Option<PathBuf>,
+    /// Tokens per prompt-processing step.
+    #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
+    pub chunk: usize,
+    /// After generating, save the session (tokens, sampling settings, state) to FILE.
+    #[arg(long = "save-session", value_name = "FILE")]
+    pub save_session: Option<PathBuf>,
+    /// cpu, cuda, cuda:N or auto (a GPU when one is present).
+    #[arg(long = "device", default_value = "auto")]
+    pub device: super::Device,
+    /// Continue a session saved by --save-session (or chat's /save): the prompt, if any, is
+    /// appended to it, and generation continues exactly where it stopped. Its sampling settings
+    /// apply unless flags override them.
+    #[arg(long = "load-session", value_name = "FILE", conflicts_with = "chat")]
+    pub load_session: Option<PathBuf>,
+}
+
+/// Sampling flags (shared by `run` and `chat`).
+#[derive(Args, Debug, Clone)]
+pub struct SamplingArgs {
     /// Temperature; 0 is greedy. Default: the checkpoint's generation_config.json.
     #[arg(long = "temp")]
     pub temp: Option<f32>,
@@ -54,23 +83,13 @@ pub struct RunArgs {
     /// Random seed (a fixed default, so runs repeat).
     #[arg(short = 's', long = "seed")]
     pub seed: Option<u64>,
-    /// Print generated token ids, one per line, instead of text.
-    #[arg(long = "print-ids")]
-    pub print_ids: bool,
-    /// Write the logits of every processed position (`logits` f32 [T, V], `ids` i32 [T]) to a
-    /// safetensors file.
-    #[arg(long = "dump-logits")]
-    pub dump_logits: Option<PathBuf>,
-    /// Tokens per prompt-processing step.
-    #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
-    pub chunk: usize,
 }
 
-/// Sampling settings: the checkpoint's generation_config.json as transformers and vLLM read it
-/// (do_sample false → greedy; otherwise its values over neutral defaults), else llama.cpp's
-/// defaults; then the flags.
-fn sampling_params(a: &RunArgs, gc: &GenerationConfig, has_gc: bool) -> SamplingParams {
-    let mut p = if !has_gc {
+/// Sampling settings from the checkpoint: its generation_config.json as transformers and vLLM
+/// read it (do_sample false → greedy; otherwise its values over neutral defaults), else
+/// llama.cpp's defaults.
+pub fn checkpoint_params(gc: &GenerationConfig, has_gc: bool) -> SamplingParams {
+    if !has_gc {
         SamplingParams::default()
     } else if gc.do_sample == Some(false) || (gc.do_sample.is_none() && gc.temperature.is_none()) {
         SamplingParams::greedy()
@@ -83,35 +102,41 @@ fn sampling_params(a: &RunArgs, gc: &GenerationConfig, has_gc: bool) -> Sampling
             repetition_penalty: gc.repetition_penalty.unwrap_or(1.0),
             ..SamplingParams::default()
         }
-    };
-    if let Some(t) = a.temp {
-        p.temperature = t;
     }
-    if let Some(k) = a.top_k {
-        p.top_k = k;
+}
+
+impl SamplingArgs {
+    /// `p` with every flag given applied over it.
+    pub fn apply(&self, mut p: SamplingParams) -> SamplingParams {
+        if let Some(t) = self.temp {
+            p.temperature = t;
+        }
+        if let Some(k) = self.top_k {
+            p.top_k = k;
+        }
+        if let Some(x) = self.top_p {
+            p.top_p = x;
+        }
+        if let Some(x) = self.min_p {
+            p.min_p = x;
+        }
+        if let Some(x) = self.repeat_penalty {
+            p.repetition_penalty = x;
+        }
+        if let Some(x) = self.repeat_last_n {
+            p.repeat_last_n = x;
+        }
+        if let Some(x) = self.presence_penalty {
+            p.presence_penalty = x;
+        }
+        if let Some(x) = self.frequency_penalty {
+            p.frequency_penalty = x;
+        }
+        if let Some(s) = self.seed {
+            p.seed = s;
+        }
+        p
     }
-    if let Some(x) = a.top_p {
-        p.top_p = x;
-    }
-    if let Some(x) = a.min_p {
-        p.min_p = x;
-    }
-    if let Some(x) = a.repeat_penalty {
-        p.repetition_penalty = x;
-    }
-    if let Some(x) = a.repeat_last_n {
-        p.repeat_last_n = x;
-    }
-    if let Some(x) = a.presence_penalty {
-        p.presence_penalty = x;
-    }
-    if let Some(x) = a.frequency_penalty {
-        p.frequency_penalty = x;
-    }
-    if let Some(s) = a.seed {
-        p.seed = s;
-    }
-    p
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
@@ -124,8 +149,9 @@ pub fn run(a: RunArgs) -> Result<()> {
     let tokenizer = Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
     let gc_path = dir.join("generation_config.json");
     let gc = GenerationConfig::from_dir(&dir)?;
-    let params = sampling_params(&a, &gc, gc_path.exists());
+    let params = a.sampling.apply(checkpoint_params(&gc, gc_path.exists()));
     params.validate()?;
+    let loading = a.load_session.is_some();
 
     let prompt_ids: Vec<u32> = match (&a.prompt_ids, &a.prompt, &a.file) {
         (Some(ids), _, _) => {
@@ -138,6 +164,8 @@ pub fn run(a: RunArgs) -> Result<()> {
             let text = match (p, f) {
                 (Some(p), _) => p.clone(),
                 (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading the prompt file {}", f.display()))?,
+                // A loaded session continues by itself.
+                (None, None) if loading => String::new(),
                 (None, None) => {
                     if std::io::stdin().is_terminal() {
                         bail!("no prompt: pass -p PROMPT, -f FILE or --prompt-ids, or pipe the prompt on stdin");
@@ -153,12 +181,14 @@ pub fn run(a: RunArgs) -> Result<()> {
                 };
                 // Templates write their own special tokens, so none are added (as transformers).
                 tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &Default::default())?, false)?
+            } else if text.is_empty() {
+                Vec::new()
             } else {
                 tokenizer.encode(&text)?
             }
         }
     };
-    if prompt_ids.is_empty() {
+    if prompt_ids.is_empty() && !loading {
         bail!("the prompt is empty");
     }
     let vocab = host.config.vocab_size;
@@ -166,15 +196,50 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("prompt id {bad} is outside the model's vocabulary (vocab_size {vocab})");
     }
 
-    let backend = Cpu::new();
-    let describe = tensorfold::backend::Backend::describe(&backend);
-    let model = Model::new(&host, backend)?;
-    let mut engine = Engine::new(model, a.chunk)?;
-    let mut seq = engine.new_sequence()?;
+    match a.device {
+        super::Device::Cpu => generate(&a, &dir, &host, &tokenizer, &prompt_ids, params, Cpu::new(), t_load),
+        super::Device::Cuda(n) => {
+            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            generate(&a, &dir, &host, &tokenizer, &prompt_ids, params, backend, t_load)
+        }
+    }
+}
+
+/// Prompt processing and generation on one backend.
+#[allow(clippy::too_many_arguments)]
+fn generate<B: Backend>(
+    a: &RunArgs,
+    dir: &std::path::Path,
+    host: &HostModel,
+    tokenizer: &Tokenizer,
+    prompt_ids: &[u32],
+    params: SamplingParams,
+    backend: B,
+    t_load: Instant,
+) -> Result<()> {
+    let describe = backend.describe();
+    let model = Model::new(host, backend)?;
+    let mut engine = Engine::new(model, a.chunk)?.with_model_dir(dir);
+    let mut seq = match &a.load_session {
+        Some(path) => {
+            let mut s = engine.load_session(path).context("loading the session")?;
+            // The session's own settings (seed included), with the flags given over them.
+            s.params = a.sampling.apply(s.params);
+            s.params.validate()?;
+            if s.pending().is_empty() && prompt_ids.is_empty() {
+                bail!("{}: the session has consumed all its {} tokens; pass a prompt (-p, -f, --prompt-ids) to continue it", path.display(), s.position());
+            }
+            eprintln!("session: {} tokens ({} to process) from {}", s.tokens().len(), s.pending().len(), path.display());
+            s
+        }
+        None => engine.new_session(params)?,
+    };
     let load_time = t_load.elapsed();
     eprintln!("model: {} ({describe}), loaded in {:.2} s", dir.display(), load_time.as_secs_f64());
+    let start = seq.position();
 
     // Sampling only among ids the tokenizer can decode (the logits row is padded past them).
+    let vocab = host.config.vocab_size;
     let n_ids = tokenizer.vocab_size().min(vocab);
     let dump = a.dump_logits.is_some();
     let mut dumped: Vec<f32> = Vec::new();
@@ -189,20 +254,38 @@ pub fn run(a: RunArgs) -> Result<()> {
         None
     };
     let t_prompt = Instant::now();
-    let mut logits = engine
-        .feed(&mut seq, &prompt_ids, dump, &mut |done, _| {
-            if let Some(b) = &bar {
-                b.set_position(done as u64);
-            }
-        })?
-        .to_vec();
+    let mut progress = |done: usize, _: usize| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    };
+    // Greedy decoding without penalties or logits dumps takes the argmax where the logits are
+    // (on a GPU, inside the step's graph); otherwise the logits come back and the sampler runs here.
+    let p = seq.params;
+    let greedy = p.temperature <= 0.0 || p.temperature.is_nan() || p.top_k == 1;
+    let penalties = p.repeat_last_n != 0 && (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
+    let device_greedy = greedy && !penalties && !dump;
+    // Other settings sample on the device where the backend can (the same ids either way).
+    let mut device_sample = !greedy && !dump;
+    let mut next_greedy = None;
+    let mut logits = Vec::new();
+    if device_greedy {
+        next_greedy = Some(engine.feed_greedy(&mut seq, prompt_ids, n_ids, &mut progress)?);
+    } else if device_sample {
+        next_greedy = engine.feed_sample(&mut seq, prompt_ids, n_ids, &mut progress)?;
+        device_sample = next_greedy.is_some();
+    }
+    if next_greedy.is_none() {
+        logits = engine.feed(&mut seq, prompt_ids, dump, &mut progress)?.to_vec();
+    }
     if let Some(b) = bar {
         b.finish_and_clear();
     }
     let prompt_time = t_prompt.elapsed();
+    let processed = seq.position() - start;
     if dump {
         dumped.extend_from_slice(&logits);
-        dumped_ids.extend_from_slice(&prompt_ids);
+        dumped_ids.extend_from_slice(&seq.tokens()[start..]);
         logits = logits[logits.len() - vocab..].to_vec();
     }
 
@@ -225,7 +308,13 @@ pub fn run(a: RunArgs) -> Result<()> {
     let mut stop_reason = "length";
     while generated < max_new {
         let t = Instant::now();
-        let next = sampler.sample(&logits[..n_ids], &seq.tokens, seq.position() as u64, &params);
+        let next = match next_greedy {
+            Some(id) => id,
+            None => seq.sample(&mut sampler, &logits[..n_ids]),
+        };
+        // In the history now, fed on the next step (a session saved after the last token
+        // continues by feeding it).
+        seq.push(next);
         generated += 1;
         if a.print_ids {
             writeln!(out, "{next}")?;
@@ -240,14 +329,23 @@ pub fn run(a: RunArgs) -> Result<()> {
             gen_time += t.elapsed();
             break;
         }
-        if generated == max_new || seq.position() + 1 >= max_pos {
+        if generated == max_new || seq.tokens().len() >= max_pos {
             if generated != max_new {
                 stop_reason = "context";
             }
             gen_time += t.elapsed();
             break;
         }
-        logits = engine.feed(&mut seq, &[next], false, &mut |_, _| {})?.to_vec();
+        if device_greedy {
+            next_greedy = Some(engine.feed_greedy(&mut seq, &[], n_ids, &mut |_, _| {})?);
+        } else if device_sample {
+            next_greedy = engine.feed_sample(&mut seq, &[], n_ids, &mut |_, _| {})?;
+            if next_greedy.is_none() {
+                anyhow::bail!("the device stopped accepting these sampling settings");
+            }
+        } else {
+            logits = engine.feed(&mut seq, &[], false, &mut |_, _| {})?.to_vec();
+        }
         gen_time += t.elapsed();
         if dump {
             dumped.extend_from_slice(&logits);
@@ -263,14 +361,18 @@ pub fn run(a: RunArgs) -> Result<()> {
     let rate = |n: usize, d: Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { f64::INFINITY };
     eprintln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s) | generation: {} tokens in {:.3} s ({:.1} tok/s), stopped by {}",
-        prompt_ids.len(),
+        processed,
         prompt_time.as_secs_f64(),
-        rate(prompt_ids.len(), prompt_time),
+        rate(processed, prompt_time),
         generated,
         gen_time.as_secs_f64(),
         rate(generated, gen_time),
         stop_reason
     );
+    if let Some(path) = &a.save_session {
+        engine.save_session(&seq, path).context("saving the session")?;
+        eprintln!("session: {} tokens saved to {}", seq.tokens().len(), path.display());
+    }
     if let Some(path) = &a.dump_logits {
         write_logits(path, &dumped, &dumped_ids, vocab).with_context(|| format!("writing {}", path.display()))?;
         eprintln!("logits: {} rows written to {}", dumped_ids.len(), path.display());

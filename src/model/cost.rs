@@ -122,4 +122,10 @@ impl Costs {
     pub fn state_bytes(&self, tokens: usize) -> u64 {
         self.conv_state_bytes + self.recurrent_state_bytes + self.kv_bytes_per_token * tokens as u64
     }
+
+    /// Bytes of a snapshot of a session at `tokens` tokens: its state plus its token ids (u32);
+    /// `crate::session::snapshot_bytes`.
+    pub fn snapshot_bytes(&self, tokens: usize) -> u64 {
+        self.state_bytes(tokens) + 4 * tokens as u64
+    }
 }

@@ -118,6 +118,32 @@ impl<B: Backend> Model<B> {
         forward(self, batch, states, scratch);
         self.backend.end_step(states, batch)
     }
+
+    /// [`Model::step`], then greedy sampling of every logits row over ids `< v_eff`, on the
+    /// device where the backend has one (and recorded into the same graph as the step).
+    pub fn step_greedy(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
+            return self.step(batch, states, scratch).map(|_| Vec::new());
+        }
+        self.backend.begin_step(states, batch)?;
+        forward(self, batch, states, scratch);
+        self.backend.argmax_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
+        self.backend.end_step(states, batch)?;
+        self.backend.argmax_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+    }
+
+    /// [`Model::step`], then sampling on the device as [`Backend::set_sampling`] prepared (which
+    /// the caller ran first and which returned `true`).
+    pub fn step_sample(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
+            return Err(BackendError::Batch("the step exceeds its scratch buffers".into()));
+        }
+        self.backend.begin_step(states, batch)?;
+        forward(self, batch, states, scratch);
+        self.backend.sample_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
+        self.backend.end_step(states, batch)?;
+        self.backend.sample_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+    }
 }
 
 /// Activation buffers of one step (sized for the largest step they serve).
@@ -150,13 +176,24 @@ pub struct Scratch<B: Backend> {
 
 /// The forward pass of qwen35-spec.md §3.1 over the rows of `batch`.
 pub fn forward<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::States, s: &mut Scratch<B>) {
+    forward_probed(m, batch, states, s, &mut |_, _, _| {});
+}
+
+/// [`forward`], calling `probe(layer, op, output)` after each operation (`tensorfold verify`
+/// uses it to find the first operation where two backends differ; `layer` is `usize::MAX`
+/// outside the layers). The first operation is always `embed`: a device backend may decide
+/// there how to run the step.
+pub fn forward_probed<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::States, s: &mut Scratch<B>, probe: &mut dyn FnMut(usize, &str, &B::Tensor)) {
     let (b, w, cfg) = (&m.backend, &m.weights, &m.config);
     let (n, eps) = (batch.rows(), cfg.rms_norm_eps);
+    const NONE: usize = usize::MAX;
 
     // (E1) x = E[token]
     b.embed(&w.embed_tokens, batch, &mut s.x);
+    probe(NONE, "embed", &s.x);
     // (E2) for layer 0: u = RMSNorm(x; input_layernorm)
     b.rms_norm(&s.x, &w.layers[0].input_layernorm, eps, n, &mut s.u);
+    probe(0, "input_layernorm", &s.u);
 
     for (l, layer) in w.layers.iter().enumerate() {
         // (E3) y = Mixer(u)
@@ -164,35 +201,48 @@ pub fn forward<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::States, 
             Mixer::GatedDeltaNet(g) => {
                 // (G1) m = W_qkv·u, z = W_z·u, b = W_b·u, a = W_a·u
                 b.matmul(&s.u, n, &mut [(&g.in_proj_qkv, &mut s.qkv), (&g.in_proj_z, &mut s.z), (&g.in_proj_b, &mut s.beta), (&g.in_proj_a, &mut s.alpha)]);
+                probe(l, "linear_attn.in_proj_qkv", &s.qkv);
+                probe(l, "linear_attn.in_proj_z", &s.z);
                 // (G2)–(G12) conv, SiLU, q/k L2 norm, gates, delta rule, gated RMSNorm
                 b.gated_delta_net(g, m.kind_index[l], cfg, batch, states, &s.qkv, &s.z, &s.beta, &s.alpha, &mut s.gdn_out);
+                probe(l, "linear_attn (conv, delta rule, gated norm)", &s.gdn_out);
                 // (G13) y = W_out · o
                 b.matmul(&s.gdn_out, n, &mut [(&g.out_proj, &mut s.y)]);
+                probe(l, "linear_attn.out_proj", &s.y);
             }
             Mixer::Attention(a) => {
                 // (A1)/(A2) q|gate, k, v projections
                 b.matmul(&s.u, n, &mut [(&a.q_proj, &mut s.q_gate), (&a.k_proj, &mut s.k), (&a.v_proj, &mut s.v)]);
+                probe(l, "self_attn.q_proj", &s.q_gate);
+                probe(l, "self_attn.k_proj", &s.k);
                 // (A3)–(A7) q/k norm, RoPE, KV cache, causal attention, sigmoid gate
                 b.gated_attention(a, m.kind_index[l], cfg, batch, states, &s.q_gate, &s.k, &s.v, &mut s.attn_out);
+                probe(l, "self_attn (norms, RoPE, attention, gate)", &s.attn_out);
                 // (A8) y = W_o · o
                 b.matmul(&s.attn_out, n, &mut [(&a.o_proj, &mut s.y)]);
+                probe(l, "self_attn.o_proj", &s.y);
             }
         }
         // (E3)/(E4) h = x + y; u = RMSNorm(h; post_attention_layernorm)
         b.add_rms_norm(&mut s.x, &s.y, &layer.post_attention_layernorm, eps, n, &mut s.u);
+        probe(l, "post_attention_layernorm", &s.u);
         // (M1) y = W_down · (silu(W_gate·u) ⊙ W_up·u)
-        b.matmul(&s.u, n, &mut [(&layer.mlp.gate_proj, &mut s.gate), (&layer.mlp.up_proj, &mut s.up)]);
-        b.swiglu(&s.gate, &s.up, n, &mut s.act);
+        b.matmul_swiglu(&s.u, n, &layer.mlp.gate_proj, &layer.mlp.up_proj, &mut s.gate, &mut s.up, &mut s.act);
+        probe(l, "mlp.gate_proj", &s.gate);
+        probe(l, "mlp (swiglu)", &s.act);
         b.matmul(&s.act, n, &mut [(&layer.mlp.down_proj, &mut s.y)]);
+        probe(l, "mlp.down_proj", &s.y);
         // (E4) x = h + y; u = RMSNorm(x) with the next layer's input norm, or (E5) the final norm
         let next_norm = match w.layers.get(l + 1) {
             Some(next) => &next.input_layernorm,
             None => &w.norm,
         };
         b.add_rms_norm(&mut s.x, &s.y, next_norm, eps, n, &mut s.u);
+        probe(l, if l + 1 < w.layers.len() { "residual + next input_layernorm" } else { "residual + final norm" }, &s.u);
     }
 
     // (E6) logits = W_lm · x̄ for the rows that want them
     b.gather_rows(&s.u, batch, &mut s.last);
     b.matmul(&s.last, batch.logit_rows.len(), &mut [(w.lm_head(), &mut s.logits)]);
+    probe(NONE, "lm_head", &s.logits);
 }

@@ -827,14 +827,25 @@ unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &m
     }
 }
 
-/// `MR` tokens × `NR` decoded rows over all `steps` (= chunks · E) 32-lane steps: one 16-lane
-/// half at a time, so each output needs one accumulator; the two halves fold at the end.
-/// `xs[i]`, `ws[r]` point at the lane-ordered rows.
+/// `MR` tokens × `NR` decoded rows over `steps` 32-lane steps (`steps = chunks · E` for the
+/// whole row, fewer for a K block): one 16-lane half at a time, so each output needs one
+/// accumulator. `xs[i]`, `ws[r]` point at the first step. The partial lane sums come from and
+/// go to `acc` (`[MR][NR][32]` floats at `acc[i·ld + r·32]`) unless `first` (start from +0.0) or
+/// `last` (fold the 32 lanes and return the outputs instead of storing).
 #[inline(always)]
-unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize) -> [[f32; NR]; MR] {
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize, acc_p: *mut f32, ld: usize, first: bool, last: bool) -> [[f32; NR]; MR] {
     let mut half0 = [[V::zero(); NR]; MR];
+    let mut out = [[0.0f32; NR]; MR];
     for h in 0..2 {
         let mut acc = [[V::zero(); NR]; MR];
+        if !first {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r] = V::load(acc_p.add(i * ld + r * 32 + 16 * h));
+                }
+            }
+        }
         for s in 0..steps {
             let off = s * 32 + 16 * h;
             let mut xv = [V::zero(); MR];
@@ -848,64 +859,86 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], 
                 }
             }
         }
-        if h == 0 {
+        if !last {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r].store(acc_p.add(i * ld + r * 32 + 16 * h));
+                }
+            }
+        } else if h == 0 {
             half0 = acc;
         } else {
-            let mut out = [[0.0f32; NR]; MR];
             for i in 0..MR {
                 for r in 0..NR {
                     out[i][r] = V::fold(half0[i][r], acc[i][r]);
                 }
             }
-            return out;
         }
     }
-    unreachable!()
+    out
 }
 
 /// Tokens per block of the panel path: the block's inputs stay in L2 while every row of the
 /// task passes over them.
 const TOKEN_BLOCK: usize = 64;
+/// 32-lane steps per K block of the panel path (512 elements at 8 per word): a block of the
+/// task's panel stays in L1 while every token of the token block passes over it.
+const K_STEPS: usize = 16;
 
 /// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
-/// in lane order, then `MR` tokens × `NR` rows at a time run [`micro`]. Partial blocks repeat
-/// the last valid token or row and store only valid outputs.
+/// in lane order; then per token block and K block, `NR` rows × `MR` tokens at a time run
+/// [`micro`], the partial lane sums parked in a buffer between K blocks (stored and reloaded
+/// f32 values: the per-lane order of numerics §2 is unchanged). Partial blocks repeat the last
+/// valid token or row and store only valid outputs.
 #[inline(always)]
 unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, panel: &mut Vec<f32>) {
     let plen = xt.stride();
     let steps = xt.chunks * xt.per_word;
+    let rows_pad = count.div_ceil(NR) * NR;
+    // Panel rows, then the lane sums [TOKEN_BLOCK + MR][rows_pad][32].
+    let acc_len = (TOKEN_BLOCK + MR) * rows_pad * 32;
     panel.clear();
-    panel.resize(count * plen, 0.0);
+    panel.resize(count * plen + acc_len, 0.0);
     let mut rs = RowScales::new(w);
     for r in 0..count {
         decode_row_lanes::<V>(w, n0 + r, xt, &mut rs, panel.as_mut_ptr().add(r * plen));
     }
+    let acc_base = panel.as_mut_ptr().add(count * plen);
+    let ld = rows_pad * 32;
     let mut tb = 0;
     while tb < xt.rows {
         let t_end = (tb + TOKEN_BLOCK).min(xt.rows);
-        let mut r = 0;
-        while r < count {
-            let nr = NR.min(count - r);
-            let mut ws = [std::ptr::null::<f32>(); NR];
-            for (j, wp) in ws.iter_mut().enumerate() {
-                *wp = panel.as_ptr().add((r + j.min(nr - 1)) * plen);
-            }
-            let mut t = tb;
-            while t < t_end {
-                let mr = MR.min(t_end - t);
-                let mut xs = [std::ptr::null::<f32>(); MR];
-                for (i, xp) in xs.iter_mut().enumerate() {
-                    *xp = xt.data.as_ptr().add((t + i.min(mr - 1)) * plen);
+        let mut k0 = 0;
+        while k0 < steps {
+            let ks = K_STEPS.min(steps - k0);
+            let (first, last) = (k0 == 0, k0 + ks == steps);
+            let mut r = 0;
+            while r < count {
+                let nr = NR.min(count - r);
+                let mut ws = [std::ptr::null::<f32>(); NR];
+                for (j, wp) in ws.iter_mut().enumerate() {
+                    *wp = panel.as_ptr().add((r + j.min(nr - 1)) * plen + k0 * 32);
                 }
-                let out = micro::<V, MR, NR>(xs, ws, steps);
-                for (i, row) in out.iter().enumerate().take(mr) {
-                    for (j, &v) in row.iter().enumerate().take(nr) {
-                        *y.add((t + i) * ldy + n0 + r + j) = v;
+                let mut t = tb;
+                while t < t_end {
+                    let mr = MR.min(t_end - t);
+                    let mut xs = [std::ptr::null::<f32>(); MR];
+                    for (i, xp) in xs.iter_mut().enumerate() {
+                        *xp = xt.data.as_ptr().add((t + i.min(mr - 1)) * plen + k0 * 32);
                     }
+                    let out = micro::<V, MR, NR>(xs, ws, ks, acc_base.add((t - tb) * ld + r * 32), ld, first, last);
+                    if last {
+                        for (i, row) in out.iter().enumerate().take(mr) {
+                            for (j, &v) in row.iter().enumerate().take(nr) {
+                                *y.add((t + i) * ldy + n0 + r + j) = v;
+                            }
+                        }
+                    }
+                    t += mr;
                 }
-                t += mr;
+                r += nr;
             }
-            r += nr;
+            k0 += ks;
         }
         tb = t_end;
     }

@@ -1,0 +1,163 @@
+//! Kernel sources and their compilation with NVRTC (at start, for the device's architecture,
+//! cached on disk by source hash and architecture).
+//!
+//! Every kernel file is compiled with `common.cuh` in front of it and no CUDA headers, with
+//! `--fmad=false` (no contraction of `a*b + c`: FMAs appear only where a kernel writes `fmaf`),
+//! `--prec-div=true --prec-sqrt=true --ftz=false`: the arithmetic of docs/numerics.md.
+
+use std::ffi::CString;
+use std::path::PathBuf;
+
+/// One kernel source file.
+pub struct Source {
+    pub file: &'static str,
+    pub text: &'static str,
+    /// The entry points it defines.
+    pub entries: &'static [&'static str],
+}
+
+pub const COMMON: &str = include_str!("kernels/common.cuh");
+
+/// Every kernel file, with the entry points the backend loads from it.
+pub const SOURCES: &[Source] = &[
+    Source { file: "embed.cu", text: include_str!("kernels/embed.cu"), entries: &["embed_rows"] },
+    Source { file: "rms_norm.cu", text: include_str!("kernels/rms_norm.cu"), entries: &["rms_norm_rows", "add_rms_norm_rows"] },
+    Source { file: "matmul.cu", text: include_str!("kernels/matmul.cu"), entries: &["matmul_t1r1", "matmul_t4r2", "matmul_t8r4", "matmul_swiglu_t1", "matmul_swiglu_t4", "matmul_swiglu_t8"] },
+    Source { file: "swiglu.cu", text: include_str!("kernels/swiglu.cu"), entries: &["swiglu"] },
+    Source { file: "gather_rows.cu", text: include_str!("kernels/gather_rows.cu"), entries: &["gather_rows"] },
+    Source { file: "gdn_conv.cu", text: include_str!("kernels/gdn_conv.cu"), entries: &["gdn_conv"] },
+    Source { file: "gdn_qk_norm.cu", text: include_str!("kernels/gdn_qk_norm.cu"), entries: &["gdn_qk_norm"] },
+    Source { file: "gdn_heads.cu", text: include_str!("kernels/gdn_heads.cu"), entries: &["gdn_heads"] },
+    Source { file: "attention_kv.cu", text: include_str!("kernels/attention_kv.cu"), entries: &["attn_write_kv"] },
+    Source { file: "attention_tiles.cu", text: include_str!("kernels/attention_tiles.cu"), entries: &["attn_tiles"] },
+    Source { file: "attention_combine.cu", text: include_str!("kernels/attention_combine.cu"), entries: &["attn_combine"] },
+    Source { file: "argmax.cu", text: include_str!("kernels/argmax.cu"), entries: &["argmax_rows"] },
+    Source { file: "sample.cu", text: include_str!("kernels/sample.cu"), entries: &["sample_rows"] },
+    Source { file: "numerics_check.cu", text: include_str!("kernels/numerics_check.cu"), entries: &["numerics_check"] },
+];
+
+/// The options of docs/numerics.md §1, for `arch` (e.g. `sm_90`).
+pub fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--fmad=false".into(),
+        "--prec-div=true".into(),
+        "--prec-sqrt=true".into(),
+        "--ftz=false".into(),
+        "--std=c++17".into(),
+    ]
+}
+
+/// Whether libnvrtc can be loaded (without it nothing compiles; the CPU backend still runs).
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// NVRTC's version, `(major, minor)`.
+pub fn nvrtc_version() -> Result<(i32, i32), String> {
+    let (mut a, mut b) = (0, 0);
+    // SAFETY: plain out-parameters.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut a, &mut b) };
+    if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcVersion failed: {r:?}"));
+    }
+    Ok((a, b))
+}
+
+/// FNV-1a over the bytes: a stable key for the on-disk cache (not a security boundary).
+fn fnv1a(parts: &[&[u8]]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for p in parts {
+        for &b in *p {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        h ^= 0xff;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TENSORFOLD_CACHE") {
+        return Some(PathBuf::from(p).join("kernels"));
+    }
+    if let Some(p) = std::env::var_os("XDG_CACHE_HOME") {
+        return Some(PathBuf::from(p).join("tensorfold/kernels"));
+    }
+    std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/tensorfold/kernels"))
+}
+
+/// Compiles one kernel file to a CUBIN for `arch`, or returns NVRTC's log.
+pub fn compile(src: &Source, arch: &str) -> Result<Vec<u8>, String> {
+    compile_with_log(src, arch, false).map(|(c, _)| c)
+}
+
+/// [`compile`], also returning NVRTC's log; `resources` adds ptxas's register and spill report.
+pub fn compile_with_log(src: &Source, arch: &str, resources: bool) -> Result<(Vec<u8>, String), String> {
+    use cudarc::nvrtc::{result, sys};
+    let text = format!("{COMMON}\n// ---- {} ----\n{}", src.file, src.text);
+    let csrc = CString::new(text).map_err(|e| e.to_string())?;
+    let name = CString::new(src.file).unwrap();
+    let prog = result::create_program(&csrc, Some(&name)).map_err(|e| format!("{}: nvrtcCreateProgram: {e:?}", src.file))?;
+    let mut opts = options(arch);
+    if resources {
+        opts.push("--ptxas-options=-v".into());
+    }
+    // SAFETY: `prog` is a live program; options are plain strings.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    if compiled.is_err() {
+        // SAFETY: destroying the program we created.
+        let _ = unsafe { result::destroy_program(prog) };
+        return Err(format!("{} failed to compile for {arch}:\n{log}", src.file));
+    }
+    let mut size = 0usize;
+    // SAFETY: the program compiled; NVRTC writes the size, then the image into our buffer.
+    let cubin = unsafe {
+        let r = sys::nvrtcGetCUBINSize(prog, &mut size);
+        if r != sys::nvrtcResult::NVRTC_SUCCESS {
+            let _ = result::destroy_program(prog);
+            return Err(format!("{}: nvrtcGetCUBINSize: {r:?}", src.file));
+        }
+        let mut buf = vec![0u8; size];
+        let r = sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut _);
+        let _ = result::destroy_program(prog);
+        if r != sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(format!("{}: nvrtcGetCUBIN: {r:?}", src.file));
+        }
+        buf
+    };
+    Ok((cubin, log))
+}
+
+/// [`compile`] through the on-disk cache, keyed by the source, the options, the NVRTC version
+/// and the architecture. A cache that cannot be written is not an error.
+pub fn compile_cached(src: &Source, arch: &str) -> Result<Vec<u8>, String> {
+    let ver = nvrtc_version().unwrap_or((0, 0));
+    let opts = options(arch).join(" ");
+    let key = fnv1a(&[COMMON.as_bytes(), src.text.as_bytes(), opts.as_bytes(), format!("{ver:?}").as_bytes()]);
+    let path = cache_dir().map(|d| d.join(format!("{}-{arch}-{key:016x}.cubin", src.file.trim_end_matches(".cu"))));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            return Ok(bytes);
+        }
+    }
+    let cubin = compile(src, arch)?;
+    if let Some(p) = &path {
+        if let Some(dir) = p.parent() {
+            let _ = std::fs::create_dir_all(dir);
+            let tmp = p.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &cubin).is_ok() {
+                let _ = std::fs::rename(&tmp, p);
+            }
+        }
+    }
+    Ok(cubin)
+}

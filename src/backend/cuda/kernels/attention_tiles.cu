@@ -1,0 +1,75 @@
+// Gated attention, part 1: per (query row, head, tile of 256 positions) the tile's max score m,
+// sum of exponentials l and weighted values o[Dh] (numerics §6). Blocks stride over the tiles,
+// so any grid size gives the same partials.
+// CPU twin: backend::cpu::kernels::attend (tile loop) after attention_query's q norm and RoPE.
+// Grid: (rows · Hq, blocks per query), block 256 (8 warps).
+
+extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, float eps, const float* rope,
+                                      u32 rd, u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles,
+                                      const RowDesc* rows, const SlotDesc* slots, float* part) {
+    __shared__ float q[256];
+    __shared__ float e[TILE];
+    __shared__ float red[8];
+    __shared__ float inv_s;
+    u32 r = blockIdx.x / hq, h = blockIdx.x % hq;
+    u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    RowDesc row = rows[r];
+    u32 p = row.pos;
+    u32 n_tiles = p / TILE + 1;
+    if (blockIdx.y >= n_tiles) return;
+    u32 g = h / (hq / hkv);
+    const u64* pages = (const u64*)slots[row.slot].pages + (u64)layer * 2 * max_pages;
+    // q: RMSNorm with q_norm, then RoPE (attention_query).
+    const float* qr = q_gate + (u64)r * hq * 2 * dh + (u64)h * 2 * dh;
+    if (warp == 0) {
+        float ss = warp_dot(qr, qr, dh);
+        if (lane == 0) inv_s = tf_rsqrt(ss / (float)dh + eps);
+    }
+    __syncthreads();
+    for (u32 d = threadIdx.x; d < dh; d += blockDim.x) q[d] = (qr[d] * inv_s) * q_norm[d];
+    __syncthreads();
+    u32 half = rd / 2;
+    const float* cs = rope + (u64)p * rd;
+    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
+        float x0 = q[i], x1 = q[i + half], c = cs[i], s = cs[half + i];
+        q[i] = fmaf(x0, c, -(x1 * s));
+        q[i + half] = fmaf(x1, c, x0 * s);
+    }
+    __syncthreads();
+    float scale = tf_rsqrt((float)dh);
+    for (u32 t = blockIdx.y; t < n_tiles; t += gridDim.y) {
+        u32 lo = t * TILE;
+        u32 n = (p + 1 - lo) < TILE ? (p + 1 - lo) : TILE;
+        const float* kp = (const float*)pages[t];
+        const float* vp = (const float*)pages[max_pages + t];
+        // Scores: warp w takes positions w, w+8, ...
+        for (u32 i = warp; i < n; i += 8) {
+            float s = warp_dot(q, kp + ((u64)i * hkv + g) * dh, dh) * scale;
+            if (lane == 0) e[i] = s;
+        }
+        __syncthreads();
+        // m = max over the tile (exact in any order).
+        float m = threadIdx.x < n ? e[threadIdx.x] : __int_as_float(0xff800000);
+        for (u32 o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+        if (lane == 0) red[warp] = m;
+        __syncthreads();
+        m = red[0];
+        for (u32 w = 1; w < 8; w++) m = fmaxf(m, red[w]);
+        __syncthreads();
+        if (threadIdx.x < n) e[threadIdx.x] = tf_exp(e[threadIdx.x] - m);
+        __syncthreads();
+        float* out = part + (((u64)r * hq + h) * max_tiles + t) * (dh + 2);
+        if (threadIdx.x == 0) {
+            float l = 0.0f;
+            for (u32 i = 0; i < n; i++) l += e[i];
+            out[0] = m;
+            out[1] = l;
+        }
+        for (u32 d = threadIdx.x; d < dh; d += blockDim.x) {
+            float acc = 0.0f;
+            for (u32 i = 0; i < n; i++) acc = fmaf(e[i], vp[((u64)i * hkv + g) * dh + d], acc);
+            out[2 + d] = acc;
+        }
+        __syncthreads();
+    }
+}

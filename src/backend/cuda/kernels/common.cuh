@@ -1,0 +1,126 @@
+// Definitions every tensorfold kernel shares. NVRTC compiles each kernel file with this text in
+// front of it and no CUDA headers. Each function names the CPU function (src/) it reproduces bit
+// for bit; the kernels are compiled with --fmad=false, so a*b+c is two roundings unless written
+// as fmaf.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+#define TILE 256  // cpu::kernels::ATTENTION_TILE
+
+// One sequence's rows in a step (backend::SeqRows).
+struct SeqDesc {
+    u32 slot, first_row, len, pos;
+};
+
+// Where a slot's state lives: conv windows [L_gdn][Kc-1][conv_dim], recurrent states
+// [L_gdn][Hv][dv][dk], and the KV page table [L_attn][2][max_pages] of page pointers.
+struct SlotDesc {
+    u64 conv, rec, pages;
+};
+
+// Per row of a step: its slot and position.
+struct RowDesc {
+    u32 slot, pos;
+};
+
+// Twin of numerics::fold_lanes: lane 0 receives p[0] after p[i] += p[i+h], h = 16..1.
+__device__ __forceinline__ float fold32(float v) {
+    v += __shfl_down_sync(FULL_MASK, v, 16);
+    v += __shfl_down_sync(FULL_MASK, v, 8);
+    v += __shfl_down_sync(FULL_MASK, v, 4);
+    v += __shfl_down_sync(FULL_MASK, v, 2);
+    v += __shfl_down_sync(FULL_MASK, v, 1);
+    return v;
+}
+
+// Twin of numerics::dot_f32 for one warp: lane l accumulates elements l, l+32, ... in order.
+// The result is in every lane.
+__device__ __forceinline__ float warp_dot(const float* a, const float* b, u32 n) {
+    u32 lane = threadIdx.x & 31;
+    float acc = 0.0f;
+    for (u32 i = lane; i < n; i += 32) acc = fmaf(a[i], b[i], acc);
+    return __shfl_sync(FULL_MASK, fold32(acc), 0);
+}
+
+__device__ __forceinline__ float bf16_to_f32(u32 bits16) { return __uint_as_float(bits16 << 16); }
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+// Scale/bias dtype codes (model::weights::FloatType): 0 f32, 1 f16, 2 bf16.
+__device__ __forceinline__ float load_float(const u8* p, u32 i, u32 dtype) {
+    if (dtype == 2) return bf16_to_f32(((const u16*)p)[i]);
+    if (dtype == 1) return f16_to_f32(((const u16*)p)[i]);
+    return ((const float*)p)[i];
+}
+
+__device__ __forceinline__ float pow2i(int k) { return __int_as_float((k + 127) << 23); }
+
+// Twin of numerics::exp.
+__device__ __forceinline__ float tf_exp(float x) {
+    if (x != x) return x;
+    if (x > 88.722835f) return __int_as_float(0x7f800000);
+    if (x < -103.97208f) return 0.0f;
+    float kf = rintf(x * 1.44269504088896340736f);
+    float r = fmaf(-kf, 1.428606765330187e-6f, fmaf(-kf, 0.693145751953125f, x));
+    float p = 1.984127e-4f;
+    p = fmaf(p, r, 1.3888889e-3f);
+    p = fmaf(p, r, 8.333333e-3f);
+    p = fmaf(p, r, 4.1666668e-2f);
+    p = fmaf(p, r, 0.16666667f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    int k = (int)kf;
+    int k1 = k / 2;
+    int k2 = k - k1;
+    return p * pow2i(k1) * pow2i(k2);
+}
+
+// Twin of numerics::log.
+__device__ __forceinline__ float tf_log(float x) {
+    if (x != x || x < 0.0f) return __int_as_float(0x7fc00000);
+    if (x == 0.0f) return __int_as_float(0xff800000);
+    if (x == __int_as_float(0x7f800000)) return x;
+    int e = 0;
+    if (x < 1.17549435e-38f) {
+        x *= 8388608.0f;
+        e -= 23;
+    }
+    u32 bits = __float_as_uint(x);
+    e += (int)((bits >> 23) & 0xff) - 127;
+    float m = __uint_as_float((bits & 0x007fffffu) | 0x3f800000u);
+    if (m > 1.41421356237309504880f) {
+        m *= 0.5f;
+        e += 1;
+    }
+    float f = m - 1.0f;
+    float s = f / (2.0f + f);
+    float z = s * s;
+    float w = z * z;
+    float t1 = w * fmaf(w, 0.24279079f, 0.40000972f);
+    float t2 = z * fmaf(w, 0.28498787f, 0.6666666f);
+    float r = t2 + t1;
+    float hfsq = 0.5f * f * f;
+    float ef = (float)e;
+    float lo = fmaf(ef, 1.428606765330187e-6f, s * (hfsq + r));
+    return fmaf(ef, 0.693145751953125f, f - (hfsq - lo));
+}
+
+// Twins of numerics::log1p, softplus, sigmoid, silu.
+__device__ __forceinline__ float tf_log1p(float y) {
+    float u = 1.0f + y;
+    if (u == 1.0f) return y;
+    return tf_log(u) * (y / (u - 1.0f));
+}
+__device__ __forceinline__ float tf_softplus(float x) { return x > 20.0f ? x : tf_log1p(tf_exp(x)); }
+__device__ __forceinline__ float tf_sigmoid(float x) { return 1.0f / (1.0f + tf_exp(-x)); }
+__device__ __forceinline__ float tf_silu(float x) { return x / (1.0f + tf_exp(-x)); }
+__device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }

@@ -1,0 +1,209 @@
+// y = W·x for up to four weight matrices that read the same input (fused projections).
+// CPU twin: backend::cpu::kernels::dot_decoded through simd::matmul (numerics §2): lane l of a
+// warp owns the stored 32-bit words l, l+32, ... of a row, accumulates their decoded elements in
+// order with fmaf, and the warp folds its lanes by halves.
+//
+// A warp computes R rows of one matrix for a tile of T tokens, so each weight word is loaded
+// once per T tokens and each input value once per R rows. The arithmetic of an output does not
+// depend on T or R. Grid: (ceil(padded_rows / (R·8)), ceil(tokens / T)), block 256.
+
+struct Mat {
+    const u8* w;   // codes (affine) or values (float), row-major
+    const u8* s;   // scales [rows, cols/group] (affine)
+    const u8* b;   // biases [rows, cols/group] (affine)
+    float* y;      // output [tokens, ldy]
+    u32 rows, cols, fmt, group, sdtype, ldy, row0, pad;
+};
+// fmt: 0 f32, 1 f16, 2 bf16 weights; 4 or 8: affine codes of that many bits.
+
+struct Mats {
+    Mat m[4];
+    u32 count, pad0, pad1, pad2;
+};
+
+#define WARPS 8
+
+template <int FMT>
+struct Fmt;
+template <> struct Fmt<4> { enum { E = 8 }; };
+template <> struct Fmt<8> { enum { E = 4 }; };
+template <> struct Fmt<2> { enum { E = 2 }; };
+template <> struct Fmt<1> { enum { E = 2 }; };
+template <> struct Fmt<0> { enum { E = 1 }; };
+
+// Element e of word `wd` of a row whose group scale/bias are s, b.
+template <int FMT>
+__device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
+    if (FMT == 4) return fmaf(s, (float)((wd >> (4 * e)) & 15u), b);
+    if (FMT == 8) return fmaf(s, (float)((wd >> (8 * e)) & 255u), b);
+    if (FMT == 2) return bf16_to_f32(e == 0 ? (wd & 0xffffu) : (wd >> 16));
+    if (FMT == 1) return f16_to_f32((u16)(e == 0 ? (wd & 0xffffu) : (wd >> 16)));
+    return __uint_as_float(wd);
+}
+
+// Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
+// partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
+// of a word ascending. Words are loaded four at a time (independent loads in flight), which
+// keeps each lane's order: j, j+32, j+64, j+96.
+template <int T, int R, int FMT>
+__device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows, const float* x, u32 ldx, u32 t0, u32 nt,
+                                           float (&acc)[T][R]) {
+    const int E = Fmt<FMT>::E;
+    const bool affine = FMT == 4 || FMT == 8;
+    const u32 lane = threadIdx.x & 31;
+    const u32 words = ms[0]->cols / E;
+    const u32* wrow[R];
+    const u8* srow[R];
+    const u8* brow[R];
+    u32 group = affine ? ms[0]->group : 1, sdt = ms[0]->sdtype;
+    u32 ssize = sdt == 0 ? 4 : 2;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        wrow[r] = (const u32*)ms[r]->w + (u64)rows[r] * words;
+        srow[r] = affine ? ms[r]->s + (u64)rows[r] * (ms[r]->cols / group) * ssize : ms[r]->s;
+        brow[r] = affine ? ms[r]->b + (u64)rows[r] * (ms[r]->cols / group) * ssize : ms[r]->b;
+    }
+#pragma unroll
+    for (int t = 0; t < T; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
+    const int U = 4;
+    for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
+        u32 wd[U][R];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            u32 j = j0 + 32 * u;
+            if (j >= words) break;
+            float s[R], b[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                if (affine) {
+                    u32 g = j * E / group;
+                    s[r] = load_float(srow[r], g, sdt);
+                    b[r] = load_float(brow[r], g, sdt);
+                } else {
+                    s[r] = 0.0f;
+                    b[r] = 0.0f;
+                }
+            }
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                if ((u32)t >= nt) break;
+                const float* xp = x + (u64)(t0 + t) * ldx + (u64)j * E;
+                float xv[E];
+                if (E >= 4) {
+#pragma unroll
+                    for (int q = 0; q < E / 4; q++) {
+                        float4 v = ((const float4*)xp)[q];
+                        xv[4 * q] = v.x;
+                        xv[4 * q + 1] = v.y;
+                        xv[4 * q + 2] = v.z;
+                        xv[4 * q + 3] = v.w;
+                    }
+                } else {
+#pragma unroll
+                    for (int e = 0; e < E; e++) xv[e] = xp[e];
+                }
+#pragma unroll
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[u][r], e, s[r], b[r]), xv[e], acc[t][r]);
+            }
+        }
+    }
+}
+
+template <int T, int R, int FMT>
+__device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 ldx, u32 t0, u32 nt) {
+    const u32 lane = threadIdx.x & 31;
+    u32 nr = m.rows - n0 < (u32)R ? m.rows - n0 : (u32)R;
+    const Mat* ms[R];
+    u32 rows[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        ms[r] = &m;
+        rows[r] = n0 + ((u32)r < nr ? r : 0);
+    }
+    float acc[T][R];
+    accumulate<T, R, FMT>(ms, rows, x, ldx, t0, nt, acc);
+#pragma unroll
+    for (int t = 0; t < T; t++)
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v = fold32(acc[t][r]);
+            if (lane == 0 && (u32)t < nt && (u32)r < nr) m.y[(u64)(t0 + t) * m.ldy + n0 + r] = v;
+        }
+}
+
+template <int T, int R>
+__device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, u32 n_tok) {
+    u32 g = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;  // first padded row of this warp
+    u32 i = 0;
+    while (i + 1 < ms.count && g >= ms.m[i + 1].row0) i++;
+    const Mat& m = ms.m[i];
+    if (g < m.row0) return;
+    u32 n0 = g - m.row0;
+    if (n0 >= m.rows) return;
+    u32 t0 = blockIdx.y * T;
+    if (t0 >= n_tok) return;
+    u32 nt = n_tok - t0 < (u32)T ? n_tok - t0 : (u32)T;
+    switch (m.fmt) {
+        case 4: body<T, R, 4>(m, n0, x, ldx, t0, nt); break;
+        case 8: body<T, R, 8>(m, n0, x, ldx, t0, nt); break;
+        case 2: body<T, R, 2>(m, n0, x, ldx, t0, nt); break;
+        case 1: body<T, R, 1>(m, n0, x, ldx, t0, nt); break;
+        default: body<T, R, 0>(m, n0, x, ldx, t0, nt); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) matmul_t1r1(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<1, 1>(ms, x, ldx, n_tok); }
+extern "C" __global__ void __launch_bounds__(256) matmul_t4r2(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<4, 2>(ms, x, ldx, n_tok); }
+extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<8, 4>(ms, x, ldx, n_tok); }
+
+// The MLP's gate and up projections with SwiGLU fused: a warp computes row n of both (same
+// arithmetic as two matmul outputs) and writes gate[n], up[n] and act[n] = silu(gate)·up
+// (CPU twin of the pair: Cpu::matmul then Cpu::swiglu). ms.m[0] is gate_proj, ms.m[1] up_proj,
+// both with the same format; `act` has the layout of their outputs.
+template <int T, int FMT>
+__device__ __forceinline__ void pair_body(const Mats& ms, u32 n, const float* x, u32 ldx, u32 t0, u32 nt, float* act) {
+    const u32 lane = threadIdx.x & 31;
+    const Mat* mp[2] = {&ms.m[0], &ms.m[1]};
+    u32 rows[2] = {n, n};
+    float acc[T][2];
+    accumulate<T, 2, FMT>(mp, rows, x, ldx, t0, nt, acc);
+#pragma unroll
+    for (int t = 0; t < T; t++) {
+        float g = fold32(acc[t][0]);
+        float u = fold32(acc[t][1]);
+        if (lane == 0 && (u32)t < nt) {
+            u64 o = (u64)(t0 + t) * ms.m[0].ldy + n;
+            ms.m[0].y[o] = g;
+            ms.m[1].y[o] = u;
+            act[o] = tf_silu(g) * u;
+        }
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u32 ldx, u32 n_tok, float* act) {
+    u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (n >= ms.m[0].rows) return;
+    u32 t0 = blockIdx.y * T;
+    if (t0 >= n_tok) return;
+    u32 nt = n_tok - t0 < (u32)T ? n_tok - t0 : (u32)T;
+    switch (ms.m[0].fmt) {
+        case 4: pair_body<T, 4>(ms, n, x, ldx, t0, nt, act); break;
+        case 8: pair_body<T, 8>(ms, n, x, ldx, t0, nt, act); break;
+        case 2: pair_body<T, 2>(ms, n, x, ldx, t0, nt, act); break;
+        case 1: pair_body<T, 1>(ms, n, x, ldx, t0, nt, act); break;
+        default: pair_body<T, 0>(ms, n, x, ldx, t0, nt, act); break;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t1(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<1>(ms, x, ldx, n_tok, act); }
+extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t4(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<4>(ms, x, ldx, n_tok, act); }
+extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t8(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<8>(ms, x, ldx, n_tok, act); }

@@ -1,0 +1,1183 @@
+//! The CUDA backend: NVIDIA GPUs through the driver API, loaded at run time (cudarc with
+//! `dynamic-loading`), kernels compiled with NVRTC at start (see [`compile`]).
+//!
+//! Every kernel (`kernels/*.cu`) names its CPU twin and reproduces its bits. A decode step is
+//! one CUDA graph launch: the first time a step of a given shape runs on a given set of
+//! buffers, its kernel launches are captured into a graph; later steps of that shape replay it.
+//! What changes from token to token (ids, positions, which slot) is uploaded before the launch
+//! into fixed device buffers that the kernels read, so the same graph serves every token and
+//! every session. The capture is transparent to the model code: `forward` runs as usual, and the
+//! backend records (first time) or skips (replays) its operations, launching the graph in
+//! `end_step`.
+//!
+//! Lifetimes: all work runs on one stream and every buffer is freed in stream order
+//! (`cuMemFreeAsync`), so memory is never released under a running kernel. No API of this
+//! backend returns with device work that reads host memory still pending.
+
+pub mod compile;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use crate::backend::{Backend, BackendError, Batch, SequenceState};
+use crate::backend::cpu::kernels::ATTENTION_TILE;
+use crate::config::ModelConfig;
+use crate::model::rope::RopeTable;
+use crate::model::weights::{AttentionWeights, FloatType, GatedDeltaNetWeights, Matrix, MatrixData};
+
+fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
+    BackendError::Device(format!("CUDA: {what}: {e:?}"))
+}
+
+/// Whether a CUDA driver can be loaded on this machine.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen the library.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of CUDA devices (0 when there is no driver or no device).
+pub fn device_count() -> usize {
+    if !driver_available() {
+        return 0;
+    }
+    CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+/// Largest number of rows (tokens) one step may hold on this backend.
+pub const MAX_ROWS: usize = 4096;
+/// Slots the device-side slot table holds.
+pub const MAX_SLOTS: usize = 1024;
+/// Blocks per query head that share the attention tiles (any number gives the same bits).
+const ATTN_BLOCKS: u32 = 16;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SeqDesc {
+    slot: u32,
+    first_row: u32,
+    len: u32,
+    pos: u32,
+}
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SlotDesc {
+    conv: u64,
+    rec: u64,
+    pages: u64,
+}
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RowDesc {
+    slot: u32,
+    pos: u32,
+}
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MatDesc {
+    w: u64,
+    s: u64,
+    b: u64,
+    y: u64,
+    rows: u32,
+    cols: u32,
+    fmt: u32,
+    group: u32,
+    sdtype: u32,
+    ldy: u32,
+    row0: u32,
+    pad: u32,
+}
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MatDescs {
+    m: [MatDesc; 4],
+    count: u32,
+    pad: [u32; 3],
+}
+// SAFETY: plain-old-data structs with the layout of the C structs in kernels/*.cu.
+unsafe impl DeviceRepr for SeqDesc {}
+unsafe impl DeviceRepr for SlotDesc {}
+unsafe impl DeviceRepr for RowDesc {}
+unsafe impl DeviceRepr for MatDescs {}
+// SAFETY: all-zero bytes are a valid value of each (integers only).
+unsafe impl cudarc::driver::ValidAsZeroBits for SeqDesc {}
+unsafe impl cudarc::driver::ValidAsZeroBits for SlotDesc {}
+unsafe impl cudarc::driver::ValidAsZeroBits for RowDesc {}
+
+/// A weight matrix on the device, bytes as stored in the checkpoint.
+pub struct CudaMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    fmt: u32,
+    group: u32,
+    sdtype: u32,
+    per_word: usize,
+    w: CudaSlice<u8>,
+    s: CudaSlice<u8>,
+    b: CudaSlice<u8>,
+}
+
+/// An f32 activation buffer on the device.
+pub struct CudaTensor {
+    buf: CudaSlice<f32>,
+    pub rows: usize,
+    pub cols: usize,
+    /// Identity for the graph cache (a graph is tied to the buffers it was captured with).
+    id: u64,
+}
+
+/// The device memory of one sequence slot.
+struct SlotMem {
+    conv: CudaSlice<f32>,
+    rec: CudaSlice<f32>,
+    /// `[L_attn][2][max_pages]` device pointers to KV pages (0 where not allocated).
+    table: CudaSlice<u64>,
+    host_table: Vec<u64>,
+    /// Per attention layer, keys and values: pages of `ATTENTION_TILE · Hkv · Dh` floats.
+    pages: Vec<[Vec<CudaSlice<f32>>; 2]>,
+    position: usize,
+}
+
+/// Every sequence slot on the device.
+pub struct CudaStates {
+    cfg: ModelConfig,
+    slots: Vec<Option<SlotMem>>,
+    max_pages: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    Eager,
+    /// Recording the current step into a graph (key given).
+    Capturing(GraphKey),
+    /// Replaying a recorded graph: operations are skipped.
+    Replaying(GraphKey),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+struct GraphKey {
+    rows: usize,
+    seqs: usize,
+    logit_rows: usize,
+    /// The residual-stream tensor of the scratch the step runs on.
+    scratch: u64,
+}
+
+/// Which token-choosing kernel ends a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chooser {
+    Argmax,
+    Sample,
+}
+
+/// A recorded step.
+struct Recorded {
+    graph: cudarc::driver::CudaGraph,
+    /// The token-choosing kernel recorded with it, if any.
+    chooser: Option<Chooser>,
+}
+
+/// A token-choosing kernel to run after a replayed graph that was recorded without it.
+#[derive(Clone, Copy, Debug)]
+struct PendingChooser {
+    kind: Chooser,
+    logits: u64,
+    rows: u32,
+    v_eff: u32,
+    ld: u32,
+}
+
+/// Sampling parameters of one row as `sample.cu` reads them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct SampleParamsRepr {
+    temperature: f32,
+    top_p: f32,
+    min_p: f32,
+    rep: f32,
+    pres: f32,
+    freq: f32,
+    top_k: u32,
+    window_cap: u32,
+    seed: u64,
+}
+// SAFETY: plain data with the layout of `SampleParams` in sample.cu; zero bytes are valid.
+unsafe impl DeviceRepr for SampleParamsRepr {}
+unsafe impl cudarc::driver::ValidAsZeroBits for SampleParamsRepr {}
+
+/// Penalty window ids per row the device sampler holds.
+pub const SAMPLE_WINDOW: usize = 1024;
+/// Largest top-k the device sampler handles.
+pub const SAMPLE_MAX_K: usize = 1024;
+
+/// Per-step device buffers and backend-owned temporaries (fixed addresses: graphs read them).
+struct Step {
+    ids: CudaSlice<u32>,
+    seqs: CudaSlice<SeqDesc>,
+    rows: CudaSlice<RowDesc>,
+    logit_rows: CudaSlice<u32>,
+    slot_table: CudaSlice<SlotDesc>,
+    host_slot_table: Vec<SlotDesc>,
+    slot_table_dirty: bool,
+    rope: Option<CudaSlice<f32>>,
+    rope_host: Option<RopeTable>,
+    rope_rows_on_device: usize,
+    /// GDN temporaries: silu(conv) `[rows, conv_dim]`, normalised q and k `[rows, key_dim]`.
+    gdn_y: Option<CudaSlice<f32>>,
+    gdn_q: Option<CudaSlice<f32>>,
+    gdn_k: Option<CudaSlice<f32>>,
+    /// Attention tile partials for eager steps (grown) and for graphs (fixed once captured).
+    part_eager: Option<CudaSlice<f32>>,
+    part_graph: Option<CudaSlice<f32>>,
+    part_graph_tiles: usize,
+    /// Tiles per query the current step's partial buffer holds.
+    max_tiles: usize,
+    sampled: CudaSlice<u32>,
+    /// Ids the device already holds in `ids` (written by the last greedy step).
+    device_ids: Vec<u32>,
+    mode: Mode,
+    batch_rows: usize,
+    graphs: HashMap<GraphKey, Recorded>,
+    captured_chooser: Option<Chooser>,
+    pending_chooser: Option<PendingChooser>,
+    /// Device sampler inputs: per-row parameters, penalty windows, positions; and its scratch.
+    sample_params: CudaSlice<SampleParamsRepr>,
+    sample_win: CudaSlice<u32>,
+    sample_wlen: CudaSlice<u32>,
+    sample_pos: CudaSlice<u64>,
+    sample_work: Option<CudaSlice<f32>>,
+    error: Option<BackendError>,
+    launches: u64,
+}
+
+/// The CUDA backend on one device.
+pub struct Cuda {
+    /// Keeps the context alive as long as the backend (streams and buffers hold it too).
+    _ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    funcs: HashMap<&'static str, CudaFunction>,
+    name: String,
+    arch: String,
+    step: Mutex<Step>,
+    next_id: std::sync::atomic::AtomicU64,
+    cfg_cache: Mutex<Option<ModelConfig>>,
+    /// Capture decode steps as graphs (`TENSORFOLD_CUDA_GRAPHS=0` turns it off, for comparison).
+    use_graphs: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Cuda {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Cuda({})", self.name)
+    }
+}
+
+fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (p, _guard) = s.device_ptr(stream);
+    p
+}
+
+impl Cuda {
+    /// Opens device `ordinal`, compiles (or loads from the cache) every kernel.
+    ///
+    /// # Errors
+    /// No CUDA driver or NVRTC library, no such device, a kernel that does not compile.
+    pub fn new(ordinal: usize) -> Result<Self, BackendError> {
+        if !driver_available() {
+            return Err(BackendError::Device("no CUDA driver (libcuda) on this machine".into()));
+        }
+        if !compile::nvrtc_available() {
+            return Err(BackendError::Device("libnvrtc was not found; install the CUDA toolkit or put libnvrtc on LD_LIBRARY_PATH".into()));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| dev_err(&format!("opening device {ordinal}"), e))?;
+        // Before any allocation (cudarc#555): we order all work on one stream ourselves.
+        // SAFETY: no allocation or stream exists yet.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
+        let (maj, min) = ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
+        let arch = format!("sm_{maj}{min}");
+        let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let mut funcs = HashMap::new();
+        for src in compile::SOURCES {
+            let cubin = compile::compile_cached(src, &arch).map_err(BackendError::Device)?;
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| dev_err(&format!("loading {}", src.file), e))?;
+            for &entry in src.entries {
+                let f = module.load_function(entry).map_err(|e| dev_err(&format!("{}: {entry}", src.file), e))?;
+                funcs.insert(entry, f);
+            }
+        }
+        let alloc = |n: usize| -> Result<CudaSlice<u32>, BackendError> { stream.alloc_zeros::<u32>(n).map_err(|e| dev_err("allocating step buffers", e)) };
+        let step = Step {
+            ids: alloc(MAX_ROWS)?,
+            seqs: stream.alloc_zeros::<SeqDesc>(MAX_ROWS).map_err(|e| dev_err("allocating step buffers", e))?,
+            rows: stream.alloc_zeros::<RowDesc>(MAX_ROWS).map_err(|e| dev_err("allocating step buffers", e))?,
+            logit_rows: alloc(MAX_ROWS)?,
+            slot_table: stream.alloc_zeros::<SlotDesc>(MAX_SLOTS).map_err(|e| dev_err("allocating the slot table", e))?,
+            host_slot_table: vec![SlotDesc::default(); MAX_SLOTS],
+            slot_table_dirty: false,
+            rope: None,
+            rope_host: None,
+            rope_rows_on_device: 0,
+            gdn_y: None,
+            gdn_q: None,
+            gdn_k: None,
+            part_eager: None,
+            part_graph: None,
+            part_graph_tiles: 0,
+            max_tiles: 0,
+            sampled: alloc(MAX_ROWS)?,
+            device_ids: Vec::new(),
+            mode: Mode::Eager,
+            batch_rows: 0,
+            graphs: HashMap::new(),
+            captured_chooser: None,
+            pending_chooser: None,
+            sample_params: stream.alloc_zeros::<SampleParamsRepr>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
+            sample_win: alloc(64 * SAMPLE_WINDOW)?,
+            sample_wlen: alloc(64)?,
+            sample_pos: stream.alloc_zeros::<u64>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
+            sample_work: None,
+            error: None,
+            launches: 0,
+        };
+        let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
+        Ok(Self {
+            _ctx: ctx,
+            stream,
+            funcs,
+            name,
+            arch,
+            step: Mutex::new(step),
+            next_id: std::sync::atomic::AtomicU64::new(1),
+            cfg_cache: Mutex::new(None),
+            use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
+        })
+    }
+
+    /// The device's name and architecture.
+    pub fn device_name(&self) -> String {
+        format!("{} ({})", self.name, self.arch)
+    }
+
+    /// Turns graph capture of decode steps on or off (off: every operation launches eagerly,
+    /// so intermediate tensors can be read between operations).
+    pub fn set_graphs(&self, on: bool) {
+        self.use_graphs.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Kernel launches issued so far (captured launches count once, replays not at all).
+    pub fn launches(&self) -> u64 {
+        self.step.lock().unwrap().launches
+    }
+
+    /// Graphs recorded so far.
+    pub fn graphs(&self) -> usize {
+        self.step.lock().unwrap().graphs.len()
+    }
+
+    /// Evaluates the device's `exp, log, softplus, sigmoid, silu` on `x` (5 outputs per input),
+    /// for comparison with [`crate::numerics`].
+    pub fn numerics_check(&self, x: &[f32]) -> Result<Vec<f32>, BackendError> {
+        let xd = self.stream.clone_htod(x).map_err(|e| dev_err("upload", e))?;
+        let mut out = self.stream.alloc_zeros::<f32>(5 * x.len()).map_err(|e| dev_err("alloc", e))?;
+        let n = x.len() as u32;
+        let f = &self.funcs["numerics_check"];
+        // SAFETY: arguments match numerics_check.cu; buffers hold n and 5n floats.
+        unsafe { self.stream.launch_builder(f).arg(&xd).arg(&n).arg(&mut out).launch(LaunchConfig { grid_dim: (n.div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
+            .map_err(|e| dev_err("numerics_check", e))?;
+        
+        let v = self.stream.clone_dtoh(&out).map_err(|e| dev_err("download", e))?;
+        self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        Ok(v)
+    }
+
+    /// Runs `f` unless the current step is being replayed; records the first error.
+    fn launch<T>(&self, what: &str, f: impl FnOnce(&mut Step) -> Result<T, cudarc::driver::DriverError>) {
+        let mut st = self.step.lock().unwrap();
+        if matches!(st.mode, Mode::Replaying(_)) {
+            return;
+        }
+        if let Err(e) = f(&mut st) {
+            if st.error.is_none() {
+                st.error = Some(dev_err(what, e));
+            }
+        }
+        st.launches += 1;
+    }
+
+    /// Queues the kernel that picks each row's next id (recorded into a graph being captured;
+    /// after the graph when it replays one recorded without this kernel).
+    fn enqueue_chooser(&self, kind: Chooser, logits: &CudaTensor, rows: usize, v_eff: usize) {
+        let (v, ld) = (v_eff as u32, logits.cols as u32);
+        let lp = ptr(&logits.buf, &self.stream);
+        let mut st = self.step.lock().unwrap();
+        match st.mode {
+            Mode::Replaying(key) => {
+                if st.graphs[&key].chooser != Some(kind) {
+                    st.pending_chooser = Some(PendingChooser { kind, logits: lp, rows: rows as u32, v_eff: v, ld });
+                }
+                return;
+            }
+            Mode::Capturing(_) => st.captured_chooser = Some(kind),
+            Mode::Eager => {}
+        }
+        if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
+            st.error.get_or_insert(dev_err("choosing tokens", e));
+        }
+        st.launches += 1;
+    }
+
+    fn launch_chooser(&self, st: &mut Step, kind: Chooser, logits: u64, rows: u32, v_eff: u32, ld: u32) -> Result<(), cudarc::driver::DriverError> {
+        let cfg = Self::cfg1((rows, 1, 1), 1024, 0);
+        // SAFETY: arguments match argmax.cu / sample.cu; `logits` is the step's logits tensor
+        // (`rows` rows of `ld` floats), the other buffers hold at least 64 rows.
+        unsafe {
+            match kind {
+                Chooser::Argmax => self.stream.launch_builder(self.func("argmax_rows")).arg(&logits).arg(&v_eff).arg(&ld).arg(&st.sampled).arg(&st.ids).launch(cfg).map(|_| ()),
+                Chooser::Sample => self
+                    .stream
+                    .launch_builder(self.func("sample_rows"))
+                    .arg(&logits)
+                    .arg(&v_eff)
+                    .arg(&ld)
+                    .arg(&st.sample_params)
+                    .arg(&st.sample_win)
+                    .arg(&st.sample_wlen)
+                    .arg(&st.sample_pos)
+                    .arg(st.sample_work.as_ref().expect("set_sampling ran"))
+                    .arg(&st.sampled)
+                    .arg(&st.ids)
+                    .launch(cfg)
+                    .map(|_| ()),
+            }
+        }
+    }
+
+    fn check(&self) -> Result<(), BackendError> {
+        match self.step.lock().unwrap().error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    fn func(&self, name: &str) -> &CudaFunction {
+        &self.funcs[name]
+    }
+
+    fn cfg1(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
+        LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: shared }
+    }
+
+    fn new_tensor_id(&self) -> u64 {
+        self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Makes sure the step temporaries hold `rows` rows for `cfg`.
+    fn ensure_temps(&self, st: &mut Step, cfg: &ModelConfig, rows: usize) -> Result<(), BackendError> {
+        let need = |b: &Option<CudaSlice<f32>>, n: usize| b.as_ref().is_none_or(|b| b.len() < n);
+        let rows = rows.max(1);
+        let a = |n: usize| self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("allocating GDN temporaries", e));
+        // Sized for the largest step seen (at least 256 rows), so graphs keep valid pointers.
+        let cap = rows.max(256);
+        if need(&st.gdn_y, rows * cfg.conv_dim()) {
+            st.gdn_y = Some(a(cap * cfg.conv_dim())?);
+            st.gdn_q = Some(a(cap * cfg.key_dim())?);
+            st.gdn_k = Some(a(cap * cfg.key_dim())?);
+            st.graphs.clear();
+        }
+        Ok(())
+    }
+}
+
+fn fmt_codes(m: &Matrix) -> (u32, u32, u32) {
+    let dt = |f: FloatType| match f {
+        FloatType::F32 => 0,
+        FloatType::F16 => 1,
+        FloatType::BF16 => 2,
+    };
+    match &m.data {
+        MatrixData::Float { dtype, .. } => (dt(*dtype), 0, 0),
+        MatrixData::Affine { bits, group_size, scale_dtype, .. } => (*bits, *group_size as u32, dt(*scale_dtype)),
+    }
+}
+
+impl Backend for Cuda {
+    type Matrix = CudaMatrix;
+    type Vector = CudaSlice<f32>;
+    type Tensor = CudaTensor;
+    type States = CudaStates;
+
+    fn describe(&self) -> String {
+        format!("cuda ({}, {})", self.name, self.arch)
+    }
+
+    fn upload_matrix(&self, m: &Matrix) -> Result<CudaMatrix, BackendError> {
+        let (fmt, group, sdtype) = fmt_codes(m);
+        let up = |b: &[u8]| -> Result<CudaSlice<u8>, BackendError> {
+            if b.is_empty() {
+                return self.stream.alloc_zeros::<u8>(4).map_err(|e| dev_err("upload", e));
+            }
+            self.stream.clone_htod(b).map_err(|e| dev_err(&format!("uploading {}", m.name), e))
+        };
+        let (w, s, b) = match &m.data {
+            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?, up(&[])?),
+            MatrixData::Affine { weight, scales, biases, .. } => (up(weight.as_slice())?, up(scales.as_slice())?, up(biases.as_slice())?),
+        };
+        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, per_word: m.elems_per_word(), w, s, b })
+    }
+
+    fn upload_vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, BackendError> {
+        if v.is_empty() {
+            return self.stream.alloc_zeros::<f32>(1).map_err(|e| dev_err("upload", e));
+        }
+        self.stream.clone_htod(v).map_err(|e| dev_err("uploading a vector", e))
+    }
+
+    fn tensor(&self, rows: usize, cols: usize) -> Result<CudaTensor, BackendError> {
+        let buf = self.stream.alloc_zeros::<f32>((rows * cols).max(1)).map_err(|e| dev_err("allocating activations", e))?;
+        Ok(CudaTensor { buf, rows, cols, id: self.new_tensor_id() })
+    }
+
+    fn read_tensor(&self, t: &CudaTensor, rows: usize, out: &mut Vec<f32>) -> Result<(), BackendError> {
+        self.check()?;
+        out.resize(rows * t.cols, 0.0);
+        let view = t.buf.slice(0..rows * t.cols);
+        self.stream.memcpy_dtoh(&view, out.as_mut_slice()).map_err(|e| dev_err("reading activations", e))?;
+        self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        self.check()
+    }
+
+    fn new_states(&self, cfg: &ModelConfig) -> Result<CudaStates, BackendError> {
+        if cfg.linear_conv_kernel_dim > 8 {
+            return Err(BackendError::Device(format!("linear_conv_kernel_dim {} > 8 is not supported by the CUDA kernels", cfg.linear_conv_kernel_dim)));
+        }
+        if cfg.head_dim > 256 || cfg.num_attention_heads % cfg.num_key_value_heads != 0 {
+            return Err(BackendError::Device(format!("head_dim {} > 256 is not supported by the CUDA kernels", cfg.head_dim)));
+        }
+        *self.cfg_cache.lock().unwrap() = Some(cfg.clone());
+        let mut st = self.step.lock().unwrap();
+        if st.rope.is_none() {
+            let rows = cfg.max_position_embeddings;
+            st.rope = Some(self.stream.alloc_zeros::<f32>(rows * cfg.rotary_dim()).map_err(|e| dev_err("allocating the RoPE table", e))?);
+            st.rope_host = Some(RopeTable::new(cfg.rotary_dim(), cfg.rope_theta));
+        }
+        Ok(CudaStates { cfg: cfg.clone(), slots: Vec::new(), max_pages: cfg.max_position_embeddings.div_ceil(ATTENTION_TILE) })
+    }
+
+    fn alloc_slot(&self, states: &mut CudaStates) -> Result<u32, BackendError> {
+        let cfg = &states.cfg;
+        let n_lin = cfg.num_linear_layers();
+        let n_full = cfg.num_full_layers();
+        let z = |n: usize| self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| dev_err("allocating a sequence slot", e));
+        let conv = z(n_lin * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim())?;
+        let rec = z(n_lin * cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)?;
+        let host_table = vec![0u64; (n_full * 2 * states.max_pages).max(1)];
+        let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
+        let mem = SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0 };
+        let idx = match states.slots.iter().position(Option::is_none) {
+            Some(i) => i,
+            None => {
+                states.slots.push(None);
+                states.slots.len() - 1
+            }
+        };
+        if idx >= MAX_SLOTS {
+            return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
+        }
+        let mut st = self.step.lock().unwrap();
+        st.host_slot_table[idx] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
+        st.slot_table_dirty = true;
+        states.slots[idx] = Some(mem);
+        Ok(idx as u32)
+    }
+
+    fn free_slot(&self, states: &mut CudaStates, slot: u32) -> Result<(), BackendError> {
+        match states.slots.get_mut(slot as usize) {
+            Some(s @ Some(_)) => {
+                *s = None; // stream-ordered frees
+                let mut st = self.step.lock().unwrap();
+                st.host_slot_table[slot as usize] = SlotDesc::default();
+                st.slot_table_dirty = true;
+                Ok(())
+            }
+            _ => Err(BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() }),
+        }
+    }
+
+    fn slot_position(&self, states: &CudaStates, slot: u32) -> Result<usize, BackendError> {
+        states.slots.get(slot as usize).and_then(Option::as_ref).map(|s| s.position).ok_or(BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
+    }
+
+    fn export_slot(&self, states: &CudaStates, slot: u32) -> Result<SequenceState, BackendError> {
+        self.check()?;
+        let cfg = &states.cfg;
+        let m = states.slots.get(slot as usize).and_then(Option::as_ref).ok_or(BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })?;
+        let down = |s: &CudaSlice<f32>| self.stream.clone_dtoh(s).map_err(|e| dev_err("swap out", e));
+        let conv_all = down(&m.conv)?;
+        let rec_all = down(&m.rec)?;
+        let per_conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
+        let per_rec = cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim;
+        let n_lin = cfg.num_linear_layers();
+        let width = cfg.num_key_value_heads * cfg.head_dim;
+        let mut keys = Vec::new();
+        let mut values = Vec::new();
+        for layer in &m.pages {
+            for (kv, dst) in layer.iter().zip([&mut keys, &mut values]) {
+                let mut v = Vec::with_capacity(m.position * width);
+                for page in kv {
+                    v.extend(down(page)?);
+                }
+                v.truncate(m.position * width);
+                dst.push(v);
+            }
+        }
+        self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        Ok(SequenceState {
+            position: m.position,
+            conv: (0..n_lin).map(|l| conv_all[l * per_conv..(l + 1) * per_conv].to_vec()).collect(),
+            recurrent: (0..n_lin).map(|l| rec_all[l * per_rec..(l + 1) * per_rec].to_vec()).collect(),
+            keys,
+            values,
+        })
+    }
+
+    fn import_slot(&self, states: &mut CudaStates, slot: u32, state: &SequenceState) -> Result<(), BackendError> {
+        state.check(&states.cfg)?;
+        let cfg = states.cfg.clone();
+        let page_len = ATTENTION_TILE * cfg.num_key_value_heads * cfg.head_dim;
+        let width = cfg.num_key_value_heads * cfg.head_dim;
+        let max_pages = states.max_pages;
+        let m = states.slots.get_mut(slot as usize).and_then(Option::as_mut).ok_or(BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })?;
+        let conv: Vec<f32> = state.conv.concat();
+        let rec: Vec<f32> = state.recurrent.concat();
+        self.stream.memcpy_htod(&conv, &mut m.conv).map_err(|e| dev_err("swap in", e))?;
+        self.stream.memcpy_htod(&rec, &mut m.rec).map_err(|e| dev_err("swap in", e))?;
+        let n_pages = state.position.div_ceil(ATTENTION_TILE);
+        for (l, layer) in m.pages.iter_mut().enumerate() {
+            for (kv, src) in [&state.keys[l], &state.values[l]].into_iter().enumerate() {
+                layer[kv].clear();
+                for p in 0..n_pages {
+                    let mut page = vec![0.0f32; page_len];
+                    let lo = p * ATTENTION_TILE * width;
+                    let hi = ((p + 1) * ATTENTION_TILE * width).min(state.position * width);
+                    page[..hi - lo].copy_from_slice(&src[lo..hi]);
+                    let d = self.stream.clone_htod(&page).map_err(|e| dev_err("swap in", e))?;
+                    m.host_table[(l * 2 + kv) * max_pages + p] = ptr(&d, &self.stream);
+                    layer[kv].push(d);
+                }
+                for p in n_pages..max_pages {
+                    m.host_table[(l * 2 + kv) * max_pages + p] = 0;
+                }
+            }
+        }
+        self.stream.memcpy_htod(&m.host_table, &mut m.table).map_err(|e| dev_err("swap in", e))?;
+        m.position = state.position;
+        self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        Ok(())
+    }
+
+    fn begin_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
+        batch.validate()?;
+        self.check()?;
+        if batch.rows() > MAX_ROWS {
+            return Err(BackendError::Batch(format!("{} rows exceed the CUDA backend's {MAX_ROWS}", batch.rows())));
+        }
+        let cfg = states.cfg.clone();
+        let max = cfg.max_position_embeddings;
+        let page_len = ATTENTION_TILE * cfg.num_key_value_heads * cfg.head_dim;
+        let max_pages = states.max_pages;
+        let mut rows = Vec::with_capacity(batch.rows());
+        let mut seqs = Vec::with_capacity(batch.seqs.len());
+        let mut top = 0usize;
+        for s in &batch.seqs {
+            let m = states.slots.get_mut(s.slot as usize).and_then(Option::as_mut).ok_or(BackendError::Slot { slot: s.slot as usize, problem: "is not allocated".into() })?;
+            if m.position != s.pos as usize {
+                return Err(BackendError::Slot { slot: s.slot as usize, problem: format!("is at position {}, but the step continues it at {}", m.position, s.pos) });
+            }
+            let end = (s.pos + s.len) as usize;
+            if end > max {
+                return Err(BackendError::ContextFull { position: end - 1, max });
+            }
+            // KV pages for positions < end (allocated outside any graph; the page table is data).
+            let need = end.div_ceil(ATTENTION_TILE);
+            let mut dirty = false;
+            for (l, layer) in m.pages.iter_mut().enumerate() {
+                for (kv, pages) in layer.iter_mut().enumerate() {
+                    while pages.len() < need {
+                        let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?;
+                        m.host_table[(l * 2 + kv) * max_pages + pages.len()] = ptr(&d, &self.stream);
+                        pages.push(d);
+                        dirty = true;
+                    }
+                }
+            }
+            if dirty {
+                self.stream.memcpy_htod(&m.host_table, &mut m.table).map_err(|e| dev_err("page table", e))?;
+            }
+            seqs.push(SeqDesc { slot: s.slot, first_row: s.first_row, len: s.len, pos: s.pos });
+            for t in 0..s.len {
+                rows.push(RowDesc { slot: s.slot, pos: s.pos + t });
+            }
+            top = top.max(end);
+        }
+        let mut st = self.step.lock().unwrap();
+        // RoPE rows for every position the step touches.
+        if top > st.rope_rows_on_device {
+            let rd = cfg.rotary_dim();
+            let lo = st.rope_rows_on_device;
+            let host = st.rope_host.as_mut().expect("new_states ran");
+            host.ensure(top);
+            let chunk = host.as_slice()[lo * rd..top * rd].to_vec();
+            let dst = st.rope.as_mut().expect("new_states ran");
+            let mut view = dst.slice_mut(lo * rd..top * rd);
+            self.stream.memcpy_htod(&chunk, &mut view).map_err(|e| dev_err("RoPE table", e))?;
+            st.rope_rows_on_device = top;
+        }
+        if st.slot_table_dirty {
+            let t = st.host_slot_table.clone();
+            self.stream.memcpy_htod(&t, &mut st.slot_table).map_err(|e| dev_err("slot table", e))?;
+            st.slot_table_dirty = false;
+        }
+        // The ids are already on the device when the last greedy step wrote exactly these.
+        if st.device_ids != batch.ids {
+            let mut v = st.ids.slice_mut(0..batch.rows());
+            self.stream.memcpy_htod(&batch.ids, &mut v).map_err(|e| dev_err("ids", e))?;
+        }
+        st.device_ids.clear();
+        {
+            let mut v = st.seqs.slice_mut(0..seqs.len());
+            self.stream.memcpy_htod(&seqs, &mut v).map_err(|e| dev_err("sequences", e))?;
+        }
+        {
+            let mut v = st.rows.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&rows, &mut v).map_err(|e| dev_err("rows", e))?;
+        }
+        if !batch.logit_rows.is_empty() {
+            let mut v = st.logit_rows.slice_mut(0..batch.logit_rows.len());
+            self.stream.memcpy_htod(&batch.logit_rows, &mut v).map_err(|e| dev_err("logit rows", e))?;
+        }
+        self.ensure_temps(&mut st, &cfg, batch.rows())?;
+        // Attention partials: [rows][Hq][tiles][Dh + 2].
+        let tiles = top.div_ceil(ATTENTION_TILE).max(1);
+        let per_row = cfg.num_attention_heads * (cfg.head_dim + 2);
+        let need = batch.rows() * per_row * tiles;
+        if st.part_eager.as_ref().is_none_or(|b| b.len() < need) {
+            st.part_eager = Some(self.stream.alloc_zeros::<f32>(need).map_err(|e| dev_err("attention partials", e))?);
+        }
+        st.max_tiles = tiles;
+        st.batch_rows = batch.rows();
+        st.mode = Mode::Eager;
+        Ok(())
+    }
+
+    fn end_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
+        let mut st = self.step.lock().unwrap();
+        let mode = st.mode;
+        st.mode = Mode::Eager;
+        match mode {
+            Mode::Eager => {}
+            Mode::Capturing(key) => {
+                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| dev_err("ending graph capture", e))?;
+                if let Some(e) = st.error.take() {
+                    return Err(e);
+                }
+                let graph = graph.ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
+                graph.upload().map_err(|e| dev_err("uploading a graph", e))?;
+                graph.launch().map_err(|e| dev_err("launching a graph", e))?;
+                let chooser = st.captured_chooser.take();
+                st.graphs.insert(key, Recorded { graph, chooser });
+            }
+            Mode::Replaying(key) => {
+                st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
+                if let Some(p) = st.pending_chooser.take() {
+                    self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
+                    st.launches += 1;
+                }
+            }
+        }
+        drop(st);
+        self.check()?;
+        for s in &batch.seqs {
+            if let Some(m) = states.slots.get_mut(s.slot as usize).and_then(Option::as_mut) {
+                m.position += s.len as usize;
+            }
+        }
+        Ok(())
+    }
+
+    fn embed(&self, table: &CudaMatrix, batch: &Batch, x: &mut CudaTensor) {
+        // The first operation of every step decides: replay a graph recorded for this shape and
+        // these buffers, start recording one (decode-sized steps), or run eagerly.
+        {
+            let mut st = self.step.lock().unwrap();
+            let key = GraphKey { rows: batch.rows(), seqs: batch.seqs.len(), logit_rows: batch.logit_rows.len(), scratch: x.id };
+            st.captured_chooser = None;
+            st.pending_chooser = None;
+            let decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= 64;
+            if decode_like {
+                // Graphs use a partial buffer sized for the longest context, never reallocated.
+                let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
+                let tiles = cfg.max_position_embeddings.div_ceil(ATTENTION_TILE);
+                let per_row = cfg.num_attention_heads * (cfg.head_dim + 2);
+                if st.part_graph.as_ref().is_none_or(|b| b.len() < batch.rows() * per_row * tiles) {
+                    match self.stream.alloc_zeros::<f32>(batch.rows() * per_row * tiles) {
+                        Ok(b) => {
+                            st.part_graph = Some(b);
+                            st.part_graph_tiles = tiles;
+                            st.graphs.clear();
+                        }
+                        Err(e) => {
+                            st.error.get_or_insert(dev_err("attention partials for graphs", e));
+                        }
+                    }
+                }
+                st.max_tiles = st.part_graph_tiles;
+                if st.graphs.contains_key(&key) {
+                    st.mode = Mode::Replaying(key);
+                    return;
+                }
+                match self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
+                    Ok(()) => st.mode = Mode::Capturing(key),
+                    Err(e) => {
+                        st.error.get_or_insert(dev_err("beginning graph capture", e));
+                    }
+                }
+            }
+        }
+        let (cols, n) = (table.cols as u32, batch.rows() as u32);
+        let f = self.func("embed_rows");
+        self.launch("embed_rows", |st| unsafe {
+            self.stream
+                .launch_builder(f)
+                .arg(&table.w)
+                .arg(&table.s)
+                .arg(&table.b)
+                .arg(&table.fmt)
+                .arg(&table.group)
+                .arg(&table.sdtype)
+                .arg(&cols)
+                .arg(&st.ids)
+                .arg(&mut x.buf)
+                .launch(Self::cfg1((cols.div_ceil(256), n, 1), 256, 0))
+        });
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32, rows: usize, out: &mut CudaTensor) {
+        let cols = x.cols as u32;
+        let f = self.func("rms_norm_rows");
+        self.launch("rms_norm_rows", |_| unsafe {
+            self.stream.launch_builder(f).arg(&x.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 256, 0))
+        });
+    }
+
+    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &CudaSlice<f32>, eps: f32, rows: usize, out: &mut CudaTensor) {
+        let cols = x.cols as u32;
+        let f = self.func("add_rms_norm_rows");
+        self.launch("add_rms_norm_rows", |_| unsafe {
+            self.stream.launch_builder(f).arg(&mut x.buf).arg(&y.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 256, 0))
+        });
+    }
+
+    fn matmul(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)]) {
+        if rows == 0 {
+            return;
+        }
+        let (name, t, r) = if rows == 1 {
+            ("matmul_t1r1", 1u32, 1u32)
+        } else if rows <= 4 {
+            ("matmul_t4r2", 4, 2)
+        } else {
+            ("matmul_t8r4", 8, 4)
+        };
+        for group in outs.chunks_mut(4) {
+            let mut d = MatDescs::default();
+            let mut row0 = 0u32;
+            for (i, (m, y)) in group.iter_mut().enumerate() {
+                d.m[i] = MatDesc {
+                    w: ptr(&m.w, &self.stream),
+                    s: ptr(&m.s, &self.stream),
+                    b: ptr(&m.b, &self.stream),
+                    y: ptr(&y.buf, &self.stream),
+                    rows: m.rows as u32,
+                    cols: m.cols as u32,
+                    fmt: m.fmt,
+                    group: m.group,
+                    sdtype: m.sdtype,
+                    ldy: y.cols as u32,
+                    row0,
+                    pad: 0,
+                };
+                debug_assert_eq!(m.per_word, 32 / if m.fmt >= 4 { m.fmt as usize } else { 32 / [1, 2, 2][m.fmt as usize] });
+                row0 += (m.rows as u32).div_ceil(r) * r;
+            }
+            d.count = group.len() as u32;
+            let (ldx, n_tok) = (x.cols as u32, rows as u32);
+            let grid = (row0.div_ceil(r * 8), n_tok.div_ceil(t), 1);
+            let f = self.func(name);
+            self.launch(name, |_| unsafe { self.stream.launch_builder(f).arg(&d).arg(&x.buf).arg(&ldx).arg(&n_tok).launch(Self::cfg1(grid, 256, 0)) });
+        }
+    }
+
+    fn matmul_swiglu(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
+        let same = gate_w.fmt == up_w.fmt && gate_w.group == up_w.group && gate_w.sdtype == up_w.sdtype && gate_w.rows == up_w.rows && gate_w.cols == up_w.cols;
+        if rows == 0 || !same || gate.cols != up.cols || gate.cols != act.cols {
+            self.matmul(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+            self.swiglu(gate, up, rows, act);
+            return;
+        }
+        let (name, t) = if rows == 1 {
+            ("matmul_swiglu_t1", 1u32)
+        } else if rows <= 4 {
+            ("matmul_swiglu_t4", 4)
+        } else {
+            ("matmul_swiglu_t8", 8)
+        };
+        let mut d = MatDescs::default();
+        for (i, (m, y)) in [(gate_w, &*gate), (up_w, &*up)].into_iter().enumerate() {
+            d.m[i] = MatDesc {
+                w: ptr(&m.w, &self.stream),
+                s: ptr(&m.s, &self.stream),
+                b: ptr(&m.b, &self.stream),
+                y: ptr(&y.buf, &self.stream),
+                rows: m.rows as u32,
+                cols: m.cols as u32,
+                fmt: m.fmt,
+                group: m.group,
+                sdtype: m.sdtype,
+                ldy: y.cols as u32,
+                row0: 0,
+                pad: 0,
+            };
+        }
+        d.count = 2;
+        let (ldx, n_tok) = (x.cols as u32, rows as u32);
+        let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
+        let f = self.func(name);
+        self.launch(name, |_| unsafe { self.stream.launch_builder(f).arg(&d).arg(&x.buf).arg(&ldx).arg(&n_tok).arg(&mut act.buf).launch(Self::cfg1(grid, 256, 0)) });
+    }
+
+    fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor, rows: usize, out: &mut CudaTensor) {
+        let n = (rows * gate.cols) as u32;
+        let f = self.func("swiglu");
+        self.launch("swiglu", |_| unsafe { self.stream.launch_builder(f).arg(&gate.buf).arg(&up.buf).arg(&n).arg(&mut out.buf).launch(Self::cfg1((n.div_ceil(256), 1, 1), 256, 0)) });
+    }
+
+    fn gated_delta_net(
+        &self,
+        w: &GatedDeltaNetWeights<CudaMatrix, CudaSlice<f32>>,
+        layer: usize,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        _states: &mut CudaStates,
+        qkv: &CudaTensor,
+        z: &CudaTensor,
+        b: &CudaTensor,
+        a: &CudaTensor,
+        out: &mut CudaTensor,
+    ) {
+        let (kc, cd, l) = (cfg.linear_conv_kernel_dim as u32, cfg.conv_dim() as u32, layer as u32);
+        let (hk, hv, dk, dv) = (cfg.linear_num_key_heads as u32, cfg.linear_num_value_heads as u32, cfg.linear_key_head_dim as u32, cfg.linear_value_head_dim as u32);
+        let key_dim = hk * dk;
+        let (nseq, rows) = (batch.seqs.len() as u32, batch.rows() as u32);
+        let eps = cfg.rms_norm_eps;
+        let f = self.func("gdn_conv");
+        self.launch("gdn_conv", |st| unsafe {
+            self.stream
+                .launch_builder(f)
+                .arg(&qkv.buf)
+                .arg(&w.conv1d)
+                .arg(&kc)
+                .arg(&cd)
+                .arg(&l)
+                .arg(&st.seqs)
+                .arg(&st.slot_table)
+                .arg(st.gdn_y.as_mut().unwrap())
+                .launch(Self::cfg1((cd.div_ceil(256), nseq, 1), 256, 0))
+        });
+        let f = self.func("gdn_qk_norm");
+        self.launch("gdn_qk_norm", |st| unsafe {
+            let (y, q, k) = (st.gdn_y.as_ref().unwrap(), st.gdn_q.as_ref().unwrap(), st.gdn_k.as_ref().unwrap());
+            self.stream.launch_builder(f).arg(y).arg(&cd).arg(&key_dim).arg(&dk).arg(q).arg(k).launch(Self::cfg1((rows, hk, 1), 32, 0))
+        });
+        let f = self.func("gdn_heads");
+        self.launch("gdn_heads", |st| unsafe {
+            let (y, q, k) = (st.gdn_y.as_ref().unwrap(), st.gdn_q.as_ref().unwrap(), st.gdn_k.as_ref().unwrap());
+            self.stream
+                .launch_builder(f)
+                .arg(y)
+                .arg(q)
+                .arg(k)
+                .arg(&z.buf)
+                .arg(&b.buf)
+                .arg(&a.buf)
+                .arg(&w.a)
+                .arg(&w.dt_bias)
+                .arg(&w.norm)
+                .arg(&eps)
+                .arg(&hk)
+                .arg(&hv)
+                .arg(&dk)
+                .arg(&dv)
+                .arg(&l)
+                .arg(&st.seqs)
+                .arg(&st.slot_table)
+                .arg(&mut out.buf)
+                .launch(Self::cfg1((hv, nseq, 1), 1024, dv * 4))
+        });
+    }
+
+    fn gated_attention(
+        &self,
+        w: &AttentionWeights<CudaMatrix, CudaSlice<f32>>,
+        layer: usize,
+        cfg: &ModelConfig,
+        batch: &Batch,
+        states: &mut CudaStates,
+        q_gate: &CudaTensor,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        out: &mut CudaTensor,
+    ) {
+        let (hq, hkv, dh, rd) = (cfg.num_attention_heads as u32, cfg.num_key_value_heads as u32, cfg.head_dim as u32, cfg.rotary_dim() as u32);
+        let (l, rows, eps, max_pages) = (layer as u32, batch.rows() as u32, cfg.rms_norm_eps, states.max_pages as u32);
+        let f = self.func("attn_write_kv");
+        self.launch("attn_write_kv", |st| unsafe {
+            self.stream
+                .launch_builder(f)
+                .arg(&k.buf)
+                .arg(&v.buf)
+                .arg(&w.k_norm)
+                .arg(&eps)
+                .arg(st.rope.as_ref().unwrap())
+                .arg(&rd)
+                .arg(&hkv)
+                .arg(&dh)
+                .arg(&l)
+                .arg(&max_pages)
+                .arg(&st.rows)
+                .arg(&st.slot_table)
+                .launch(Self::cfg1((rows, hkv, 1), 32, 0))
+        });
+        let f = self.func("attn_tiles");
+        self.launch("attn_tiles", |st| unsafe {
+            let graph = matches!(st.mode, Mode::Capturing(_));
+            let max_tiles = st.max_tiles as u32;
+            let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
+            self.stream
+                .launch_builder(f)
+                .arg(&q_gate.buf)
+                .arg(&w.q_norm)
+                .arg(&eps)
+                .arg(st.rope.as_ref().unwrap())
+                .arg(&rd)
+                .arg(&hq)
+                .arg(&hkv)
+                .arg(&dh)
+                .arg(&l)
+                .arg(&max_pages)
+                .arg(&max_tiles)
+                .arg(&st.rows)
+                .arg(&st.slot_table)
+                .arg(part)
+                .launch(Self::cfg1((rows * hq, ATTN_BLOCKS, 1), 256, 0))
+        });
+        let f = self.func("attn_combine");
+        self.launch("attn_combine", |st| unsafe {
+            let graph = matches!(st.mode, Mode::Capturing(_));
+            let max_tiles = st.max_tiles as u32;
+            let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
+            self.stream.launch_builder(f).arg(part).arg(&q_gate.buf).arg(&hq).arg(&dh).arg(&max_tiles).arg(&st.rows).arg(&mut out.buf).launch(Self::cfg1((rows * hq, 1, 1), dh, 0))
+        });
+    }
+
+    fn gather_rows(&self, x: &CudaTensor, batch: &Batch, out: &mut CudaTensor) {
+        let (cols, n) = (x.cols as u32, batch.logit_rows.len() as u32);
+        if n == 0 {
+            return;
+        }
+        let f = self.func("gather_rows");
+        self.launch("gather_rows", |st| unsafe { self.stream.launch_builder(f).arg(&x.buf).arg(&st.logit_rows).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((cols.div_ceil(256), n, 1), 256, 0)) });
+    }
+
+    fn argmax_enqueue(&self, logits: &CudaTensor, rows: usize, v_eff: usize) {
+        self.enqueue_chooser(Chooser::Argmax, logits, rows, v_eff);
+    }
+
+    fn set_sampling(&self, rows: &[crate::backend::RowSampling]) -> Result<bool, BackendError> {
+        let ok = !rows.is_empty()
+            && rows.len() <= 64
+            && rows.iter().all(|r| r.params.top_k >= 1 && r.params.top_k <= SAMPLE_MAX_K && r.window.len() <= SAMPLE_WINDOW);
+        if !ok {
+            return Ok(false);
+        }
+        let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
+        let mut st = self.step.lock().unwrap();
+        let params: Vec<SampleParamsRepr> = rows
+            .iter()
+            .map(|r| SampleParamsRepr {
+                temperature: r.params.temperature,
+                top_p: r.params.top_p,
+                min_p: r.params.min_p,
+                rep: r.params.repetition_penalty,
+                pres: r.params.presence_penalty,
+                freq: r.params.frequency_penalty,
+                top_k: r.params.top_k as u32,
+                window_cap: SAMPLE_WINDOW as u32,
+                seed: r.params.seed,
+            })
+            .collect();
+        let mut win = vec![0u32; rows.len() * SAMPLE_WINDOW];
+        for (i, r) in rows.iter().enumerate() {
+            win[i * SAMPLE_WINDOW..i * SAMPLE_WINDOW + r.window.len()].copy_from_slice(&r.window);
+        }
+        let wlen: Vec<u32> = rows.iter().map(|r| r.window.len() as u32).collect();
+        let pos: Vec<u64> = rows.iter().map(|r| r.position).collect();
+        let up = |e| dev_err("sampler inputs", e);
+        {
+            let mut v = st.sample_params.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&params, &mut v).map_err(up)?;
+        }
+        {
+            let mut v = st.sample_win.slice_mut(0..win.len());
+            self.stream.memcpy_htod(&win, &mut v).map_err(up)?;
+        }
+        {
+            let mut v = st.sample_wlen.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&wlen, &mut v).map_err(up)?;
+        }
+        {
+            let mut v = st.sample_pos.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&pos, &mut v).map_err(up)?;
+        }
+        if st.sample_work.is_none() {
+            st.sample_work = Some(self.stream.alloc_zeros::<f32>(64 * cfg.vocab_size).map_err(|e| dev_err("sampler scratch", e))?);
+            st.graphs.clear();
+        }
+        Ok(true)
+    }
+
+    fn sample_enqueue(&self, logits: &CudaTensor, rows: usize, v_eff: usize) {
+        self.enqueue_chooser(Chooser::Sample, logits, rows, v_eff);
+    }
+
+    fn sample_read(&self, logits: &CudaTensor, rows: usize, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        self.argmax_read(logits, rows, v_eff)
+    }
+
+    fn argmax_read(&self, _logits: &CudaTensor, rows: usize, _v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        self.check()?;
+        let mut out = vec![0u32; rows];
+        let mut st = self.step.lock().unwrap();
+        {
+            let view = st.sampled.slice(0..rows);
+            self.stream.memcpy_dtoh(&view, out.as_mut_slice()).map_err(|e| dev_err("reading sampled ids", e))?;
+        }
+        self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        // The argmax kernel also wrote these ids where the next step reads its tokens.
+        st.device_ids = out.clone();
+        drop(st);
+        self.check()?;
+        Ok(out)
+    }
+}

@@ -1,0 +1,724 @@
+//! Sessions: one conversation's state on a shared model, swapped, saved, restored and forked
+//! exactly; snapshots that let a new prompt resume from the longest processed prefix of it.
+//!
+//! A [`Session`] owns one sequence: its token history, how much of it the state has consumed
+//! (its position), its sampling settings (seed included) and its state, which lives either in a
+//! backend slot (resident) or in host memory (swapped out). [`crate::engine::Engine`] owns the
+//! model and does everything that touches the backend: feeding, swapping, forking, saving and
+//! loading, and the [`PrefixCache`] of snapshots.
+//!
+//! Exactness comes from the numerical contract (docs/numerics.md): the state after a token
+//! prefix is a pure function of the weights and the prefix, whatever the chunking or batching
+//! that produced it, and the sampler is stateless (Philox keyed by seed and position). So a
+//! state copied out and back in, written to a file and read in another process, or taken from
+//! a snapshot of another session that processed the same prefix, continues with the same bits.
+//!
+//! # The session file (format version 1)
+//!
+//! Little-endian throughout, written atomically (a temporary file beside the target, synced,
+//! then renamed over it):
+//!
+//! | offset | size | field |
+//! |---|---|---|
+//! | 0 | 8 | magic `\x89TFSESS\n` |
+//! | 8 | 4 | format version, u32 = 1 |
+//! | 12 | 4 | flags, u32 = 0 (reserved) |
+//! | 16 | 8 | file length in bytes, u64, checksum included |
+//! | 24 | 16 | model identity ([`ModelIdentity`], xxh3-128, little-endian u128) |
+//! | 40 | 48 | sampling: temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty (f32 each), top_k (u64), repeat_last_n (i64), seed (u64) |
+//! | 88 | 8 | position (tokens the state has consumed), u64 |
+//! | 96 | 8 | token count `T` (history, `>=` position), u64 |
+//! | 104 | 8 | meta length `M` in bytes, u64 |
+//! | 112 | 40 | state layout: conv arrays, recurrent arrays, attention layers (u32 each), u32 0, conv array length, recurrent array length, KV row width `Hkv·Dh` (u64 each) |
+//! | 152 | `4T` | token ids, u32 |
+//! | | `M` | meta: UTF-8 chosen by the application (the chat stores its messages as JSON) |
+//! | | | conv windows, then recurrent states, then keys, then values (f32; keys and values `position · Hkv · Dh` each) |
+//! | end − 8 | 8 | checksum: xxh3-64 of every byte before it |
+
+use std::borrow::Cow;
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use xxhash_rust::xxh3::Xxh3;
+
+use crate::backend::{BackendError, SequenceState};
+use crate::config::ModelConfig;
+use crate::sampling::{Sampler, SamplingParams};
+
+/// Why a session could not be saved, loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// (The I/O error is part of the message, not a chained source, so it prints once.)
+    #[error("{path}: {error}")]
+    Io { path: PathBuf, error: std::io::Error },
+    #[error("{path}: not a tensorfold session file (its first bytes are not the session magic)")]
+    NotASession { path: PathBuf },
+    #[error("{path}: session format version {found}; this build reads version {supported}")]
+    Version { path: PathBuf, found: u32, supported: u32 },
+    #[error("{path}: truncated: expected {expected} bytes, found {found}")]
+    Truncated { path: PathBuf, expected: u64, found: u64 },
+    #[error("{path}: checksum mismatch (stored {stored:016x}, computed {computed:016x}): the file is corrupt")]
+    Checksum { path: PathBuf, stored: u64, computed: u64 },
+    #[error("{path}: corrupt: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    #[error("{path}: belongs to a different model (identity {file}, this model {this})")]
+    OtherModel { path: PathBuf, file: ModelIdentity, this: ModelIdentity },
+    #[error("{path}: the session does not fit this model: {reason}")]
+    Shape { path: PathBuf, reason: String },
+    #[error("model identity: {0}")]
+    Identity(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+/// Where a session's state lives.
+#[derive(Debug)]
+pub(crate) enum Residence {
+    /// In a backend slot.
+    Device(u32),
+    /// In host memory (swapped out, or loaded and not yet placed): holds no backend memory.
+    Host(Box<SequenceState>),
+}
+
+/// One conversation: its token history, its state, its sampling settings.
+///
+/// Created, fed, swapped, forked, saved and freed through [`crate::engine::Engine`]. A session
+/// does not free its slot when dropped (it does not know its engine): hand it to
+/// [`crate::engine::Engine::free_session`].
+#[derive(Debug)]
+pub struct Session {
+    /// Every id of the sequence so far: the consumed ones (`..position`), then pending ones
+    /// (pushed, e.g. a sampled token, and not yet fed through the model).
+    pub(crate) tokens: Vec<u32>,
+    /// Tokens the state has consumed.
+    pub(crate) position: usize,
+    pub(crate) home: Residence,
+    /// Sampling settings (seed included); saved with the session.
+    pub params: SamplingParams,
+    /// Application data saved with the session (UTF-8; the chat keeps its messages here).
+    pub meta: String,
+}
+
+impl Session {
+    pub(crate) fn new(home: Residence, params: SamplingParams) -> Self {
+        Self { tokens: Vec::new(), position: 0, home, params, meta: String::new() }
+    }
+
+    /// Every id of the sequence: consumed, then pending.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Tokens the state has consumed (the position of the next token fed).
+    pub fn position(&self) -> usize {
+        self.position
+    }
+
+    /// Ids pushed but not yet fed through the model.
+    pub fn pending(&self) -> &[u32] {
+        &self.tokens[self.position..]
+    }
+
+    /// Appends `id` to the history without feeding it (a sampled token; the next
+    /// [`crate::engine::Engine::feed`] processes it).
+    pub fn push(&mut self, id: u32) {
+        self.tokens.push(id);
+    }
+
+    /// The backend slot holding the state, or `None` when it lives in host memory.
+    pub fn slot(&self) -> Option<u32> {
+        match self.home {
+            Residence::Device(s) => Some(s),
+            Residence::Host(_) => None,
+        }
+    }
+
+    /// Whether the state is in a backend slot.
+    pub fn is_resident(&self) -> bool {
+        self.slot().is_some()
+    }
+
+    /// Samples the next id from `logits` (the row after the last token) with this session's
+    /// settings: the whole history as the penalty window, the history length as the position
+    /// that keys the random draw.
+    pub fn sample(&self, sampler: &mut Sampler, logits: &[f32]) -> u32 {
+        sampler.sample(logits, &self.tokens, self.tokens.len() as u64, &self.params)
+    }
+}
+
+/// How much of a prompt [`crate::engine::Engine::prompt`] did not have to process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reuse {
+    /// Leading tokens of the prompt whose state was reused.
+    pub reused: usize,
+    /// Whether they came from a snapshot (else from the session's own state).
+    pub from_snapshot: bool,
+    /// Tokens fed through the model (`prompt length − reused`).
+    pub processed: usize,
+}
+
+/// When snapshots are taken and how much memory they may hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotConfig {
+    /// Take one whenever a session's position reaches a multiple of `every` (0: only at the
+    /// end of prompts).
+    pub every: usize,
+    /// Total bytes all snapshots may hold ([`snapshot_bytes`] each); 0 disables snapshots. The
+    /// least recently used go first.
+    pub budget_bytes: u64,
+}
+
+/// Snapshot stride by default: llama.cpp spaces its context checkpoints at least 256 tokens
+/// apart, and prompts are fed in chunks of 256 ([`crate::engine::DEFAULT_CHUNK`]), so a snapshot
+/// costs no extra step.
+pub const DEFAULT_SNAPSHOT_EVERY: usize = 256;
+/// Snapshot memory budget by default: 1 GiB.
+pub const DEFAULT_SNAPSHOT_BUDGET: u64 = 1 << 30;
+
+impl Default for SnapshotConfig {
+    /// Every [`DEFAULT_SNAPSHOT_EVERY`] tokens within [`DEFAULT_SNAPSHOT_BUDGET`].
+    fn default() -> Self {
+        Self { every: DEFAULT_SNAPSHOT_EVERY, budget_bytes: DEFAULT_SNAPSHOT_BUDGET }
+    }
+}
+
+impl SnapshotConfig {
+    /// No snapshots.
+    pub fn disabled() -> Self {
+        Self { every: 0, budget_bytes: 0 }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.budget_bytes > 0
+    }
+}
+
+/// Bytes of one session state of `position` tokens for `cfg` (f32): conv windows
+/// `L_gdn·(Kc−1)·conv_dim·4` + recurrent states `L_gdn·Hv·dv·dk·4` + KV cache
+/// `position·L_attn·2·Hkv·Dh·4` (ARCHITECTURE.md, `crate::model::cost::Costs::state_bytes`).
+pub fn state_bytes(cfg: &ModelConfig, position: usize) -> u64 {
+    let lin = cfg.num_linear_layers() as u64;
+    let conv = (cfg.linear_conv_kernel_dim as u64 - 1) * cfg.conv_dim() as u64;
+    let rec = (cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim) as u64;
+    let kv = (cfg.num_full_layers() * 2 * cfg.num_key_value_heads * cfg.head_dim) as u64;
+    4 * (lin * (conv + rec) + position as u64 * kv)
+}
+
+/// Bytes a snapshot of `position` tokens holds: the state ([`state_bytes`]) plus its token ids
+/// (4 bytes each).
+pub fn snapshot_bytes(cfg: &ModelConfig, position: usize) -> u64 {
+    state_bytes(cfg, position) + 4 * position as u64
+}
+
+/// The state after a token prefix, kept so that a later prompt starting with the same tokens
+/// resumes from it.
+#[derive(Debug)]
+pub struct Snapshot {
+    tokens: Vec<u32>,
+    state: SequenceState,
+    bytes: u64,
+    last_used: u64,
+}
+
+impl Snapshot {
+    /// The prefix (the state's position is its length).
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+    pub fn state(&self) -> &SequenceState {
+        &self.state
+    }
+    /// Memory held ([`snapshot_bytes`] of its length).
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// Snapshots of states by token prefix, within a memory budget, least recently used evicted
+/// first. The state after a prefix does not depend on the session that computed it, so one
+/// cache serves every session of a model.
+#[derive(Debug)]
+pub struct PrefixCache {
+    config: SnapshotConfig,
+    entries: Vec<Snapshot>,
+    bytes: u64,
+    clock: u64,
+}
+
+impl PrefixCache {
+    pub fn new(config: SnapshotConfig) -> Self {
+        Self { config, entries: Vec::new(), bytes: 0, clock: 0 }
+    }
+
+    pub fn config(&self) -> SnapshotConfig {
+        self.config
+    }
+
+    /// Changes the settings, evicting down to the new budget.
+    pub fn set_config(&mut self, config: SnapshotConfig) {
+        self.config = config;
+        self.evict_to(config.budget_bytes);
+    }
+
+    /// Number of snapshots held.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Bytes held by all snapshots.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// The snapshots, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = &Snapshot> {
+        self.entries.iter()
+    }
+
+    /// Drops every snapshot.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.bytes = 0;
+    }
+
+    /// Whether a snapshot of exactly `tokens` is held (marks it used).
+    pub fn touch(&mut self, tokens: &[u32]) -> bool {
+        self.clock += 1;
+        let now = self.clock;
+        match self.entries.iter_mut().find(|e| e.tokens == tokens) {
+            Some(e) => {
+                e.last_used = now;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether a snapshot of `bytes` could be kept at all.
+    pub fn fits(&self, bytes: u64) -> bool {
+        self.config.enabled() && bytes <= self.config.budget_bytes
+    }
+
+    /// Keeps `state` as the snapshot of `tokens` (its position must be `tokens.len()`), evicting
+    /// the least recently used ones to stay within the budget. `bytes` is its size
+    /// ([`snapshot_bytes`]). Returns whether it was kept (not when larger than the whole budget,
+    /// or already held).
+    pub fn insert(&mut self, tokens: &[u32], state: SequenceState, bytes: u64) -> bool {
+        debug_assert_eq!(state.position, tokens.len());
+        if !self.fits(bytes) || self.touch(tokens) {
+            return false;
+        }
+        self.evict_to(self.config.budget_bytes - bytes);
+        self.clock += 1;
+        self.entries.push(Snapshot { tokens: tokens.to_vec(), state, bytes, last_used: self.clock });
+        self.bytes += bytes;
+        true
+    }
+
+    /// The longest snapshot whose tokens are a prefix of `ids` and at most `max_len` long;
+    /// marks it used.
+    pub fn longest_prefix(&mut self, ids: &[u32], max_len: usize) -> Option<&Snapshot> {
+        let best = self
+            .entries
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.tokens.len() <= max_len && ids.starts_with(&e.tokens))
+            .max_by_key(|(_, e)| e.tokens.len())
+            .map(|(i, _)| i)?;
+        self.clock += 1;
+        self.entries[best].last_used = self.clock;
+        Some(&self.entries[best])
+    }
+
+    fn evict_to(&mut self, budget: u64) {
+        while self.bytes > budget {
+            let (i, _) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).expect("bytes > 0 means entries");
+            let e = self.entries.swap_remove(i);
+            self.bytes -= e.bytes;
+        }
+    }
+}
+
+/// Which model a session belongs to: xxh3-128 of `config.json` and of every safetensors shard
+/// (header and tensor bytes), in file-name order. Computed from the files, so two directories
+/// holding the same files have the same identity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ModelIdentity(pub u128);
+
+impl std::fmt::Display for ModelIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl ModelIdentity {
+    /// Hashes the model in `dir`: config.json, then each shard the checkpoint maps (lengths
+    /// before contents, so boundaries cannot shift).
+    ///
+    /// # Errors
+    /// [`SessionError::Identity`] naming the file that could not be read.
+    pub fn of_dir(dir: &Path) -> Result<Self, SessionError> {
+        let cfg_path = dir.join("config.json");
+        let config = std::fs::read(&cfg_path).map_err(|e| SessionError::Identity(format!("{}: {e}", cfg_path.display())))?;
+        let ckpt = crate::checkpoint::Checkpoint::open(dir).map_err(|e| SessionError::Identity(e.to_string()))?;
+        let mut h = Xxh3::new();
+        h.update(b"tensorfold model identity 1\0");
+        h.update(&(config.len() as u64).to_le_bytes());
+        h.update(&config);
+        for (_, bytes) in ckpt.shards() {
+            h.update(&(bytes.len() as u64).to_le_bytes());
+            h.update(bytes);
+        }
+        Ok(Self(h.digest128()))
+    }
+}
+
+/// The session-file magic: a non-ASCII first byte (like PNG's) so that text-mode transfers and
+/// text files are caught.
+pub const MAGIC: [u8; 8] = *b"\x89TFSESS\n";
+/// The format version this build writes and reads.
+pub const FORMAT_VERSION: u32 = 1;
+const FIXED_HEADER: u64 = 152;
+
+/// The part of a session a file holds, borrowed for writing.
+pub(crate) struct SessionRecord<'a> {
+    pub tokens: &'a [u32],
+    pub params: SamplingParams,
+    pub meta: &'a str,
+    pub state: Cow<'a, SequenceState>,
+}
+
+/// A session read back from a file.
+pub(crate) struct LoadedSession {
+    pub tokens: Vec<u32>,
+    pub params: SamplingParams,
+    pub meta: String,
+    pub state: SequenceState,
+}
+
+/// A writer that hashes what passes through it.
+struct Hashing<W> {
+    inner: W,
+    hash: Xxh3,
+}
+
+impl<W: Write> Hashing<W> {
+    fn put(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.hash.update(b);
+        self.inner.write_all(b)
+    }
+    fn f32s(&mut self, xs: &[f32], buf: &mut Vec<u8>) -> std::io::Result<()> {
+        for chunk in xs.chunks(16 * 1024) {
+            buf.clear();
+            buf.extend(chunk.iter().flat_map(|x| x.to_le_bytes()));
+            self.put(buf)?;
+        }
+        Ok(())
+    }
+}
+
+/// Layout numbers of a state: (conv arrays, recurrent arrays, attention layers, conv length,
+/// recurrent length, KV row width).
+fn layout(cfg: &ModelConfig) -> (u32, u32, u32, u64, u64, u64) {
+    let z = SequenceState::new(cfg);
+    (
+        z.conv.len() as u32,
+        z.recurrent.len() as u32,
+        z.keys.len() as u32,
+        z.conv.first().map_or(0, Vec::len) as u64,
+        z.recurrent.first().map_or(0, Vec::len) as u64,
+        (cfg.num_key_value_heads * cfg.head_dim) as u64,
+    )
+}
+
+/// Writes `rec` to `path` atomically: a temporary file beside it, synced, then renamed.
+pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIdentity, cfg: &ModelConfig) -> Result<(), SessionError> {
+    let io = |error| SessionError::Io { path: path.to_path_buf(), error };
+    let st = &*rec.state;
+    let (n_conv, n_rec, n_attn, conv_len, rec_len, kv_width) = layout(cfg);
+    if st.position > rec.tokens.len() {
+        return Err(SessionError::Shape { path: path.to_path_buf(), reason: format!("position {} beyond its {} tokens", st.position, rec.tokens.len()) });
+    }
+    let kv_len = st.position as u64 * kv_width;
+    let floats = n_conv as u64 * conv_len + n_rec as u64 * rec_len + 2 * n_attn as u64 * kv_len;
+    let total = FIXED_HEADER + 4 * rec.tokens.len() as u64 + rec.meta.len() as u64 + 4 * floats + 8;
+
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".tmp.{}", std::process::id()));
+    let tmp = path.with_file_name(name);
+    let result = (|| -> std::io::Result<()> {
+        let file = File::create(&tmp)?;
+        let mut w = Hashing { inner: BufWriter::with_capacity(1 << 20, file), hash: Xxh3::new() };
+        w.put(&MAGIC)?;
+        w.put(&FORMAT_VERSION.to_le_bytes())?;
+        w.put(&0u32.to_le_bytes())?;
+        w.put(&total.to_le_bytes())?;
+        w.put(&identity.0.to_le_bytes())?;
+        let p = &rec.params;
+        for x in [p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty, p.frequency_penalty] {
+            w.put(&x.to_le_bytes())?;
+        }
+        w.put(&(p.top_k as u64).to_le_bytes())?;
+        w.put(&p.repeat_last_n.to_le_bytes())?;
+        w.put(&p.seed.to_le_bytes())?;
+        w.put(&(st.position as u64).to_le_bytes())?;
+        w.put(&(rec.tokens.len() as u64).to_le_bytes())?;
+        w.put(&(rec.meta.len() as u64).to_le_bytes())?;
+        for x in [n_conv, n_rec, n_attn, 0] {
+            w.put(&x.to_le_bytes())?;
+        }
+        for x in [conv_len, rec_len, kv_width] {
+            w.put(&x.to_le_bytes())?;
+        }
+        let ids: Vec<u8> = rec.tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        w.put(&ids)?;
+        w.put(rec.meta.as_bytes())?;
+        let mut buf = Vec::new();
+        for a in st.conv.iter().chain(&st.recurrent) {
+            w.f32s(a, &mut buf)?;
+        }
+        for a in st.keys.iter().chain(&st.values) {
+            w.f32s(&a[..kv_len as usize], &mut buf)?;
+        }
+        let sum = w.hash.digest();
+        w.inner.write_all(&sum.to_le_bytes())?;
+        let file = w.inner.into_inner().map_err(|e| e.into_error())?;
+        debug_assert_eq!(file.metadata()?.len(), total);
+        file.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    Ok(())
+}
+
+/// A reader that hashes what it reads and counts it.
+struct Hashed<R> {
+    inner: R,
+    hash: Xxh3,
+    read: u64,
+}
+
+impl<R: Read> Hashed<R> {
+    fn bytes(&mut self, n: usize) -> std::io::Result<Vec<u8>> {
+        let mut b = vec![0u8; n];
+        self.inner.read_exact(&mut b)?;
+        self.hash.update(&b);
+        self.read += n as u64;
+        Ok(b)
+    }
+    fn u32(&mut self) -> std::io::Result<u32> {
+        Ok(u32::from_le_bytes(self.bytes(4)?.try_into().unwrap()))
+    }
+    fn u64(&mut self) -> std::io::Result<u64> {
+        Ok(u64::from_le_bytes(self.bytes(8)?.try_into().unwrap()))
+    }
+    fn f32(&mut self) -> std::io::Result<f32> {
+        Ok(f32::from_le_bytes(self.bytes(4)?.try_into().unwrap()))
+    }
+    fn f32s(&mut self, n: usize) -> std::io::Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(n);
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(buf.len() / 4);
+            self.inner.read_exact(&mut buf[..4 * k])?;
+            self.hash.update(&buf[..4 * k]);
+            out.extend(buf[..4 * k].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())));
+            left -= k;
+        }
+        self.read += 4 * n as u64;
+        Ok(out)
+    }
+}
+
+/// Reads and checks a session file: magic, version, length, checksum, model identity (against
+/// `identity()`, called only once the file is known intact), then the state's shapes against
+/// `cfg`.
+pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn FnMut() -> Result<ModelIdentity, SessionError>) -> Result<LoadedSession, SessionError> {
+    let p = || path.to_path_buf();
+    let io = |error| SessionError::Io { path: p(), error };
+    let file = File::open(path).map_err(io)?;
+    let found = file.metadata().map_err(io)?.len();
+    let mut r = Hashed { inner: BufReader::with_capacity(1 << 20, file), hash: Xxh3::new(), read: 0 };
+    // Fixed header: magic, version, length.
+    if found < 24 {
+        let mut head = vec![0u8; found as usize];
+        r.inner.read_exact(&mut head).map_err(io)?;
+        if !MAGIC.starts_with(&head[..head.len().min(8)]) {
+            return Err(SessionError::NotASession { path: p() });
+        }
+        return Err(SessionError::Truncated { path: p(), expected: FIXED_HEADER + 8, found });
+    }
+    if r.bytes(8).map_err(io)? != MAGIC {
+        return Err(SessionError::NotASession { path: p() });
+    }
+    let version = r.u32().map_err(io)?;
+    if version != FORMAT_VERSION {
+        return Err(SessionError::Version { path: p(), found: version, supported: FORMAT_VERSION });
+    }
+    let _flags = r.u32().map_err(io)?;
+    let expected = r.u64().map_err(io)?;
+    if found < expected {
+        return Err(SessionError::Truncated { path: p(), expected, found });
+    }
+    if found > expected {
+        // A damaged length field (or bytes appended): let the checksum over the whole file say so.
+        return Err(checksum_error(path, found).unwrap_or_else(|| SessionError::Corrupt { path: p(), reason: format!("{found} bytes, but its header says {expected}") }));
+    }
+    // The rest, parsed while hashing; any inconsistency is reported as the checksum's verdict
+    // when the checksum disagrees (the usual cause), else as what is wrong.
+    let body = (|| -> Result<(ModelIdentity, LoadedSession, u64, u64), String> {
+        let e = |x: std::io::Error| x.to_string();
+        let file_id = ModelIdentity(u128::from_le_bytes(r.bytes(16).map_err(e)?.try_into().unwrap()));
+        let mut f = [0f32; 6];
+        for x in &mut f {
+            *x = r.f32().map_err(e)?;
+        }
+        let top_k = r.u64().map_err(e)?;
+        let repeat_last_n = r.u64().map_err(e)? as i64;
+        let seed = r.u64().map_err(e)?;
+        let params = SamplingParams {
+            temperature: f[0],
+            top_p: f[1],
+            min_p: f[2],
+            repetition_penalty: f[3],
+            presence_penalty: f[4],
+            frequency_penalty: f[5],
+            top_k: usize::try_from(top_k).map_err(|_| format!("top_k {top_k} out of range"))?,
+            repeat_last_n,
+            seed,
+        };
+        let position = r.u64().map_err(e)?;
+        let n_tokens = r.u64().map_err(e)?;
+        let meta_len = r.u64().map_err(e)?;
+        let (n_conv, n_rec, n_attn, _) = (r.u32().map_err(e)?, r.u32().map_err(e)?, r.u32().map_err(e)?, r.u32().map_err(e)?);
+        let (conv_len, rec_len, kv_width) = (r.u64().map_err(e)?, r.u64().map_err(e)?, r.u64().map_err(e)?);
+        if position > n_tokens {
+            return Err(format!("position {position} beyond its {n_tokens} tokens"));
+        }
+        // Every size must add up to the file length before anything is allocated.
+        let kv_len = position.checked_mul(kv_width).ok_or("KV size overflows")?;
+        let floats = (n_conv as u128) * conv_len as u128 + (n_rec as u128) * rec_len as u128 + 2 * (n_attn as u128) * kv_len as u128;
+        let need = FIXED_HEADER as u128 + 4 * n_tokens as u128 + meta_len as u128 + 4 * floats + 8;
+        if need != expected as u128 {
+            return Err(format!("its sections add up to {need} bytes, its header says {expected}"));
+        }
+        let tokens: Vec<u32> = r.bytes(4 * n_tokens as usize).map_err(e)?.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
+        let meta = String::from_utf8(r.bytes(meta_len as usize).map_err(e)?).map_err(|_| "meta is not UTF-8".to_string())?;
+        let mut read_arrays = |n: u32, len: u64| -> Result<Vec<Vec<f32>>, String> { (0..n).map(|_| r.f32s(len as usize).map_err(e)).collect() };
+        let conv = read_arrays(n_conv, conv_len)?;
+        let recurrent = read_arrays(n_rec, rec_len)?;
+        let keys = read_arrays(n_attn, kv_len)?;
+        let values = read_arrays(n_attn, kv_len)?;
+        let computed = r.hash.digest();
+        let mut sum = [0u8; 8];
+        r.inner.read_exact(&mut sum).map_err(e)?;
+        let state = SequenceState { position: position as usize, conv, recurrent, keys, values };
+        Ok((file_id, LoadedSession { tokens, params, meta, state }, u64::from_le_bytes(sum), computed))
+    })();
+    let (file_id, loaded) = match body {
+        Ok((id, l, stored, computed)) if stored == computed => (id, l),
+        Ok((_, _, stored, computed)) => return Err(SessionError::Checksum { path: p(), stored, computed }),
+        Err(reason) => return Err(checksum_error(path, found).unwrap_or_else(|| SessionError::Corrupt { path: p(), reason })),
+    };
+    loaded.params.validate().map_err(|e| SessionError::Corrupt { path: p(), reason: e.to_string() })?;
+    let this = identity()?;
+    if file_id != this {
+        return Err(SessionError::OtherModel { path: p(), file: file_id, this });
+    }
+    loaded.state.check(cfg).map_err(|e| SessionError::Shape { path: p(), reason: e.to_string() })?;
+    let (n_conv, n_rec, n_attn, conv_len, rec_len, _) = layout(cfg);
+    let st = &loaded.state;
+    if st.conv.len() != n_conv as usize
+        || st.recurrent.len() != n_rec as usize
+        || st.keys.len() != n_attn as usize
+        || st.conv.iter().any(|c| c.len() as u64 != conv_len)
+        || st.recurrent.iter().any(|c| c.len() as u64 != rec_len)
+    {
+        return Err(SessionError::Shape { path: p(), reason: "state arrays of other shapes".into() });
+    }
+    Ok(loaded)
+}
+
+/// Recomputes the checksum of the whole file: `Some(error)` when it does not match the stored
+/// one (or cannot be read), `None` when the file is intact.
+fn checksum_error(path: &Path, len: u64) -> Option<SessionError> {
+    let p = path.to_path_buf();
+    let run = || -> std::io::Result<(u64, u64)> {
+        let mut f = BufReader::with_capacity(1 << 20, File::open(path)?);
+        let mut h = Xxh3::new();
+        let mut left = len.saturating_sub(8);
+        let mut buf = vec![0u8; 1 << 20];
+        while left > 0 {
+            let k = (left as usize).min(buf.len());
+            f.read_exact(&mut buf[..k])?;
+            h.update(&buf[..k]);
+            left -= k as u64;
+        }
+        let mut sum = [0u8; 8];
+        f.read_exact(&mut sum)?;
+        Ok((u64::from_le_bytes(sum), h.digest()))
+    };
+    match run() {
+        Ok((stored, computed)) if stored == computed => None,
+        Ok((stored, computed)) => Some(SessionError::Checksum { path: p, stored, computed }),
+        Err(error) => Some(SessionError::Io { path: p, error }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(position: usize, fill: f32) -> SequenceState {
+        SequenceState { position, conv: vec![vec![fill; 4]], recurrent: vec![vec![fill; 8]], keys: vec![vec![fill; position * 2]], values: vec![vec![fill; position * 2]] }
+    }
+
+    #[test]
+    fn prefix_cache_finds_the_longest_prefix_within_the_limit() {
+        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 1000 });
+        let ids: Vec<u32> = (0..20).collect();
+        assert!(c.insert(&ids[..4], state(4, 1.0), 10));
+        assert!(c.insert(&ids[..8], state(8, 2.0), 10));
+        assert!(c.insert(&[0, 1, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9], state(12, 3.0), 10));
+        assert!(!c.insert(&ids[..8], state(8, 2.0), 10), "a prefix already held is not stored twice");
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.longest_prefix(&ids, 19).unwrap().tokens().len(), 8);
+        assert_eq!(c.longest_prefix(&ids, 7).unwrap().tokens().len(), 4);
+        assert_eq!(c.longest_prefix(&ids[..8], 8).unwrap().state().recurrent[0][0], 2.0);
+        assert!(c.longest_prefix(&ids, 3).is_none());
+        assert!(c.longest_prefix(&[5, 6, 7, 8, 9], 5).is_none());
+    }
+
+    #[test]
+    fn prefix_cache_evicts_the_least_recently_used_within_its_budget() {
+        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 30 });
+        let ids: Vec<u32> = (0..20).collect();
+        c.insert(&ids[..1], state(1, 0.0), 10);
+        c.insert(&ids[..2], state(2, 0.0), 10);
+        c.insert(&ids[..3], state(3, 0.0), 10);
+        // Using the oldest makes the second the least recently used.
+        assert_eq!(c.longest_prefix(&ids, 1).unwrap().tokens().len(), 1);
+        assert!(c.insert(&ids[..4], state(4, 0.0), 15));
+        assert!(c.bytes() <= 30);
+        let mut held: Vec<usize> = c.iter().map(|s| s.tokens().len()).collect();
+        held.sort();
+        // 10+10+10+15 > 30: the two least recently used (lengths 2, then 3) went.
+        assert_eq!(held, vec![1, 4]);
+        assert_eq!(c.bytes(), 25);
+        assert!(!c.insert(&ids[..5], state(5, 0.0), 31), "larger than the whole budget");
+        c.set_config(SnapshotConfig { every: 4, budget_bytes: 20 });
+        assert_eq!(c.iter().map(|s| s.tokens().len()).collect::<Vec<_>>(), vec![4]);
+        c.set_config(SnapshotConfig::disabled());
+        assert!(c.is_empty() && c.bytes() == 0);
+        assert!(!c.insert(&ids[..1], state(1, 0.0), 1));
+    }
+}
