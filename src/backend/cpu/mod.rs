@@ -57,6 +57,10 @@ impl Default for Cpu {
 /// little, small enough that two to sixty-four threads stay balanced.
 const TASK_BYTES: usize = 96 * 1024;
 
+/// Output rows per task of a prompt-sized product: every task streams all the step's inputs
+/// once, so the inputs' traffic per FMA falls as 1 / rows.
+const PANEL_TASK_ROWS: usize = 48;
+
 impl Cpu {
     /// The fastest instruction set this CPU has ([`Isa::detect`]) and one thread per core
     /// (`TENSORFOLD_THREADS` overrides).
@@ -289,9 +293,18 @@ impl Backend for Cpu {
         // down when many tokens share the panel, so prefill splits finer), in whole row blocks
         // of the kernel.
         let granule = simd::row_granule(self.isa, rows);
+        let threads = self.threads();
         tasks.clear();
         for (i, (w, _)) in outs.iter().enumerate() {
-            let per_task = (TASK_BYTES / w.row_bytes().max(1) / rows.clamp(1, 16)).max(granule).div_ceil(granule) * granule;
+            let per_task = if rows <= 4 {
+                // Decode: about TASK_BYTES of weights per task.
+                TASK_BYTES / w.row_bytes().max(1)
+            } else {
+                // Prompt: up to PANEL_TASK_ROWS rows (the inputs stream once per task, so
+                // larger is better), fewer when that leaves under 4 tasks per thread.
+                PANEL_TASK_ROWS.min(w.rows / (4 * threads))
+            };
+            let per_task = per_task.max(granule).div_ceil(granule) * granule;
             let mut n = 0;
             while n < w.rows {
                 let c = per_task.min(w.rows - n);

@@ -51,6 +51,21 @@ impl std::fmt::Debug for ThreadPool {
 /// Spins before sleeping: long enough to cover the gap between two kernels of one token.
 const SPIN: usize = 20_000;
 
+/// Spins between two yields of the processor while waiting: on a machine with more runnable
+/// threads than cores, the thread being waited for (descheduled while holding a task) gets the
+/// core back soon; on an idle machine a yield returns at once.
+const YIELD_EVERY: usize = 64;
+
+/// One step of a wait loop.
+#[inline]
+fn backoff(spins: usize) {
+    if spins % YIELD_EVERY == YIELD_EVERY - 1 {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
+}
+
 impl ThreadPool {
     /// A pool of `threads` threads in all (`threads − 1` workers plus the caller); at least 1.
     pub fn new(threads: usize) -> Self {
@@ -96,8 +111,10 @@ impl ThreadPool {
         }
         self.shared.wake.notify_all();
         work_on(&job);
+        let mut spins = 0;
         while job.remaining.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            backoff(spins);
+            spins += 1;
         }
         self.shared.slot.lock().unwrap().1 = None;
     }
@@ -126,7 +143,7 @@ fn worker(s: &Shared) {
             }
             spins += 1;
             if spins < SPIN {
-                std::hint::spin_loop();
+                backoff(spins);
                 continue;
             }
             let guard = s.slot.lock().unwrap();

@@ -66,6 +66,11 @@ impl Isa {
 }
 
 /// The input rows of a product in lane order, shared by every output row.
+///
+/// Lane `l` of the canonical order (numerics §2) is lane `l mod 16` of half `l / 16`; a row is
+/// stored half-major, `[half][step][16]`, where step `c·E + e` holds element `e` of the words
+/// `32c + 16·half + (0..16)`. A kernel that runs one half at a time (one accumulator per
+/// output) then streams contiguous memory. Lanes past the last word are 0.
 #[derive(Clone, Debug, Default)]
 pub struct Transposed {
     /// Elements per word of the weights this was made for.
@@ -75,7 +80,7 @@ pub struct Transposed {
     /// 32-word chunks per row (the last may be partial).
     pub chunks: usize,
     pub rows: usize,
-    /// `[rows][chunks][per_word][32]`; lanes past the last word are 0.
+    /// `[rows][stride]`, each row `[2][steps][16]` then padding.
     pub data: Vec<f32>,
 }
 
@@ -91,31 +96,45 @@ impl Transposed {
     pub fn fill(&mut self, x: &[f32], rows: usize, cols: usize, per_word: usize) {
         let words = cols / per_word;
         let chunks = words.div_ceil(32);
-        let stride = chunks * per_word * 32;
         *self = Self { per_word, words, chunks, rows, data: std::mem::take(&mut self.data) };
+        let (stride, half) = (self.stride(), self.half());
         self.data.clear();
         self.data.resize(rows * stride, 0.0);
         for t in 0..rows {
             let xr = &x[t * cols..(t + 1) * cols];
             let dst = &mut self.data[t * stride..(t + 1) * stride];
-            if per_word == 1 {
-                dst[..cols].copy_from_slice(xr);
-                continue;
-            }
             for (c, block) in xr.chunks(32 * per_word).enumerate() {
-                let d = &mut dst[c * per_word * 32..(c + 1) * per_word * 32];
                 for (lane, word) in block.chunks_exact(per_word).enumerate() {
+                    let base = (lane / 16) * half + c * per_word * 16 + lane % 16;
                     for (e, &v) in word.iter().enumerate() {
-                        d[e * 32 + lane] = v;
+                        dst[base + e * 16] = v;
                     }
                 }
             }
         }
     }
 
-    /// Floats per transposed row (`chunks · per_word · 32`).
+    /// 32-lane steps per row (`chunks · per_word`).
+    pub fn steps(&self) -> usize {
+        self.chunks * self.per_word
+    }
+
+    /// Floats of one half of a row (`steps · 16`).
+    pub fn half(&self) -> usize {
+        self.steps() * 16
+    }
+
+    /// Floats from one row to the next: both halves, rounded up to an odd number of 64-byte
+    /// lines so that rows (and the panel rows laid out alike) fall on different L1 sets instead
+    /// of all 4 KiB apart.
     pub fn stride(&self) -> usize {
-        self.chunks * self.per_word * 32
+        (2 * self.steps() | 1) * 16
+    }
+
+    /// Offset within a row of lane `lane` (0..32) of step `step`.
+    #[inline(always)]
+    pub fn offset(&self, step: usize, lane: usize) -> usize {
+        (lane / 16) * self.half() + step * 16 + lane % 16
     }
 
     fn row(&self, t: usize) -> &[f32] {
@@ -270,9 +289,9 @@ pub fn gdn_conv(isa: Isa, kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], 
     })
 }
 
-/// Decodes row `n` of `w` into lane order: `panel[(c·E + e)·32 + lane]` = weight element
-/// `(32c + lane)·E + e` (0 past the last word).
-pub fn decode_panel_row(w: &Matrix, n: usize, row: &mut Vec<f32>, panel: &mut [f32]) {
+/// Decodes row `n` of `w` into the lane order of `xt` ([`Transposed`]): element
+/// `(32c + lane)·E + e` at `xt.offset(c·E + e, lane)` (0 past the last word).
+pub fn decode_panel_row(w: &Matrix, n: usize, xt: &Transposed, row: &mut Vec<f32>, panel: &mut [f32]) {
     let per_word = w.elems_per_word();
     row.resize(w.cols, 0.0);
     w.decode_row(n, row);
@@ -280,7 +299,7 @@ pub fn decode_panel_row(w: &Matrix, n: usize, row: &mut Vec<f32>, panel: &mut [f
     for j in 0..w.cols / per_word {
         let (c, lane) = (j / 32, j % 32);
         for e in 0..per_word {
-            panel[(c * per_word + e) * 32 + lane] = row[j * per_word + e];
+            panel[xt.offset(c * per_word + e, lane)] = row[j * per_word + e];
         }
     }
 }
@@ -293,7 +312,7 @@ unsafe fn matmul_portable(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, 
     scratch.resize(xt.stride(), 0.0);
     let mut row = Vec::new();
     for n in n0..n0 + count {
-        decode_panel_row(w, n, &mut row, scratch);
+        decode_panel_row(w, n, xt, &mut row, scratch);
         let panel = &scratch[..];
         for t in 0..xt.rows {
             let x = xt.row(t);
@@ -301,9 +320,9 @@ unsafe fn matmul_portable(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, 
             for c in 0..xt.chunks {
                 let lanes = (xt.words - c * 32).min(32);
                 for e in 0..e_n {
-                    let base = (c * e_n + e) * 32;
                     for (l, acc) in p.iter_mut().enumerate().take(lanes) {
-                        *acc = crate::numerics::fma(panel[base + l], x[base + l], *acc);
+                        let o = xt.offset(c * e_n + e, l);
+                        *acc = crate::numerics::fma(panel[o], x[o], *acc);
                     }
                 }
             }

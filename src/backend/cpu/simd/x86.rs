@@ -44,6 +44,15 @@ pub(super) trait V16: Copy {
     unsafe fn exp(a: Self) -> Self;
     /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
     unsafe fn fold(a: Self, b: Self) -> f32;
+    /// [`V16::fold`] of 16 pairs at once: `out[k] = fold(a[k], b[k])`, the same additions.
+    #[inline(always)]
+    unsafe fn fold16(a: &[Self; 16], b: &[Self; 16]) -> [f32; 16] {
+        let mut out = [0.0f32; 16];
+        for k in 0..16 {
+            out[k] = Self::fold(a[k], b[k]);
+        }
+        out
+    }
 }
 
 #[derive(Clone, Copy)]
@@ -174,6 +183,40 @@ impl V16 for Z {
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
         _mm_cvtss_f32(s1)
+    }
+    #[inline(always)]
+    unsafe fn fold16(a: &[Self; 16], b: &[Self; 16]) -> [f32; 16] {
+        // Each level adds lane i and lane i + h of every output (h = 16, 8, 4, 2, 1), packing
+        // two outputs' halves into one register with shuffles; the additions are those of
+        // `fold` (IEEE addition commutes).
+        let mut v16 = [_mm512_setzero_ps(); 16];
+        for k in 0..16 {
+            v16[k] = _mm512_add_ps(a[k].0, b[k].0);
+        }
+        // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
+        let mut c = [_mm512_setzero_ps(); 8];
+        for k in 0..8 {
+            let (x, y) = (v16[2 * k], v16[2 * k + 1]);
+            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(x, y), _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y));
+        }
+        // h = 4: g[k] = 128-bit blocks of o(4k), o(4k+1), o(4k+2), o(4k+3).
+        let mut g = [_mm512_setzero_ps(); 4];
+        for k in 0..4 {
+            let (x, y) = (c[2 * k], c[2 * k + 1]);
+            g[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y));
+        }
+        // h = 2: block j of j2[k] = [o(4·2k + j) lanes 0, 1 | o(4·(2k+1) + j) lanes 0, 1].
+        let mut j2 = [_mm512_setzero_ps(); 2];
+        for k in 0..2 {
+            let (x, y) = (g[2 * k], g[2 * k + 1]);
+            j2[k] = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(x, y), _mm512_shuffle_ps::<0b11_10_11_10>(x, y));
+        }
+        // h = 1: block j = [o(j), o(4 + j), o(8 + j), o(12 + j)].
+        let r = _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(j2[0], j2[1]), _mm512_shuffle_ps::<0b11_01_11_01>(j2[0], j2[1]));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+        let mut out = [0.0f32; 16];
+        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, r));
+        out
     }
 }
 
@@ -651,7 +694,7 @@ impl<'a> Q4<'a> {
 /// at row `r`'s widened scales, then its biases (`groups + 8` floats each).
 #[inline(always)]
 unsafe fn q4_half<V: V16, const MR: usize, const RB: usize>(q: &Q4, rows: [*const u8; RB], sb: [*const f32; RB], xt: &Transposed, h: usize, acc: &mut [[V; RB]; MR]) {
-    let xstride = xt.stride();
+    let (xstride, half) = (xt.stride(), xt.half());
     let chunks = (q.words - 16 * h).div_ceil(32);
     let idx = &q.idx[h];
     let boff = q.groups + 8;
@@ -669,7 +712,7 @@ unsafe fn q4_half<V: V16, const MR: usize, const RB: usize>(q: &Q4, rows: [*cons
         for r in 0..RB {
             _mm_prefetch::<_MM_HINT_T0>(rows[r].add(first_word * 4 + PREFETCH_BYTES) as *const i8);
         }
-        let xb = xt.data.as_ptr().add(c * 8 * 32 + 16 * h);
+        let xb = xt.data.as_ptr().add(h * half + c * 8 * 16);
         q4_step::<V, MR, RB, 0>(xb, xstride, &wd, &sv, &bv, acc);
         q4_step::<V, MR, RB, 1>(xb, xstride, &wd, &sv, &bv, acc);
         q4_step::<V, MR, RB, 2>(xb, xstride, &wd, &sv, &bv, acc);
@@ -686,7 +729,7 @@ unsafe fn q4_half<V: V16, const MR: usize, const RB: usize>(q: &Q4, rows: [*cons
 unsafe fn q4_step<V: V16, const MR: usize, const RB: usize, const E: u32>(xb: *const f32, xstride: usize, wd: &[V::W; RB], sv: &[V; RB], bv: &[V; RB], acc: &mut [[V; RB]; MR]) {
     let mut xv = [V::zero(); MR];
     for (i, x) in xv.iter_mut().enumerate() {
-        *x = V::load(xb.add(i * xstride + E as usize * 32));
+        *x = V::load(xb.add(i * xstride + E as usize * 16));
     }
     for r in 0..RB {
         let wv = V::fma(sv[r], V::nibble::<E>(wd[r]), bv[r]);
@@ -801,11 +844,11 @@ unsafe fn decode16<V: V16>(w: &Matrix, rb: &super::RowBytes<'_>, rs: &RowScales,
     }
 }
 
-/// Decodes row `n` of `w` into lane order at `dst` (`chunks · E · 32` floats, 0 past the last
-/// word), any format.
+/// Decodes row `n` of `w` into the lane order of `xt` at `dst` (`[2][steps][16]`, 0 past the
+/// last word), any format.
 #[inline(always)]
 unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &mut RowScales, dst: *mut f32) {
-    let e_n = xt.per_word;
+    let (e_n, half) = (xt.per_word, xt.half());
     let rb = super::row_bytes(w, n);
     rs.load(w, &rb);
     let mut dec = [V::zero(); 8];
@@ -815,130 +858,154 @@ unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &m
             let lanes = words.saturating_sub(16 * h).min(16);
             if lanes == 0 {
                 for e in 0..e_n {
-                    V::zero().store(dst.add((c * e_n + e) * 32 + 16 * h));
+                    V::zero().store(dst.add(h * half + (c * e_n + e) * 16));
                 }
                 continue;
             }
             decode16::<V>(w, &rb, rs, c, h, lanes, &mut dec);
             for (e, d) in dec.iter().enumerate().take(e_n) {
-                d.store(dst.add((c * e_n + e) * 32 + 16 * h));
+                d.store(dst.add(h * half + (c * e_n + e) * 16));
             }
         }
     }
 }
 
-/// `MR` tokens × `NR` decoded rows over `steps` 32-lane steps (`steps = chunks · E` for the
-/// whole row, fewer for a K block): one 16-lane half at a time, so each output needs one
-/// accumulator. `xs[i]`, `ws[r]` point at the first step. The partial lane sums come from and
-/// go to `acc` (`[MR][NR][32]` floats at `acc[i·ld + r·32]`) unless `first` (start from +0.0) or
-/// `last` (fold the 32 lanes and return the outputs instead of storing).
+/// One half of `MR` tokens × `NR` decoded rows over `steps` steps: `xs[i]`, `ws[r]` point at
+/// the half's first step (16 lanes, contiguous), each output has one accumulator. The partial
+/// lane sums start at +0.0 (`first`) or come from `acc` (`[MR][NR][16]` at `acc[i·ld + r·16]`);
+/// they go back to `acc` unless `fold_with` is given, which holds the other half's finished
+/// lane sums (same layout): then the 32 lanes fold (numerics §2) and the outputs return.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize, acc_p: *mut f32, ld: usize, first: bool, last: bool) -> [[f32; NR]; MR] {
-    let mut half0 = [[V::zero(); NR]; MR];
-    let mut out = [[0.0f32; NR]; MR];
-    for h in 0..2 {
-        let mut acc = [[V::zero(); NR]; MR];
-        if !first {
-            for i in 0..MR {
-                for r in 0..NR {
-                    acc[i][r] = V::load(acc_p.add(i * ld + r * 32 + 16 * h));
-                }
-            }
-        }
-        for s in 0..steps {
-            let off = s * 32 + 16 * h;
-            let mut xv = [V::zero(); MR];
-            for i in 0..MR {
-                xv[i] = V::load(xs[i].add(off));
-            }
+unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
+    xs: [*const f32; MR],
+    ws: [*const f32; NR],
+    steps: usize,
+    acc_p: *mut f32,
+    ld: usize,
+    first: bool,
+    fold_with: Option<*const f32>,
+) -> [[f32; NR]; MR] {
+    let mut acc = [[V::zero(); NR]; MR];
+    if !first {
+        for i in 0..MR {
             for r in 0..NR {
-                let wv = V::load(ws[r].add(off));
-                for i in 0..MR {
-                    acc[i][r] = V::fma(wv, xv[i], acc[i][r]);
+                acc[i][r] = V::load(acc_p.add(i * ld + r * 16));
+            }
+        }
+    }
+    for s in 0..steps {
+        let mut xv = [V::zero(); MR];
+        for i in 0..MR {
+            xv[i] = V::load(xs[i].add(s * 16));
+        }
+        for r in 0..NR {
+            let wv = V::load(ws[r].add(s * 16));
+            for i in 0..MR {
+                acc[i][r] = V::fma(wv, xv[i], acc[i][r]);
+            }
+        }
+    }
+    let mut out = [[0.0f32; NR]; MR];
+    match fold_with {
+        None => {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r].store(acc_p.add(i * ld + r * 16));
                 }
             }
         }
-        if !last {
-            for i in 0..MR {
-                for r in 0..NR {
-                    acc[i][r].store(acc_p.add(i * ld + r * 32 + 16 * h));
+        Some(h0) => {
+            // Fold in groups of 16 outputs (the last group padded with zeros).
+            let n = MR * NR;
+            let mut k0 = 0;
+            while k0 < n {
+                let mut a = [V::zero(); 16];
+                let mut b = [V::zero(); 16];
+                for k in k0..(k0 + 16).min(n) {
+                    let (i, r) = (k / NR, k % NR);
+                    a[k - k0] = V::load(h0.add(i * ld + r * 16));
+                    b[k - k0] = acc[i][r];
                 }
-            }
-        } else if h == 0 {
-            half0 = acc;
-        } else {
-            for i in 0..MR {
-                for r in 0..NR {
-                    out[i][r] = V::fold(half0[i][r], acc[i][r]);
+                let f = V::fold16(&a, &b);
+                for k in k0..(k0 + 16).min(n) {
+                    out[k / NR][k % NR] = f[k - k0];
                 }
+                k0 += 16;
             }
         }
     }
     out
 }
 
-/// Tokens per block of the panel path: the block's inputs stay in L2 while every row of the
-/// task passes over them.
-const TOKEN_BLOCK: usize = 64;
-/// 32-lane steps per K block of the panel path (512 elements at 8 per word): a block of the
-/// task's panel stays in L1 while every token of the token block passes over it.
-const K_STEPS: usize = 16;
+/// Tokens per block of the panel path: the block's inputs (one K block of one half) stay in
+/// L2 while every row of the task passes over them.
+const TOKEN_BLOCK: usize = 32;
+/// Steps per K block of the panel path, per half: `NR` rows of it (6 × 64 × 64 B = 24 KiB) stay
+/// in L1 while every token of the token block passes over them. The lane sums are parked
+/// between K blocks (2 memory accesses per output per 64 FMAs).
+const K_STEPS: usize = 64;
 
 /// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
-/// in lane order; then per token block and K block, `NR` rows × `MR` tokens at a time run
-/// [`micro`], the partial lane sums parked in a buffer between K blocks (stored and reloaded
-/// f32 values: the per-lane order of numerics §2 is unchanged). Partial blocks repeat the last
-/// valid token or row and store only valid outputs.
+/// in the lane order of `xt`; then per token block, half and K block, `NR` rows × `MR` tokens at
+/// a time run [`micro`], the partial lane sums parked in a buffer between K blocks (stored and
+/// reloaded f32 values: the per-lane order of numerics §2 is unchanged), the first half's
+/// finished sums kept until the second half folds them. Partial blocks repeat the last valid
+/// token or row and store only valid outputs.
 #[inline(always)]
-unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, panel: &mut Vec<f32>) {
-    let plen = xt.stride();
-    let steps = xt.chunks * xt.per_word;
+unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
+    let (plen, half, steps) = (xt.stride(), xt.half(), xt.steps());
     let rows_pad = count.div_ceil(NR) * NR;
-    // Panel rows, then the lane sums [TOKEN_BLOCK + MR][rows_pad][32].
-    let acc_len = (TOKEN_BLOCK + MR) * rows_pad * 32;
-    panel.clear();
-    panel.resize(count * plen + acc_len, 0.0);
+    // Panel rows, then the lane sums of each half, [TOKEN_BLOCK + MR][rows_pad][16] each.
+    let ld = rows_pad * 16;
+    let acc_len = (TOKEN_BLOCK + MR) * ld;
+    if scratch.len() < count * plen + 2 * acc_len {
+        scratch.resize(count * plen + 2 * acc_len, 0.0);
+    }
     let mut rs = RowScales::new(w);
     for r in 0..count {
-        decode_row_lanes::<V>(w, n0 + r, xt, &mut rs, panel.as_mut_ptr().add(r * plen));
+        decode_row_lanes::<V>(w, n0 + r, xt, &mut rs, scratch.as_mut_ptr().add(r * plen));
     }
-    let acc_base = panel.as_mut_ptr().add(count * plen);
-    let ld = rows_pad * 32;
+    let panel = scratch.as_ptr();
+    let acc = [scratch.as_mut_ptr().add(count * plen), scratch.as_mut_ptr().add(count * plen + acc_len)];
     let mut tb = 0;
     while tb < xt.rows {
         let t_end = (tb + TOKEN_BLOCK).min(xt.rows);
-        let mut k0 = 0;
-        while k0 < steps {
-            let ks = K_STEPS.min(steps - k0);
-            let (first, last) = (k0 == 0, k0 + ks == steps);
-            let mut r = 0;
-            while r < count {
-                let nr = NR.min(count - r);
-                let mut ws = [std::ptr::null::<f32>(); NR];
-                for (j, wp) in ws.iter_mut().enumerate() {
-                    *wp = panel.as_ptr().add((r + j.min(nr - 1)) * plen + k0 * 32);
-                }
-                let mut t = tb;
-                while t < t_end {
-                    let mr = MR.min(t_end - t);
-                    let mut xs = [std::ptr::null::<f32>(); MR];
-                    for (i, xp) in xs.iter_mut().enumerate() {
-                        *xp = xt.data.as_ptr().add((t + i.min(mr - 1)) * plen + k0 * 32);
+        for h in 0..2 {
+            let mut k0 = 0;
+            while k0 < steps {
+                let ks = K_STEPS.min(steps - k0);
+                let last = k0 + ks == steps;
+                let mut r = 0;
+                while r < count {
+                    let nr = NR.min(count - r);
+                    let mut ws = [std::ptr::null::<f32>(); NR];
+                    for (j, wp) in ws.iter_mut().enumerate() {
+                        *wp = panel.add((r + j.min(nr - 1)) * plen + h * half + k0 * 16);
                     }
-                    let out = micro::<V, MR, NR>(xs, ws, ks, acc_base.add((t - tb) * ld + r * 32), ld, first, last);
-                    if last {
-                        for (i, row) in out.iter().enumerate().take(mr) {
-                            for (j, &v) in row.iter().enumerate().take(nr) {
-                                *y.add((t + i) * ldy + n0 + r + j) = v;
+                    let mut t = tb;
+                    while t < t_end {
+                        let mr = MR.min(t_end - t);
+                        let mut xs = [std::ptr::null::<f32>(); MR];
+                        for (i, xp) in xs.iter_mut().enumerate() {
+                            *xp = xt.data.as_ptr().add((t + i.min(mr - 1)) * plen + h * half + k0 * 16);
+                        }
+                        let at = (t - tb) * ld + r * 16;
+                        let fold = if h == 1 && last { Some(acc[0].add(at) as *const f32) } else { None };
+                        let out = micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, fold);
+                        if fold.is_some() {
+                            for (i, row) in out.iter().enumerate().take(mr) {
+                                for (j, &v) in row.iter().enumerate().take(nr) {
+                                    *y.add((t + i) * ldy + n0 + r + j) = v;
+                                }
                             }
                         }
+                        t += mr;
                     }
-                    t += mr;
+                    r += nr;
                 }
-                r += nr;
+                k0 += ks;
             }
-            k0 += ks;
         }
         tb = t_end;
     }
@@ -1022,3 +1089,38 @@ macro_rules! isa_module {
 
 isa_module!(avx512, "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2", Z, 2, 4, 6);
 isa_module!(avx2, "avx2,fma,f16c", Y2, 1, 2, 2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `fold16` against the scalar halving fold, on lanes spanning 60 binary orders of magnitude
+    /// with both signs (where a different pairing or order of the additions rounds differently).
+    #[test]
+    fn fold16_is_the_halving_fold() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
+            return;
+        }
+        #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+        unsafe fn check(seed: u64) {
+            let mut s = seed;
+            let mut next = || {
+                s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                let m = ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0;
+                m * f32::from_bits((((s >> 20) % 60) as u32 + 97) << 23)
+            };
+            let lanes: Vec<[f32; 32]> = (0..16).map(|_| std::array::from_fn(|_| next())).collect();
+            let a: [Z; 16] = std::array::from_fn(|k| Z::load(lanes[k].as_ptr()));
+            let b: [Z; 16] = std::array::from_fn(|k| Z::load(lanes[k].as_ptr().add(16)));
+            let got = Z::fold16(&a, &b);
+            for k in 0..16 {
+                let want = crate::numerics::fold_lanes(lanes[k]);
+                assert_eq!(got[k].to_bits(), want.to_bits(), "output {k}");
+                assert_eq!(Z::fold(a[k], b[k]).to_bits(), want.to_bits(), "fold {k}");
+            }
+        }
+        for seed in 0..200 {
+            unsafe { check(seed) };
+        }
+    }
+}
