@@ -310,6 +310,43 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, 
     }
 }
 
+/// The query heads `g·G .. (g+1)·G` of KV group `g` (`G = Hq / Hkv`) of one token through
+/// attention at position `p`, as [`attention_query`] does for each: RMS-normalise and rotate
+/// each q, attend over the cache (every cache row read once for the group), gate. `row` is the
+/// token's q|gate projection, `out` the group's `[G·Dh]` outputs; `scratch` is (queries,
+/// attention scratch, unused).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_group(
+    isa: Isa,
+    cfg: &ModelConfig,
+    w: &AttentionWeights,
+    rope: &RopeTable,
+    p: usize,
+    g: usize,
+    row: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    scratch: &mut (Vec<f32>, Vec<f32>, Vec<f32>),
+    out: &mut [f32],
+) {
+    let (hq, hkv, dh, rd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim());
+    let gs = hq / hkv;
+    let (q, buf, _) = scratch;
+    q.resize(gs * dh, 0.0);
+    let (cos, sin) = rope.row(p);
+    for i in 0..gs {
+        let h = g * gs + i;
+        let qh = &mut q[i * dh..(i + 1) * dh];
+        simd::rms_norm_row(isa, &row[h * 2 * dh..h * 2 * dh + dh], &w.q_norm, cfg.rms_norm_eps, qh);
+        rope_row(&mut qh[..rd], cos, sin);
+    }
+    simd::attend_group(isa, gs, q, keys, values, p, hkv * dh, g * dh, buf, out);
+    for i in 0..gs {
+        let h = g * gs + i;
+        simd::sigmoid_mul(isa, &mut out[i * dh..(i + 1) * dh], &row[h * 2 * dh + dh..(h + 1) * 2 * dh]);
+    }
+}
+
 /// Query head `h` of token `t` of one sequence through attention (spec A1, A3, A4, A6, A7):
 /// RMS-normalise and rotate q, attend over the cache up to position `p`, multiply by
 /// `sigmoid(gate)`. `row` is the token's `[Hq·2·Dh]` q|gate projection (per head: q then gate),

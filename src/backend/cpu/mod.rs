@@ -414,13 +414,15 @@ impl Backend for Cpu {
             let qg = &q_gate.data[rows(q_gate)];
             let out_p = SendPtr(out.data.as_mut_ptr());
             let (isa, qcols, ocols) = (self.isa, q_gate.cols, out.cols);
-            // One task per (token, query head).
-            self.pool.run(n * hq, &|i| {
-                let (t, h) = (i / hq, i % hq);
-                // SAFETY: task (t, h) writes only the Dh outputs of head h in row r0 + t.
-                let dst = unsafe { std::slice::from_raw_parts_mut(out_p.get().add((r0 + t) * ocols + h * dh), dh) };
+            let hkv = cfg.num_key_value_heads;
+            let gs = hq / hkv;
+            // One task per (token, KV group): the group's query heads read the cache once.
+            self.pool.run(n * hkv, &|i| {
+                let (t, g) = (i / hkv, i % hkv);
+                // SAFETY: task (t, g) writes only the outputs of heads g·G..(g+1)·G in row r0 + t.
+                let dst = unsafe { std::slice::from_raw_parts_mut(out_p.get().add((r0 + t) * ocols + g * gs * dh), gs * dh) };
                 ATTN.with(|scratch| {
-                    kernels::attention_query(isa, cfg, w, rope, pos + t, h, &qg[t * qcols..(t + 1) * qcols], keys, values, &mut scratch.borrow_mut(), dst);
+                    kernels::attention_group(isa, cfg, w, rope, pos + t, g, &qg[t * qcols..(t + 1) * qcols], keys, values, &mut scratch.borrow_mut(), dst);
                 });
             });
         }

@@ -234,6 +234,22 @@ pub fn attend(isa: Isa, q: &[f32], keys: &[f32], values: &[f32], p: usize, strid
     )
 }
 
+/// Attention of `g` query heads sharing one KV head (at `head_off`) at position `p`: `q` is
+/// `[g][dh]`, `out` `[g][dh]`. Each head gets the bits of [`super::kernels::attend`]; the fast
+/// paths read every key and value row once for the group. `buf` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn attend_group(isa: Isa, g: usize, q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, buf: &mut Vec<f32>, out: &mut [f32]) {
+    assert!(g > 0 && q.len() % g == 0 && out.len() == q.len());
+    let dh = q.len() / g;
+    assert!(head_off + dh <= stride && keys.len() >= (p + 1) * stride && values.len() >= (p + 1) * stride);
+    let done = dispatch!(isa, dh % 32 == 0, attend_group(g, q, keys, values, p, stride, head_off, buf, out), false);
+    if !done {
+        for h in 0..g {
+            super::kernels::attend(&q[h * dh..(h + 1) * dh], keys, values, p, stride, head_off, buf, &mut out[h * dh..(h + 1) * dh]);
+        }
+    }
+}
+
 /// `x[i] = silu(x[i])`.
 pub fn silu(isa: Isa, x: &mut [f32]) {
     dispatch!(isa, true, silu(x), x.iter_mut().for_each(|v| *v = crate::numerics::silu(*v)))
@@ -610,6 +626,33 @@ mod tests {
             gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 0, 48);
             gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 48, cd);
             assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv");
+        }
+    }
+
+    #[test]
+    fn grouped_attention_gives_each_heads_reference_bits() {
+        use crate::backend::cpu::kernels::attend as attend_ref;
+        let mut rng = Rng(17);
+        for (dh, hkv) in [(64usize, 2usize), (256, 2), (96, 1)] {
+            let stride = hkv * dh;
+            let n = 600;
+            let keys: Vec<f32> = (0..n * stride).map(|_| rng.f()).collect();
+            let values: Vec<f32> = (0..n * stride).map(|_| rng.f()).collect();
+            for g in [1usize, 2, 3, 4, 8] {
+                let q: Vec<f32> = (0..g * dh).map(|_| rng.f() * 3.0).collect();
+                for p in [0usize, 1, 255, 256, 511, 599] {
+                    let kv = hkv - 1;
+                    let mut want = vec![0.0f32; g * dh];
+                    for h in 0..g {
+                        attend_ref(&q[h * dh..(h + 1) * dh], &keys, &values, p, stride, kv * dh, &mut Vec::new(), &mut want[h * dh..(h + 1) * dh]);
+                    }
+                    for isa in Isa::available() {
+                        let mut got = vec![f32::NAN; g * dh];
+                        attend_group(isa, g, &q, &keys, &values, p, stride, kv * dh, &mut Vec::new(), &mut got);
+                        assert!(same_bits(&got, &want), "{isa:?} dh={dh} g={g} p={p}");
+                    }
+                }
+            }
         }
     }
 }

@@ -607,6 +607,119 @@ unsafe fn attend<V: V16>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stri
     }
 }
 
+/// Attention of the `G` query heads of one KV group over positions `0..=p` (numerics §6 for
+/// each head, as [`attend`]): every key and value row is read once for the group. `q` holds the
+/// `G` normalised, rotated queries (`[G][dh]`), `out` receives `[G][dh]`; `buf` is scratch.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_group<V: V16, const G: usize>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, buf: &mut Vec<f32>, out: &mut [f32]) {
+    use crate::backend::cpu::kernels::ATTENTION_TILE;
+    use crate::numerics::exp;
+    let dh = q.len() / G;
+    let scale = crate::numerics::rsqrt(dh as f32);
+    let n = p + 1;
+    let n_tiles = p / ATTENTION_TILE + 1;
+    // Scratch: scores [G][n], per tile and head (m, l, o[dh]), weights e [G][TILE].
+    let tile_len = dh + 2;
+    let (sc_off, tl_off, e_off) = (0, G * n, G * n + n_tiles * G * tile_len);
+    buf.clear();
+    buf.resize(e_off + G * ATTENTION_TILE, 0.0);
+    let bp = buf.as_mut_ptr();
+    // Scores: one pass over the keys, G canonical dots per key.
+    for tau in 0..n {
+        let k = keys.as_ptr().add(tau * stride + head_off);
+        let mut acc = [[V::zero(); 2]; G];
+        let mut c = 0;
+        while c < dh {
+            let (k0, k1) = (V::load(k.add(c)), V::load(k.add(c + 16)));
+            for (h, a) in acc.iter_mut().enumerate() {
+                let qh = q.as_ptr().add(h * dh + c);
+                a[0] = V::fma(V::load(qh), k0, a[0]);
+                a[1] = V::fma(V::load(qh.add(16)), k1, a[1]);
+            }
+            c += 32;
+        }
+        for (h, a) in acc.iter().enumerate() {
+            *bp.add(sc_off + h * n + tau) = V::fold(a[0], a[1]) * scale;
+        }
+    }
+    for t in 0..n_tiles {
+        let lo = t * ATTENTION_TILE;
+        let hi = ((t + 1) * ATTENTION_TILE).min(n);
+        let len = hi - lo;
+        let mut m = [f32::NEG_INFINITY; G];
+        let mut l = [0.0f32; G];
+        for h in 0..G {
+            let sh = std::slice::from_raw_parts(bp.add(sc_off + h * n + lo), len);
+            m[h] = sh.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let eh = std::slice::from_raw_parts_mut(bp.add(e_off + h * ATTENTION_TILE), len);
+            exp_shifted::<V>(sh, m[h], eh);
+            for &e in eh.iter() {
+                l[h] += e;
+            }
+        }
+        // o[h][d] = Σ_τ fma(e[h][τ], v_τ[d], ·) in increasing τ, 64 dims × G heads in registers.
+        let tbase = bp.add(tl_off + t * G * tile_len);
+        let mut d = 0;
+        while d < dh {
+            let nd = ((dh - d) / 16).min(4);
+            let mut o = [[V::zero(); 4]; G];
+            for (i, tau) in (lo..hi).enumerate() {
+                let vrow = values.as_ptr().add(tau * stride + head_off + d);
+                let mut vv = [V::zero(); 4];
+                for (j, x) in vv.iter_mut().enumerate().take(nd) {
+                    *x = V::load(vrow.add(16 * j));
+                }
+                for (h, oh) in o.iter_mut().enumerate() {
+                    let ev = V::splat(*bp.add(e_off + h * ATTENTION_TILE + i));
+                    for j in 0..nd {
+                        oh[j] = V::fma(ev, vv[j], oh[j]);
+                    }
+                }
+            }
+            for (h, oh) in o.iter().enumerate() {
+                for (j, x) in oh.iter().enumerate().take(nd) {
+                    x.store(tbase.add(h * tile_len + 2 + d + 16 * j));
+                }
+            }
+            d += 16 * nd;
+        }
+        for h in 0..G {
+            *tbase.add(h * tile_len) = m[h];
+            *tbase.add(h * tile_len + 1) = l[h];
+        }
+    }
+    // Combine the tiles of each head in increasing order.
+    for h in 0..G {
+        let tile = |t: usize| bp.add(tl_off + (t * G + h) * tile_len);
+        let big_m = (0..n_tiles).map(|t| *tile(t)).fold(f32::NEG_INFINITY, f32::max);
+        let mut big_l = 0.0f32;
+        let oh = out.as_mut_ptr().add(h * dh);
+        let mut d = 0;
+        while d < dh {
+            V::zero().store(oh.add(d));
+            d += 16;
+        }
+        for t in 0..n_tiles {
+            let c = exp(*tile(t) - big_m);
+            big_l = crate::numerics::fma(*tile(t).add(1), c, big_l);
+            let cv = V::splat(c);
+            let o = tile(t).add(2);
+            let mut d = 0;
+            while d < dh {
+                V::fma(V::load(o.add(d)), cv, V::load(oh.add(d))).store(oh.add(d));
+                d += 16;
+            }
+        }
+        let lv = V::splat(big_l);
+        let mut d = 0;
+        while d < dh {
+            V::div(V::load(oh.add(d)), lv).store(oh.add(d));
+            d += 16;
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Matrix products.
 
@@ -1034,6 +1147,19 @@ macro_rules! isa_module {
             #[allow(clippy::too_many_arguments)]
             pub(crate) unsafe fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
                 super::attend::<$v>(q, keys, values, p, stride, head_off, scores, tile_o, out)
+            }
+            /// `g` heads (1, 2, 4 or 8) of one KV group; false when `g` has no instance.
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(crate) unsafe fn attend_group(g: usize, q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, buf: &mut Vec<f32>, out: &mut [f32]) -> bool {
+                match g {
+                    1 => super::attend_group::<$v, 1>(q, keys, values, p, stride, head_off, buf, out),
+                    2 => super::attend_group::<$v, 2>(q, keys, values, p, stride, head_off, buf, out),
+                    4 => super::attend_group::<$v, 4>(q, keys, values, p, stride, head_off, buf, out),
+                    8 => super::attend_group::<$v, 8>(q, keys, values, p, stride, head_off, buf, out),
+                    _ => return false,
+                }
+                true
             }
             #[target_feature(enable = $feat)]
             pub(crate) unsafe fn silu(x: &mut [f32]) {
