@@ -58,8 +58,9 @@ impl Default for Cpu {
 const TASK_BYTES: usize = 96 * 1024;
 
 /// Output rows per task of a prompt-sized product: every task streams all the step's inputs
-/// once, so the inputs' traffic per FMA falls as 1 / rows.
-const PANEL_TASK_ROWS: usize = 48;
+/// once (traffic per FMA falls as 1 / rows), and smaller tasks balance the threads better at
+/// the end of each product; 24 measured best of 24/48/96 with two threads.
+const PANEL_TASK_ROWS: usize = 24;
 
 impl Cpu {
     /// The fastest instruction set this CPU has ([`Isa::detect`]) and one thread per core
@@ -300,8 +301,8 @@ impl Backend for Cpu {
                 // Decode: about TASK_BYTES of weights per task.
                 TASK_BYTES / w.row_bytes().max(1)
             } else {
-                // Prompt: up to PANEL_TASK_ROWS rows (the inputs stream once per task, so
-                // larger is better), fewer when that leaves under 4 tasks per thread.
+                // Prompt: up to PANEL_TASK_ROWS rows, fewer when that leaves under 4 tasks
+                // per thread.
                 PANEL_TASK_ROWS.min(w.rows / (4 * threads))
             };
             let per_task = per_task.max(granule).div_ceil(granule) * granule;
