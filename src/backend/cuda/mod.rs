@@ -250,6 +250,8 @@ struct Step {
     sample_work: Option<CudaSlice<f32>>,
     error: Option<BackendError>,
     launches: u64,
+    /// Host synchronisations (waits for the device).
+    waits: u64,
 }
 
 /// The CUDA backend on one device.
@@ -340,6 +342,7 @@ impl Cuda {
             sample_work: None,
             error: None,
             launches: 0,
+            waits: 0,
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         Ok(Self {
@@ -374,6 +377,55 @@ impl Cuda {
     /// Graphs recorded so far.
     pub fn graphs(&self) -> usize {
         self.step.lock().unwrap().graphs.len()
+    }
+
+    /// Device copy bandwidth in bytes/s, counting bytes read plus bytes written: the median of
+    /// `reps` device-to-device copies of `bytes` (event-timed).
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<Vec<f64>, BackendError> {
+        let n = bytes / 4;
+        let src = self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("alloc", e))?;
+        let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("alloc", e))?;
+        let ctx = self.stream.context();
+        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let mut out = Vec::new();
+        for i in 0..reps + 1 {
+            e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(|e| dev_err("copy", e))?;
+            e1.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))? as f64;
+            if i > 0 {
+                out.push(2.0 * (n * 4) as f64 / (ms / 1e3));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Float32 FMA peak in FLOP/s (2 per FMA): every multiprocessor full of threads running
+    /// independent FMA chains, event-timed, best of 3.
+    pub fn fma_peak(&self) -> Result<f64, BackendError> {
+        let sms = self.stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("attribute", e))? as u32;
+        let (blocks, threads, iters) = (sms * 8, 256u32, 20_000u32);
+        let mut out = self.stream.alloc_zeros::<f32>((blocks * threads) as usize).map_err(|e| dev_err("alloc", e))?;
+        let ctx = self.stream.context();
+        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let f = &self.funcs["fma_peak"];
+        let (a, b) = (0.999_f32, 0.001_f32);
+        let mut best = 0.0f64;
+        for _ in 0..4 {
+            e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            // SAFETY: arguments match machine.cu; `out` holds blocks·threads floats.
+            unsafe { self.stream.launch_builder(f).arg(&mut out).arg(&iters).arg(&a).arg(&b).launch(Self::cfg1((blocks, 1, 1), threads, 0)) }.map_err(|e| dev_err("fma_peak", e))?;
+            e1.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))? as f64;
+            let flops = 2.0 * 8.0 * iters as f64 * (blocks * threads) as f64;
+            best = best.max(flops / (ms / 1e3));
+        }
+        Ok(best)
+    }
+
+    /// Host waits (synchronisations) issued so far.
+    pub fn host_waits(&self) -> u64 {
+        self.step.lock().unwrap().waits
     }
 
     /// Evaluates the device's `exp, log, softplus, sigmoid, silu` on `x` (5 outputs per input),
@@ -545,6 +597,7 @@ impl Backend for Cuda {
         let view = t.buf.slice(0..rows * t.cols);
         self.stream.memcpy_dtoh(&view, out.as_mut_slice()).map_err(|e| dev_err("reading activations", e))?;
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        self.step.lock().unwrap().waits += 1;
         self.check()
     }
 
@@ -1174,6 +1227,7 @@ impl Backend for Cuda {
             self.stream.memcpy_dtoh(&view, out.as_mut_slice()).map_err(|e| dev_err("reading sampled ids", e))?;
         }
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        st.waits += 1;
         // The argmax kernel also wrote these ids where the next step reads its tokens.
         st.device_ids = out.clone();
         drop(st);
