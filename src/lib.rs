@@ -4,3 +4,4 @@
 //! for the arithmetic contract every backend keeps.
 
 pub mod numerics;
+pub mod synth;
