@@ -35,8 +35,53 @@ verify_fixtures() {
   $TF run --device cuda -p "def fibonacci(n):" -n 64 --temp 0 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 }
 
+ids() { python3 -c "import sys; n=int(sys.argv[1]); print(','.join(str((i*7919+13)%240000) for i in range(n)))" "$1"; }
+
+synth_models() {
+  mkdir -p /tmp/tf/models
+  for p in ${PRESETS:-0.8b 2b 4b 9b}; do
+    [ -d /tmp/tf/models/$p ] || $TF synth --preset qwen3.5-$p --tokenizer $TENSORFOLD_SHARED/tokenizers/qwen3.5/tokenizer.json /tmp/tf/models/$p 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+  done
+}
+
+synth_verify() {
+  synth_models
+  for p in ${VERIFY_PRESETS:-0.8b 2b}; do
+    log "verify synthetic $p (200 decode steps after a 300-token prompt)"
+    $TF verify -m /tmp/tf/models/$p --steps 200 --random-prompt 300 2>&1 | tail -5 | tee -a "$OUT/summary.txt"
+  done
+}
+
+long_context() {
+  for m in fixtures/heads/mlx-q4; do
+    log "verify $m at 32k context (32768-token prompt, 100 decode steps)"
+    $TF verify -m $TENSORFOLD_SHARED/$m --steps 100 --random-prompt 32768 --chunk 1024 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  done
+}
+
+gpu_timing() {
+  synth_models
+  for p in ${PRESETS:-0.8b 2b 4b 9b}; do
+    for ctx in 1 512 4096; do
+      log "run $p: decode 256 tokens after a $ctx-token prompt"
+      $TF run --device cuda -m /tmp/tf/models/$p --temp 0 -n 256 --prompt-ids $(ids $ctx) --print-ids 2>&1 >/dev/null | tail -1 | tee -a "$OUT/summary.txt"
+    done
+  done
+}
+
+sanitizer() {
+  log "compute-sanitizer memcheck: a prompt chunk and decode steps on the demo model"
+  compute-sanitizer --tool memcheck --leak-check none $TF run --device cuda -p "def fibonacci(n):" -n 4 --temp 0 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
+  log "compute-sanitizer racecheck"
+  compute-sanitizer --tool racecheck $TF run --device cuda -p "def fibonacci(n):" -n 2 --temp 0 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+}
+
 case "${1:-all}" in
   verify) verify_fixtures ;;
-  all) verify_fixtures ;;
+  synth-verify) synth_verify ;;
+  long) long_context ;;
+  timing) gpu_timing ;;
+  sanitizer) sanitizer ;;
+  all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

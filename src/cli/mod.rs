@@ -4,6 +4,7 @@ mod chat;
 mod info;
 mod kernels;
 mod run;
+mod synth;
 mod verify;
 
 use std::path::{Path, PathBuf};
@@ -32,6 +33,8 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
     Verify(verify::VerifyArgs),
+    /// Write a random-weight checkpoint with the real config of a Qwen3.5 size.
+    Synth(synth::SynthArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
@@ -41,6 +44,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Info(a) => info::info(a),
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),
+        Command::Synth(a) => synth::synth(a),
     }
 }
 
