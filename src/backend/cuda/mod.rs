@@ -248,6 +248,9 @@ struct Step {
     sample_wlen: CudaSlice<u32>,
     sample_pos: CudaSlice<u64>,
     sample_work: Option<CudaSlice<f32>>,
+    /// Per-slice bests of the two-pass argmax: `[64 rows][64 slices]`.
+    argmax_v: CudaSlice<f32>,
+    argmax_i: CudaSlice<u32>,
     error: Option<BackendError>,
     launches: u64,
     /// Host synchronisations (waits for the device).
@@ -340,6 +343,8 @@ impl Cuda {
             sample_wlen: alloc(64)?,
             sample_pos: stream.alloc_zeros::<u64>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
             sample_work: None,
+            argmax_v: stream.alloc_zeros::<f32>(64 * 64).map_err(|e| dev_err("allocating argmax buffers", e))?,
+            argmax_i: alloc(64 * 64)?,
             error: None,
             launches: 0,
             waits: 0,
@@ -477,7 +482,7 @@ impl Cuda {
         if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
             st.error.get_or_insert(dev_err("choosing tokens", e));
         }
-        st.launches += 1;
+        st.launches += if kind == Chooser::Argmax { 2 } else { 1 };
     }
 
     fn launch_chooser(&self, st: &mut Step, kind: Chooser, logits: u64, rows: u32, v_eff: u32, ld: u32) -> Result<(), cudarc::driver::DriverError> {
@@ -486,7 +491,17 @@ impl Cuda {
         // (`rows` rows of `ld` floats), the other buffers hold at least 64 rows.
         unsafe {
             match kind {
-                Chooser::Argmax => self.stream.launch_builder(self.func("argmax_rows")).arg(&logits).arg(&v_eff).arg(&ld).arg(&st.sampled).arg(&st.ids).launch(cfg).map(|_| ()),
+                Chooser::Argmax => {
+                    self.stream
+                        .launch_builder(self.func("argmax_part"))
+                        .arg(&logits)
+                        .arg(&v_eff)
+                        .arg(&ld)
+                        .arg(&st.argmax_v)
+                        .arg(&st.argmax_i)
+                        .launch(Self::cfg1((64, rows, 1), 256, 0))?;
+                    self.stream.launch_builder(self.func("argmax_rows")).arg(&st.argmax_v).arg(&st.argmax_i).arg(&st.sampled).arg(&st.ids).launch(Self::cfg1((rows, 1, 1), 64, 0)).map(|_| ())
+                }
                 Chooser::Sample => self
                     .stream
                     .launch_builder(self.func("sample_rows"))
@@ -604,6 +619,15 @@ impl Backend for Cuda {
     fn new_states(&self, cfg: &ModelConfig) -> Result<CudaStates, BackendError> {
         if cfg.linear_conv_kernel_dim > 8 {
             return Err(BackendError::Device(format!("linear_conv_kernel_dim {} > 8 is not supported by the CUDA kernels", cfg.linear_conv_kernel_dim)));
+        }
+        if cfg.linear_key_head_dim > 128 || cfg.linear_value_head_dim > 128 {
+            return Err(BackendError::Device(format!(
+                "GDN head dims dk {} / dv {} > 128 are not supported by the CUDA kernels",
+                cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            )));
+        }
+        if cfg.hidden_size > 8192 || cfg.intermediate_size > 65536 {
+            return Err(BackendError::Device(format!("hidden_size {} > 8192 is not supported by the CUDA RMSNorm kernel", cfg.hidden_size)));
         }
         if cfg.head_dim > 256 || cfg.num_attention_heads % cfg.num_key_value_heads != 0 {
             return Err(BackendError::Device(format!("head_dim {} > 256 is not supported by the CUDA kernels", cfg.head_dim)));
@@ -845,7 +869,7 @@ impl Backend for Cuda {
                 st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 if let Some(p) = st.pending_chooser.take() {
                     self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
-                    st.launches += 1;
+                    st.launches += if p.kind == Chooser::Argmax { 2 } else { 1 };
                 }
             }
         }
@@ -1076,7 +1100,7 @@ impl Backend for Cuda {
                 .arg(&st.seqs)
                 .arg(&st.slot_table)
                 .arg(&mut out.buf)
-                .launch(Self::cfg1((hv, nseq, 1), 1024, dv * 4))
+                .launch(Self::cfg1((hv, nseq, 1), 1024, 0))
         });
     }
 
