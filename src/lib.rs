@@ -4,6 +4,7 @@
 //! for the arithmetic contract every backend keeps.
 
 pub mod backend;
+pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;

@@ -89,14 +89,18 @@ pub fn rsqrt(v: f32) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // exp
 
-const LOG2E: f32 = std::f32::consts::LOG2_E;
+// The constants of `exp` are crate-visible so the vector forms (`backend::cpu::simd`) use the
+// same values.
+pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 // ln 2 split so that k·LN2_HI is exact for |k| < 2^9.
-const LN2_HI: f32 = 0.693_145_751_953_125; // 0x3f317200
-const LN2_LO: f32 = 1.428_606_765_330_187e-6; // 0x35bfbe8e
+pub(crate) const LN2_HI: f32 = 0.693_145_751_953_125; // 0x3f317200
+pub(crate) const LN2_LO: f32 = 1.428_606_765_330_187e-6; // 0x35bfbe8e
 /// Above this, e^x overflows f32.
-const EXP_MAX: f32 = 88.722_835;
+pub(crate) const EXP_MAX: f32 = 88.722_835;
 /// Below this, e^x rounds to zero.
-const EXP_MIN: f32 = -103.972_08;
+pub(crate) const EXP_MIN: f32 = -103.972_08;
+/// Taylor coefficients 1/n! (n = 7 … 2) rounded to f32, highest first (Horner order).
+pub(crate) const EXP_POLY: [f32; 6] = [1.984_127e-4, 1.388_888_9e-3, 8.333_333e-3, 4.166_666_8e-2, 0.166_666_67, 0.5];
 
 /// `2^k` for `k` in `-126..=127`, built from its bit pattern.
 #[inline(always)]
@@ -123,13 +127,11 @@ pub fn exp(x: f32) -> f32 {
     }
     let kf = (x * LOG2E).round_ties_even();
     let r = fma(-kf, LN2_LO, fma(-kf, LN2_HI, x));
-    // Taylor coefficients 1/n! rounded to f32.
-    let mut p = 1.984_127e-4; // 1/7!
-    p = fma(p, r, 1.388_888_9e-3); // 1/6!
-    p = fma(p, r, 8.333_333e-3); // 1/5!
-    p = fma(p, r, 4.166_666_8e-2); // 1/4!
-    p = fma(p, r, 0.166_666_67); // 1/3!
-    p = fma(p, r, 0.5);
+    // Taylor coefficients 1/n! rounded to f32 (1/7! … 1/2!, then 1, 1).
+    let mut p = EXP_POLY[0];
+    for &c in &EXP_POLY[1..] {
+        p = fma(p, r, c);
+    }
     p = fma(p, r, 1.0);
     p = fma(p, r, 1.0);
     let k = kf as i32;

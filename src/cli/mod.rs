@@ -1,5 +1,6 @@
 //! Command-line definitions (flags spelled as llama.cpp spells them) and dispatch.
 
+mod bench;
 mod chat;
 mod info;
 mod kernels;
@@ -29,6 +30,9 @@ pub enum Command {
     Chat(chat::ChatArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.
     Info(info::InfoArgs),
+    /// Time prompt processing and decode against this machine's measured memory bandwidth and
+    /// FMA peak.
+    Bench(bench::BenchArgs),
     /// Compile the CUDA kernels with NVRTC (`--check`: CI's kernel gate; no GPU needed).
     Kernels(kernels::KernelsArgs),
     /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
@@ -42,6 +46,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Run(a) => run::run(a),
         Command::Chat(a) => chat::chat(a),
         Command::Info(a) => info::info(a),
+        Command::Bench(a) => bench::bench(a),
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),
         Command::Synth(a) => synth::synth(a),

@@ -25,6 +25,17 @@ pub struct Costs {
     pub recurrent_state_bytes: u64,
     /// KV cache of one sequence per token of context, f32: `L_attn · 2 · Hkv · Dh · 4`.
     pub kv_bytes_per_token: u64,
+    /// Multiply-adds of every layer's projections for one token (`Σ rows · cols`; the LM head
+    /// and the embedding excluded).
+    pub layer_macs_per_token: u64,
+    /// Multiply-adds of the LM head for one logits row (`vocab_size · hidden_size`).
+    pub lm_head_macs: u64,
+    /// FLOPs of attention per (query, key) pair, all attention layers: `L_attn · 4 · Hq · Dh`
+    /// (the score dot and the value accumulation, 2 per multiply-add).
+    pub attention_flops_per_pair: u64,
+    /// FLOPs of the delta rule per token, all GDN layers: `L_gdn · 7 · Hv · dv · dk` (per state
+    /// element: the decay multiply, two dots and the update FMA).
+    pub delta_rule_flops_per_token: u64,
 }
 
 impl Costs {
@@ -33,11 +44,14 @@ impl Costs {
         let mut matrix_bytes = 0u64;
         let mut vector_elems = (w.norm.len()) as u64;
         let mut parameters = 0u64;
-        let mut count = |m: &Matrix| parameters += (m.rows * m.cols) as u64;
-        count(&w.embed_tokens);
+        // Parameters of the embedding and a separate LM head; then every layer projection,
+        // which also counts as a per-token multiply-add.
+        parameters += (w.embed_tokens.rows * w.embed_tokens.cols) as u64;
         if let Some(h) = &w.lm_head {
-            count(h);
+            parameters += (h.rows * h.cols) as u64;
         }
+        let mut layer_macs = 0u64;
+        let mut count = |m: &Matrix| layer_macs += (m.rows * m.cols) as u64;
         for l in &w.layers {
             vector_elems += (l.input_layernorm.len() + l.post_attention_layernorm.len()) as u64;
             match &l.mixer {
@@ -66,7 +80,7 @@ impl Costs {
         let n_lin = cfg.num_linear_layers() as u64;
         let n_full = cfg.num_full_layers() as u64;
         Self {
-            parameters: parameters + vector_elems,
+            parameters: parameters + layer_macs + vector_elems,
             matrix_bytes,
             embedding_row_bytes: w.embed_tokens.row_bytes() as u64,
             lm_head_bytes,
@@ -74,7 +88,22 @@ impl Costs {
             conv_state_bytes: n_lin * ((cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim() * 4) as u64,
             recurrent_state_bytes: n_lin * (cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim * 4) as u64,
             kv_bytes_per_token: n_full * (2 * cfg.num_key_value_heads * cfg.head_dim * 4) as u64,
+            layer_macs_per_token: layer_macs,
+            lm_head_macs: (w.lm_head().rows * w.lm_head().cols) as u64,
+            attention_flops_per_pair: n_full * (4 * cfg.num_attention_heads * cfg.head_dim) as u64,
+            delta_rule_flops_per_token: n_lin * (7 * cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim) as u64,
         }
+    }
+
+    /// FLOPs (a multiply-add counts 2) of processing `tokens` prompt tokens after `context`
+    /// tokens already in the cache, with `logit_rows` rows through the LM head: every layer
+    /// projection, attention over each token's causal prefix, the delta rule. Norms, the conv,
+    /// activations and gates are not counted (under 1% of the total).
+    pub fn prefill_flops(&self, context: usize, tokens: usize, logit_rows: usize) -> u64 {
+        let (c, t) = (context as u64, tokens as u64);
+        // Σ_{p = c}^{c + t − 1} (p + 1) keys per query.
+        let pairs = t * c + t * (t + 1) / 2;
+        2 * t * self.layer_macs_per_token + 2 * logit_rows as u64 * self.lm_head_macs + pairs * self.attention_flops_per_pair + t * self.delta_rule_flops_per_token
     }
 
     /// Bytes one decode token must move at `context` tokens already in the cache: every weight

@@ -8,7 +8,7 @@ use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
 use super::simd::{self, Isa};
-use crate::numerics::{dot_f32, exp, fma, fold_lanes, rsqrt, sigmoid, silu, softplus, sum_squares, LANES};
+use crate::numerics::{dot_f32, exp, fma, fold_lanes, rsqrt, sigmoid, softplus, sum_squares, LANES};
 
 /// Positions per attention tile: scores are reduced per tile, and tiles are combined in
 /// increasing order (numerics §6). A device splits long contexts across blocks at these
@@ -61,9 +61,23 @@ pub fn embed(table: &Matrix, ids: &[u32], x: &mut [f32]) {
 /// `[Kc−1, conv_dim]` window (oldest row first, updated), `y` `[T, conv_dim]` receives
 /// `silu(conv)`. Channels are independent, so callers may split them across threads.
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_conv(cfg: &ModelConfig, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
-    let (kc, cd) = (cfg.linear_conv_kernel_dim, cfg.conv_dim());
-    let mut window = vec![0.0f32; kc];
+pub fn gdn_conv(isa: Isa, cfg: &ModelConfig, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+    simd::gdn_conv(isa, cfg.linear_conv_kernel_dim, cfg.conv_dim(), taps, conv, qkv, t_len, y, ch0, ch1);
+}
+
+/// The conv part of [`gdn_conv`]: `y[t][ch] = Σ_j fma(tap[ch][j], window[j][ch], ·)` over the
+/// window `[c₀ … c_{K−2}; m_t]`, without the SiLU; updates the window.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_conv_taps(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+    let mut small = [0.0f32; 16];
+    let mut large = Vec::new();
+    let window: &mut [f32] = if kc <= small.len() {
+        &mut small[..kc]
+    } else {
+        large.resize(kc, 0.0);
+        &mut large
+    };
     for ch in ch0..ch1 {
         let tap = &taps[ch * kc..(ch + 1) * kc];
         for j in 0..kc - 1 {
@@ -75,7 +89,7 @@ pub fn gdn_conv(cfg: &ModelConfig, taps: &[f32], conv: &mut [f32], qkv: &[f32], 
             for j in 0..kc {
                 acc = fma(tap[j], window[j], acc);
             }
-            y[t * cd + ch] = silu(acc);
+            y[t * cd + ch] = acc;
             window.copy_within(1.., 0);
         }
         for j in 0..kc - 1 {
@@ -86,17 +100,17 @@ pub fn gdn_conv(cfg: &ModelConfig, taps: &[f32], conv: &mut [f32], qkv: &[f32], 
 
 /// q/k L2 normalisation of one token (spec G5, numerics §4 step 2): `y` is the token's
 /// `silu(conv)` row; writes `qn`, `kn` (`[Hk·dk]` each), q also scaled by `dk^−1/2`.
-pub fn gdn_qk_norm(cfg: &ModelConfig, y: &[f32], qn: &mut [f32], kn: &mut [f32]) {
+pub fn gdn_qk_norm(isa: Isa, cfg: &ModelConfig, y: &[f32], qn: &mut [f32], kn: &mut [f32]) {
     let (hk, dk, key_dim) = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.key_dim());
     let q_scale = rsqrt(dk as f32);
     for i in 0..hk {
         let q = &y[i * dk..(i + 1) * dk];
-        let inv = rsqrt(sum_squares(q) + L2_NORM_EPS);
+        let inv = rsqrt(simd::dot(isa, q, q) + L2_NORM_EPS);
         for e in 0..dk {
             qn[i * dk + e] = (q[e] * inv) * q_scale;
         }
         let k = &y[key_dim + i * dk..key_dim + (i + 1) * dk];
-        let inv = rsqrt(sum_squares(k) + L2_NORM_EPS);
+        let inv = rsqrt(simd::dot(isa, k, k) + L2_NORM_EPS);
         for e in 0..dk {
             kn[i * dk + e] = k[e] * inv;
         }
@@ -145,20 +159,25 @@ pub fn gdn_head(
     let (hk, hv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let (key_dim, value_dim, cd) = (cfg.key_dim(), cfg.value_dim(), cfg.conv_dim());
     let kappa = h / (hv / hk);
-    let mut o = vec![0.0f32; dv];
+    let mut small = [0.0f32; 256];
+    let mut large = Vec::new();
+    let o: &mut [f32] = if dv <= small.len() {
+        &mut small[..dv]
+    } else {
+        large.resize(dv, 0.0);
+        &mut large
+    };
     for t in 0..t_len {
         let beta = sigmoid(b[t * hv + h]);
         let alpha = exp(w.a[h] * softplus(a[t * hv + h] + w.dt_bias[h]));
         let kh = &kn[t * key_dim + kappa * dk..t * key_dim + (kappa + 1) * dk];
         let qh = &qn[t * key_dim + kappa * dk..t * key_dim + (kappa + 1) * dk];
         let v = &y[t * cd + 2 * key_dim + h * dv..t * cd + 2 * key_dim + (h + 1) * dv];
-        simd::gdn_rows(isa, state_h, kh, qh, alpha, beta, v, &mut o);
-        let inv = rsqrt(sum_squares(&o) / dv as f32 + cfg.rms_norm_eps);
+        simd::gdn_rows(isa, state_h, kh, qh, alpha, beta, v, o);
+        let inv = rsqrt(simd::dot(isa, o, o) / dv as f32 + cfg.rms_norm_eps);
         let zr = &z[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
         let orow = &mut out[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-        for j in 0..dv {
-            orow[j] = ((o[j] * inv) * w.norm[j]) * silu(zr[j]);
-        }
+        simd::gated_norm(isa, o, inv, &w.norm, zr, orow);
     }
 }
 
@@ -179,6 +198,7 @@ pub fn rope_row(x: &mut [f32], cos: &[f32], sin: &[f32]) {
 /// `keys`/`values` are `[positions, Hkv, Dh]`, already long enough.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_write_kv(
+    isa: Isa,
     cfg: &ModelConfig,
     w: &AttentionWeights,
     rope: &RopeTable,
@@ -197,7 +217,7 @@ pub fn attention_write_kv(
         for g in 0..hkv {
             let src = &k[t * width + g * dh..t * width + (g + 1) * dh];
             let dst = &mut keys[p * width + g * dh..p * width + (g + 1) * dh];
-            rms_norm_row(src, &w.k_norm, cfg.rms_norm_eps, dst);
+            simd::rms_norm_row(isa, src, &w.k_norm, cfg.rms_norm_eps, dst);
             rope_row(&mut dst[..rd], cos, sin);
         }
         values[p * width..(p + 1) * width].copy_from_slice(&v[t * width..(t + 1) * width]);
@@ -277,10 +297,8 @@ pub fn attention_query(
     q.resize(dh, 0.0);
     let (cos, sin) = rope.row(p);
     let head = &row[h * 2 * dh..(h + 1) * 2 * dh];
-    rms_norm_row(&head[..dh], &w.q_norm, cfg.rms_norm_eps, q);
+    simd::rms_norm_row(isa, &head[..dh], &w.q_norm, cfg.rms_norm_eps, q);
     rope_row(&mut q[..rd], cos, sin);
     simd::attend(isa, q, keys, values, p, hkv * dh, (h / (hq / hkv)) * dh, scores, tile_o, out);
-    for d in 0..dh {
-        out[d] *= sigmoid(head[dh + d]);
-    }
+    simd::sigmoid_mul(isa, out, &head[dh..2 * dh]);
 }

@@ -5,6 +5,7 @@
 //! [`kernels`], which is the executable form of docs/numerics.md.
 
 pub mod kernels;
+pub mod machine;
 pub mod pool;
 pub mod simd;
 
@@ -14,12 +15,36 @@ use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
 use pool::ThreadPool;
 use simd::{Isa, Transposed};
+use std::cell::RefCell;
+use std::sync::Mutex;
 
 /// The CPU backend: an instruction set for the matrix products and a thread pool.
 #[derive(Debug)]
 pub struct Cpu {
     isa: Isa,
     pool: ThreadPool,
+    /// Buffers reused from step to step (no allocation per operation once warm).
+    scratch: Mutex<Scratch>,
+}
+
+/// Reusable buffers of the calling thread's side of an operation.
+#[derive(Debug, Default)]
+struct Scratch {
+    /// The input of a product in lane order, one per element width in use.
+    xts: Vec<Transposed>,
+    /// `(output, first row, rows)` of each task of a product.
+    tasks: Vec<(usize, usize, usize)>,
+    /// GDN: `silu(conv)` rows and the normalised q and k.
+    y: Vec<f32>,
+    qn: Vec<f32>,
+    kn: Vec<f32>,
+}
+
+thread_local! {
+    /// Per-thread scratch of the kernels: the decoded panel of a product; attention's q,
+    /// scores and tile partials.
+    static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static ATTN: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
 }
 
 impl Default for Cpu {
@@ -45,7 +70,7 @@ impl Cpu {
 
     /// A backend with a given instruction set and thread count (tests compare them).
     pub fn with(isa: Isa, threads: usize) -> Self {
-        Self { isa, pool: ThreadPool::new(threads) }
+        Self { isa, pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()) }
     }
 
     pub fn isa(&self) -> Isa {
@@ -54,6 +79,18 @@ impl Cpu {
 
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// Memory copy bandwidth with this backend's threads, bytes/s, one figure per copy
+    /// ([`machine::copy_bandwidth`]).
+    pub fn copy_bandwidth(&self, repeats: usize) -> Vec<f64> {
+        machine::copy_bandwidth(&self.pool, repeats)
+    }
+
+    /// Float32 FMA peak of this backend's instruction set and threads, FLOP/s
+    /// ([`machine::fma_peak`]).
+    pub fn fma_peak(&self, iters: usize) -> f64 {
+        machine::fma_peak(self.isa, &self.pool, iters)
     }
 }
 
@@ -210,9 +247,9 @@ impl Backend for Cpu {
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
+        let c = x.cols;
         for r in 0..rows {
-            let (c, o) = (x.cols, &mut out.data[r * x.cols..(r + 1) * x.cols]);
-            kernels::rms_norm_row(&x.data[r * c..(r + 1) * c], w, eps, o);
+            simd::rms_norm_row(self.isa, &x.data[r * c..(r + 1) * c], w, eps, &mut out.data[r * c..(r + 1) * c]);
         }
     }
 
@@ -223,7 +260,7 @@ impl Backend for Cpu {
             for (a, &b) in xr.iter_mut().zip(y.row(r)) {
                 *a += b;
             }
-            kernels::rms_norm_row(xr, w, eps, &mut out.data[r * c..(r + 1) * c]);
+            simd::rms_norm_row(self.isa, xr, w, eps, &mut out.data[r * c..(r + 1) * c]);
         }
     }
 
@@ -231,19 +268,30 @@ impl Backend for Cpu {
         if rows == 0 {
             return;
         }
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { xts, tasks, .. } = &mut *guard;
         // The input in lane order, once per element width (fused products share it).
-        let mut xts: Vec<Transposed> = Vec::new();
+        let mut widths: Vec<usize> = Vec::with_capacity(outs.len());
         for (w, _) in outs.iter() {
             debug_assert_eq!(w.cols, x.cols);
-            if !xts.iter().any(|t| t.per_word == w.elems_per_word()) {
-                xts.push(Transposed::new(&x.data, rows, x.cols, w.elems_per_word()));
+            let pw = w.elems_per_word();
+            if !widths.contains(&pw) {
+                widths.push(pw);
             }
         }
+        if xts.len() < widths.len() {
+            xts.resize(widths.len(), Transposed::default());
+        }
+        for (xt, &pw) in xts.iter_mut().zip(&widths) {
+            xt.fill(&x.data, rows, x.cols, pw);
+        }
         // Tasks: runs of output rows of each matrix, about TASK_BYTES of weights each (scaled
-        // down when many tokens share the panel, so prefill splits finer).
-        let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+        // down when many tokens share the panel, so prefill splits finer), in whole row blocks
+        // of the kernel.
+        let granule = simd::row_granule(self.isa, rows);
+        tasks.clear();
         for (i, (w, _)) in outs.iter().enumerate() {
-            let per_task = (TASK_BYTES / w.row_bytes().max(1) / rows.clamp(1, 16)).max(3);
+            let per_task = (TASK_BYTES / w.row_bytes().max(1) / rows.clamp(1, 16)).max(granule).div_ceil(granule) * granule;
             let mut n = 0;
             while n < w.rows {
                 let c = per_task.min(w.rows - n);
@@ -252,25 +300,24 @@ impl Backend for Cpu {
             }
         }
         let ys: Vec<(SendPtr, usize, usize)> = outs.iter_mut().map(|(_, y)| (SendPtr(y.data.as_mut_ptr()), y.cols, y.data.len())).collect();
-        let ws: Vec<&Matrix> = outs.iter().map(|(w, _)| &**w).collect();
-        let isa = self.isa;
+        let ws: Vec<(&Matrix, usize)> = outs.iter().map(|(w, _)| (&**w, widths.iter().position(|&p| p == w.elems_per_word()).unwrap())).collect();
+        let (isa, tasks, xts) = (self.isa, &*tasks, &*xts);
         self.pool.run(tasks.len(), &|k| {
             let (i, n0, count) = tasks[k];
-            let w = ws[i];
-            let xt = xts.iter().find(|t| t.per_word == w.elems_per_word()).unwrap();
+            let (w, xi) = ws[i];
             let (ptr, ldy, len) = ys[i];
             debug_assert!(rows * ldy <= len && n0 + count <= ldy);
-            // SAFETY: the buffer holds `rows · ldy` floats; task k writes only columns
-            // n0..n0+count of its output, and tasks of one output cover disjoint columns.
-            unsafe { simd::matmul(isa, w, xt, ptr.0, ldy, n0, count) };
+            PANEL.with(|panel| {
+                // SAFETY: the buffer holds `rows · ldy` floats; task k writes only columns
+                // n0..n0+count of its output, and tasks of one output cover disjoint columns.
+                unsafe { simd::matmul(isa, w, &xts[xi], ptr.get(), ldy, n0, count, &mut panel.borrow_mut()) };
+            });
         });
     }
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor, rows: usize, out: &mut Tensor) {
         let n = rows * gate.cols;
-        for ((o, &g), &u) in out.data[..n].iter_mut().zip(&gate.data[..n]).zip(&up.data[..n]) {
-            *o = crate::numerics::silu(g) * u;
-        }
+        simd::swiglu(self.isa, &gate.data[..n], &up.data[..n], &mut out.data[..n]);
     }
 
     fn gated_delta_net(
@@ -288,38 +335,45 @@ impl Backend for Cpu {
     ) {
         let (cd, key_dim, hv) = (cfg.conv_dim(), cfg.key_dim(), cfg.linear_num_value_heads);
         let head_state = cfg.linear_value_head_dim * cfg.linear_key_head_dim;
+        let isa = self.isa;
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Scratch { y, qn, kn, .. } = &mut *guard;
         for s in &batch.seqs {
             let st = states.get_mut(s.slot).expect("slot checked in begin_step");
             let (r0, n) = (s.first_row as usize, s.len as usize);
             let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
             // Step 1: conv + SiLU, channels split across threads.
-            let mut y = vec![0.0f32; n * cd];
+            y.clear();
+            y.resize(n * cd, 0.0);
             let blocks = (n * cd).div_ceil(16 * 1024).clamp(1, 4 * self.threads());
             let (conv_p, y_p) = (SendPtr(st.conv[layer].as_mut_ptr()), SendPtr(y.as_mut_ptr()));
             let (conv_len, qkv_rows) = (st.conv[layer].len(), &qkv.data[rows(qkv)]);
             self.pool.run(blocks, &|i| {
-                let (ch0, ch1) = (cd * i / blocks, cd * (i + 1) / blocks);
+                // Blocks of whole 16-channel vectors.
+                let (ch0, ch1) = ((cd * i / blocks) & !15, if i + 1 == blocks { cd } else { (cd * (i + 1) / blocks) & !15 });
                 // SAFETY: block i reads and writes only channels ch0..ch1 of the window and of y.
                 let (conv, y) = unsafe { (std::slice::from_raw_parts_mut(conv_p.get(), conv_len), std::slice::from_raw_parts_mut(y_p.get(), n * cd)) };
-                kernels::gdn_conv(cfg, &w.conv1d, conv, qkv_rows, n, y, ch0, ch1);
+                kernels::gdn_conv(isa, cfg, &w.conv1d, conv, qkv_rows, n, y, ch0, ch1);
             });
             // Step 2: q/k L2 norms per token.
-            let mut qn = vec![0.0f32; n * key_dim];
-            let mut kn = vec![0.0f32; n * key_dim];
+            for b in [&mut *qn, &mut *kn] {
+                b.clear();
+                b.resize(n * key_dim, 0.0);
+            }
             for t in 0..n {
-                kernels::gdn_qk_norm(cfg, &y[t * cd..(t + 1) * cd], &mut qn[t * key_dim..(t + 1) * key_dim], &mut kn[t * key_dim..(t + 1) * key_dim]);
+                kernels::gdn_qk_norm(isa, cfg, &y[t * cd..(t + 1) * cd], &mut qn[t * key_dim..(t + 1) * key_dim], &mut kn[t * key_dim..(t + 1) * key_dim]);
             }
             // Steps 3–5: one task per value head.
             let (state_p, out_p) = (SendPtr(st.recurrent[layer].as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
             let out_range = rows(out);
             let (zr, br, ar) = (&z.data[rows(z)], &b.data[rows(b)], &a.data[rows(a)]);
-            let isa = self.isa;
+            let (y, qn, kn) = (&*y, &*qn, &*kn);
             self.pool.run(hv, &|h| {
                 // SAFETY: head h owns state rows h·dv.., and writes only its dv columns of each
                 // output row; the output buffer holds `out_range`.
                 let state_h = unsafe { std::slice::from_raw_parts_mut(state_p.get().add(h * head_state), head_state) };
                 let out_rows = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(out_range.start), out_range.len()) };
-                kernels::gdn_head(isa, cfg, w, h, state_h, &y, &qn, &kn, zr, br, ar, n, out_rows);
+                kernels::gdn_head(isa, cfg, w, h, state_h, y, qn, kn, zr, br, ar, n, out_rows);
             });
         }
     }
@@ -342,7 +396,7 @@ impl Backend for Cpu {
             let st = slots[s.slot as usize].as_mut().expect("slot checked in begin_step");
             let (r0, n, pos) = (s.first_row as usize, s.len as usize, s.pos as usize);
             let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
-            kernels::attention_write_kv(cfg, w, rope, pos, n, &k.data[rows(k)], &v.data[rows(v)], &mut st.keys[layer], &mut st.values[layer]);
+            kernels::attention_write_kv(self.isa, cfg, w, rope, pos, n, &k.data[rows(k)], &v.data[rows(v)], &mut st.keys[layer], &mut st.values[layer]);
             let (keys, values, rope) = (&st.keys[layer], &st.values[layer], &*rope);
             let qg = &q_gate.data[rows(q_gate)];
             let out_p = SendPtr(out.data.as_mut_ptr());
@@ -350,10 +404,11 @@ impl Backend for Cpu {
             // One task per (token, query head).
             self.pool.run(n * hq, &|i| {
                 let (t, h) = (i / hq, i % hq);
-                let mut scratch = (Vec::new(), Vec::new(), Vec::new());
                 // SAFETY: task (t, h) writes only the Dh outputs of head h in row r0 + t.
                 let dst = unsafe { std::slice::from_raw_parts_mut(out_p.get().add((r0 + t) * ocols + h * dh), dh) };
-                kernels::attention_query(isa, cfg, w, rope, pos + t, h, &qg[t * qcols..(t + 1) * qcols], keys, values, &mut scratch, dst);
+                ATTN.with(|scratch| {
+                    kernels::attention_query(isa, cfg, w, rope, pos + t, h, &qg[t * qcols..(t + 1) * qcols], keys, values, &mut scratch.borrow_mut(), dst);
+                });
             });
         }
     }

@@ -12,7 +12,9 @@
 //! Lanes past the end of a row (when the row has fewer than a multiple of 32 words) are
 //! untouched by masked FMAs, exactly as the reference never adds to them.
 
-use crate::model::weights::{FloatType, Matrix, MatrixData};
+use crate::model::weights::{Matrix, MatrixData};
+#[cfg(test)]
+use crate::model::weights::FloatType;
 
 /// An instruction set the CPU kernels can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -64,6 +66,7 @@ impl Isa {
 }
 
 /// The input rows of a product in lane order, shared by every output row.
+#[derive(Clone, Debug, Default)]
 pub struct Transposed {
     /// Elements per word of the weights this was made for.
     pub per_word: usize,
@@ -79,61 +82,113 @@ pub struct Transposed {
 impl Transposed {
     /// Transposes `rows` rows of `x` (`[rows, cols]`) for weights with `per_word` elements per word.
     pub fn new(x: &[f32], rows: usize, cols: usize, per_word: usize) -> Self {
+        let mut t = Self::default();
+        t.fill(x, rows, cols, per_word);
+        t
+    }
+
+    /// [`Transposed::new`] into this buffer (no allocation once it is large enough).
+    pub fn fill(&mut self, x: &[f32], rows: usize, cols: usize, per_word: usize) {
         let words = cols / per_word;
         let chunks = words.div_ceil(32);
         let stride = chunks * per_word * 32;
-        let mut data = vec![0.0f32; rows * stride];
+        *self = Self { per_word, words, chunks, rows, data: std::mem::take(&mut self.data) };
+        self.data.clear();
+        self.data.resize(rows * stride, 0.0);
         for t in 0..rows {
             let xr = &x[t * cols..(t + 1) * cols];
-            let dst = &mut data[t * stride..(t + 1) * stride];
-            for j in 0..words {
-                let (c, lane) = (j / 32, j % 32);
-                for e in 0..per_word {
-                    dst[(c * per_word + e) * 32 + lane] = xr[j * per_word + e];
+            let dst = &mut self.data[t * stride..(t + 1) * stride];
+            if per_word == 1 {
+                dst[..cols].copy_from_slice(xr);
+                continue;
+            }
+            for (c, block) in xr.chunks(32 * per_word).enumerate() {
+                let d = &mut dst[c * per_word * 32..(c + 1) * per_word * 32];
+                for (lane, word) in block.chunks_exact(per_word).enumerate() {
+                    for (e, &v) in word.iter().enumerate() {
+                        d[e * 32 + lane] = v;
+                    }
                 }
             }
         }
-        Self { per_word, words, chunks, rows, data }
+    }
+
+    /// Floats per transposed row (`chunks · per_word · 32`).
+    pub fn stride(&self) -> usize {
+        self.chunks * self.per_word * 32
     }
 
     fn row(&self, t: usize) -> &[f32] {
-        let stride = self.chunks * self.per_word * 32;
+        let stride = self.stride();
         &self.data[t * stride..(t + 1) * stride]
     }
 }
 
+/// Rows per task the matrix product of `tokens` tokens prefers (its kernel's row block), so
+/// tasks split no block.
+pub fn row_granule(isa: Isa, tokens: usize) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            if tokens <= 4 {
+                x86::avx512::MATVEC_ROWS
+            } else {
+                x86::avx512::PANEL_ROWS
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            if tokens <= 4 {
+                x86::avx2::MATVEC_ROWS
+            } else {
+                x86::avx2::PANEL_ROWS
+            }
+        }
+        _ => 1,
+    }
+}
+
 /// `y[t][n] = W[n] · x[t]` for `n in n0 .. n0 + count`, `t < xt.rows`, with the given ISA.
-/// `y` points at a `[rows, ldy]` buffer. Every ISA gives the bits of the portable reference.
+/// `y` points at a `[rows, ldy]` buffer; `panel` is scratch. Every ISA gives the bits of the
+/// portable reference.
 ///
 /// # Safety
 /// `y` must be valid for writes of `xt.rows · ldy` floats, `n0 + count ≤ min(ldy, w.rows)`, and
 /// no other thread may access elements `(t, n0..n0+count)` meanwhile (other columns may be
 /// written concurrently: that is how the pool splits a product).
-pub unsafe fn matmul(isa: Isa, w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn matmul(isa: Isa, w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, panel: &mut Vec<f32>) {
     debug_assert_eq!(xt.per_word, w.elems_per_word());
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Isa::Avx512` is only produced when the CPU reports these features.
-        Isa::Avx512 => unsafe { x86::matmul_avx512(w, xt, y, ldy, n0, count) },
+        Isa::Avx512 => unsafe { x86::avx512::matmul(w, xt, y, ldy, n0, count, panel) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above for AVX2, FMA and F16C.
-        Isa::Avx2 => unsafe { x86::matmul_avx2(w, xt, y, ldy, n0, count) },
-        _ => matmul_portable(w, xt, y, ldy, n0, count),
+        Isa::Avx2 => unsafe { x86::avx2::matmul(w, xt, y, ldy, n0, count, panel) },
+        _ => matmul_portable(w, xt, y, ldy, n0, count, panel),
     }
+}
+
+/// Dispatches `$f(args)` to the instruction set's module, or evaluates `$portable`.
+macro_rules! dispatch {
+    ($isa:expr, $ok:expr, $f:ident($($a:expr),*), $portable:expr) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the ISA was detected at run time; `$ok` checks the kernel's shape rules.
+            Isa::Avx512 if $ok => unsafe { x86::avx512::$f($($a),*) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx2 if $ok => unsafe { x86::avx2::$f($($a),*) },
+            _ => $portable,
+        }
+    };
 }
 
 /// Canonical dot of two f32 vectors (numerics §2 with one element per word).
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA was detected; lengths are equal and a multiple of 32.
-        Isa::Avx512 if a.len() % 32 == 0 => unsafe { x86::dot_avx512(a, b) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 if a.len() % 32 == 0 => unsafe { x86::dot_avx2(a, b) },
-        _ => crate::numerics::dot_f32(a, b),
-    }
+    assert_eq!(a.len(), b.len());
+    dispatch!(isa, a.len() % 32 == 0, dot(a, b), crate::numerics::dot_f32(a, b))
 }
 
 /// The delta rule of one value head (numerics §4 step 4): `s` is its `[dv, dk]` state (row `j`
@@ -142,39 +197,85 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_rows(isa: Isa, s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
     let dk = k.len();
-    debug_assert_eq!(s.len(), dk * o.len());
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA was detected; dk is a multiple of 32, `s` holds dv rows of dk.
-        Isa::Avx512 if dk % 32 == 0 => unsafe { x86::gdn_avx512(s, dk, k, q, alpha, beta, v, o) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 if dk % 32 == 0 => unsafe { x86::gdn_avx2(s, dk, k, q, alpha, beta, v, o) },
-        _ => super::kernels::gdn_rows_ref(s, k, q, alpha, beta, v, o),
-    }
+    assert!(s.len() == dk * o.len() && q.len() == dk && v.len() == o.len());
+    dispatch!(isa, dk % 32 == 0, gdn(s, dk, k, q, alpha, beta, v, o), super::kernels::gdn_rows_ref(s, k, q, alpha, beta, v, o))
 }
 
 /// Attention of one query head at position `p` (numerics §6); the bits of
 /// [`super::kernels::attend`] on every ISA. `scores` and `tile_o` are scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(isa: Isa, q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the ISA was detected; head_dim is a multiple of 32 and the cache holds p + 1 rows.
-        Isa::Avx512 if q.len() % 32 == 0 => unsafe { x86::attend_avx512(q, keys, values, p, stride, head_off, scores, tile_o, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        Isa::Avx2 if q.len() % 32 == 0 => unsafe { x86::attend_avx2(q, keys, values, p, stride, head_off, scores, tile_o, out) },
-        _ => super::kernels::attend(q, keys, values, p, stride, head_off, scores, out),
-    }
+    let dh = q.len();
+    assert!(out.len() == dh && head_off + dh <= stride && keys.len() >= (p + 1) * stride && values.len() >= (p + 1) * stride);
+    dispatch!(
+        isa,
+        dh % 32 == 0,
+        attend(q, keys, values, p, stride, head_off, scores, tile_o, out),
+        super::kernels::attend(q, keys, values, p, stride, head_off, scores, out)
+    )
+}
+
+/// `x[i] = silu(x[i])`.
+pub fn silu(isa: Isa, x: &mut [f32]) {
+    dispatch!(isa, true, silu(x), x.iter_mut().for_each(|v| *v = crate::numerics::silu(*v)))
+}
+
+/// `out[i] = silu(g[i]) · u[i]` (spec M1).
+pub fn swiglu(isa: Isa, g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == out.len() && u.len() == out.len());
+    dispatch!(isa, true, swiglu(g, u, out), {
+        for ((o, &gv), &uv) in out.iter_mut().zip(g).zip(u) {
+            *o = crate::numerics::silu(gv) * uv;
+        }
+    })
+}
+
+/// `out[j] = ((o[j] · inv) · w[j]) · silu(z[j])` (numerics §4 step 5).
+pub fn gated_norm(isa: Isa, o: &[f32], inv: f32, w: &[f32], z: &[f32], out: &mut [f32]) {
+    assert!(o.len() == out.len() && w.len() == out.len() && z.len() == out.len());
+    dispatch!(isa, true, gated_norm(o, inv, w, z, out), {
+        for j in 0..out.len() {
+            out[j] = ((o[j] * inv) * w[j]) * crate::numerics::silu(z[j]);
+        }
+    })
+}
+
+/// `x[d] = x[d] · sigmoid(g[d])` (the attention output gate).
+pub fn sigmoid_mul(isa: Isa, x: &mut [f32], g: &[f32]) {
+    assert_eq!(x.len(), g.len());
+    dispatch!(isa, true, sigmoid_mul(x, g), x.iter_mut().zip(g).for_each(|(v, &gv)| *v *= crate::numerics::sigmoid(gv)))
+}
+
+/// `out[i] = exp(s[i] − m)`.
+pub fn exp_shifted(isa: Isa, s: &[f32], m: f32, out: &mut [f32]) {
+    assert_eq!(s.len(), out.len());
+    dispatch!(isa, true, exp_shifted(s, m, out), s.iter().zip(out.iter_mut()).for_each(|(&v, o)| *o = crate::numerics::exp(v - m)))
+}
+
+/// RMSNorm of one row (numerics §3); the bits of [`super::kernels::rms_norm_row`].
+pub fn rms_norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    assert!(x.len() == w.len() && x.len() == out.len());
+    dispatch!(isa, true, rms_norm_row(x, w, eps, out), super::kernels::rms_norm_row(x, w, eps, out))
+}
+
+/// The GDN conv + SiLU of channels `ch0..ch1` (see [`super::kernels::gdn_conv`]).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_conv(isa: Isa, kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+    assert!(kc >= 1 && ch1 <= cd && taps.len() >= ch1 * kc && conv.len() >= (kc - 1) * cd && qkv.len() >= t_len * cd && y.len() >= t_len * cd);
+    dispatch!(isa, true, gdn_conv(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1), {
+        super::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1);
+        for t in 0..t_len {
+            y[t * cd + ch0..t * cd + ch1].iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
+        }
+    })
 }
 
 /// Decodes row `n` of `w` into lane order: `panel[(c·E + e)·32 + lane]` = weight element
 /// `(32c + lane)·E + e` (0 past the last word).
-pub fn decode_panel_row(w: &Matrix, n: usize, panel: &mut [f32]) {
+pub fn decode_panel_row(w: &Matrix, n: usize, row: &mut Vec<f32>, panel: &mut [f32]) {
     let per_word = w.elems_per_word();
-    let mut row = vec![0.0f32; w.cols];
-    w.decode_row(n, &mut row);
+    row.resize(w.cols, 0.0);
+    w.decode_row(n, row);
     panel.fill(0.0);
     for j in 0..w.cols / per_word {
         let (c, lane) = (j / 32, j % 32);
@@ -186,11 +287,14 @@ pub fn decode_panel_row(w: &Matrix, n: usize, panel: &mut [f32]) {
 
 /// The reference loop over the transposed layout (the same arithmetic as
 /// [`super::kernels::dot_decoded`], in the layout the SIMD paths use).
-unsafe fn matmul_portable(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
+unsafe fn matmul_portable(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
     let e_n = xt.per_word;
-    let mut panel = vec![0.0f32; xt.chunks * e_n * 32];
+    scratch.clear();
+    scratch.resize(xt.stride(), 0.0);
+    let mut row = Vec::new();
     for n in n0..n0 + count {
-        decode_panel_row(w, n, &mut panel);
+        decode_panel_row(w, n, &mut row, scratch);
+        let panel = &scratch[..];
         for t in 0..xt.rows {
             let x = xt.row(t);
             let mut p = [0.0f32; 32];
@@ -206,12 +310,6 @@ unsafe fn matmul_portable(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, 
             *y.add(t * ldy + n) = crate::numerics::fold_lanes(p);
         }
     }
-}
-
-/// Reads 16-bit float `i` of a byte slice as f32 bits-exactly (scales and biases).
-#[inline(always)]
-fn scale_at(ft: FloatType, b: &[u8], i: usize) -> f32 {
-    ft.get(b, i)
 }
 
 /// Per-row accessors the SIMD paths share: byte slices of one row's codes, scales, biases.
@@ -240,539 +338,7 @@ fn row_bytes(w: &Matrix, n: usize) -> RowBytes<'_> {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
-    //! The x86-64 paths. One generic kernel, instantiated for a 16-lane vector made of one
-    //! zmm (AVX-512) or two ymm (AVX2) registers.
-
-    use super::{row_bytes, scale_at, Transposed};
-    use crate::model::weights::{FloatType, Matrix, MatrixData};
-    use std::arch::x86_64::*;
-
-    /// 16 f32 lanes and the operations the kernel needs. Every method is `#[inline(always)]`
-    /// and only called from functions compiled with the matching target features.
-    pub(super) trait V16: Copy {
-        unsafe fn zero() -> Self;
-        unsafe fn load(p: *const f32) -> Self;
-        unsafe fn store(self, p: *mut f32);
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
-        /// `fma(a, b, c)` in lanes `< n`, `c` elsewhere.
-        unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self;
-        /// 16 u32 words in registers.
-        type W: Copy;
-        /// 16 words from unaligned bytes (`n` of them; missing ones are 0).
-        unsafe fn words(p: *const u8, n: usize) -> Self::W;
-        /// `((w >> shift) & mask) as f32` per lane.
-        unsafe fn field(w: Self::W, shift: u32, mask: u32) -> Self;
-        /// bf16 in the low (`hi == false`) or high half of each word, widened.
-        unsafe fn bf16(w: Self::W, hi: bool) -> Self;
-        /// f16 in the low or high half of each word, widened.
-        unsafe fn f16(w: Self::W, hi: bool) -> Self;
-        unsafe fn bits(w: Self::W) -> Self;
-        /// `table[idx[l]]` per lane, `idx[l] < 8`, from 8 floats at `table`.
-        unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self;
-        unsafe fn splat(x: f32) -> Self;
-        unsafe fn mul(a: Self, b: Self) -> Self;
-        unsafe fn div(a: Self, b: Self) -> Self;
-        /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
-        unsafe fn fold(a: Self, b: Self) -> f32;
-    }
-
-    #[derive(Clone, Copy)]
-    pub(super) struct Z(__m512);
-
-    impl V16 for Z {
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Z(_mm512_setzero_ps())
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            Z(_mm512_loadu_ps(p))
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            _mm512_storeu_ps(p, self.0)
-        }
-        #[inline(always)]
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-            Z(_mm512_fmadd_ps(a.0, b.0, c.0))
-        }
-        #[inline(always)]
-        unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self {
-            let m: __mmask16 = if n >= 16 { 0xffff } else { ((1u32 << n) - 1) as __mmask16 };
-            Z(_mm512_mask3_fmadd_ps(a.0, b.0, c.0, m))
-        }
-        type W = __m512i;
-        #[inline(always)]
-        unsafe fn words(p: *const u8, n: usize) -> __m512i {
-            if n >= 16 {
-                _mm512_loadu_si512(p as *const _)
-            } else {
-                _mm512_maskz_loadu_epi32(((1u32 << n) - 1) as __mmask16, p as *const i32)
-            }
-        }
-        #[inline(always)]
-        unsafe fn field(v: __m512i, shift: u32, mask: u32) -> Self {
-            let q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)), _mm512_set1_epi32(mask as i32));
-            Z(_mm512_cvtepi32_ps(q))
-        }
-        #[inline(always)]
-        unsafe fn bf16(v: __m512i, hi: bool) -> Self {
-            let r = if hi { _mm512_and_si512(v, _mm512_set1_epi32(0xffff0000u32 as i32)) } else { _mm512_slli_epi32(v, 16) };
-            Z(_mm512_castsi512_ps(r))
-        }
-        #[inline(always)]
-        unsafe fn f16(v: __m512i, hi: bool) -> Self {
-            let h = if hi { _mm512_srli_epi32(v, 16) } else { _mm512_and_si512(v, _mm512_set1_epi32(0xffff)) };
-            Z(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)))
-        }
-        #[inline(always)]
-        unsafe fn bits(v: __m512i) -> Self {
-            Z(_mm512_castsi512_ps(v))
-        }
-        #[inline(always)]
-        unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self {
-            let t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
-            Z(_mm512_permutexvar_ps(_mm512_loadu_si512(idx.as_ptr() as *const _), t))
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            Z(_mm512_set1_ps(x))
-        }
-        #[inline(always)]
-        unsafe fn mul(a: Self, b: Self) -> Self {
-            Z(_mm512_mul_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn div(a: Self, b: Self) -> Self {
-            Z(_mm512_div_ps(a.0, b.0))
-        }
-        #[inline(always)]
-        unsafe fn fold(a: Self, b: Self) -> f32 {
-            let s16 = _mm512_add_ps(a.0, b.0); // p[i] += p[i+16]
-            let s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps::<1>(s16));
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
-            _mm_cvtss_f32(s1)
-        }
-    }
-
-    #[derive(Clone, Copy)]
-    pub(super) struct Y2(__m256, __m256);
-
-    #[inline(always)]
-    unsafe fn mask8(n: usize) -> __m256i {
-        let iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), iota)
-    }
-
-    impl V16 for Y2 {
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Y2(_mm256_setzero_ps(), _mm256_setzero_ps())
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            _mm256_storeu_ps(p, self.0);
-            _mm256_storeu_ps(p.add(8), self.1);
-        }
-        #[inline(always)]
-        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
-            Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1))
-        }
-        #[inline(always)]
-        unsafe fn fma_first(a: Self, b: Self, c: Self, n: usize) -> Self {
-            let r = Self::fma(a, b, c);
-            let m0 = _mm256_castsi256_ps(mask8(n.min(8)));
-            let m1 = _mm256_castsi256_ps(mask8(n.saturating_sub(8)));
-            Y2(_mm256_blendv_ps(c.0, r.0, m0), _mm256_blendv_ps(c.1, r.1, m1))
-        }
-        type W = (__m256i, __m256i);
-        #[inline(always)]
-        unsafe fn words(p: *const u8, n: usize) -> (__m256i, __m256i) {
-            if n >= 16 {
-                (_mm256_loadu_si256(p as *const _), _mm256_loadu_si256(p.add(32) as *const _))
-            } else {
-                let mut buf = [0u32; 16];
-                std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr() as *mut u8, 4 * n);
-                (_mm256_loadu_si256(buf.as_ptr() as *const _), _mm256_loadu_si256(buf.as_ptr().add(8) as *const _))
-            }
-        }
-        #[inline(always)]
-        unsafe fn field(w: (__m256i, __m256i), shift: u32, mask: u32) -> Self {
-            let s = _mm_cvtsi32_si128(shift as i32);
-            let m = _mm256_set1_epi32(mask as i32);
-            Y2(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.0, s), m)), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.1, s), m)))
-        }
-        #[inline(always)]
-        unsafe fn bf16(w: (__m256i, __m256i), hi: bool) -> Self {
-            let f = |v: __m256i| if hi { _mm256_and_si256(v, _mm256_set1_epi32(0xffff0000u32 as i32)) } else { _mm256_slli_epi32(v, 16) };
-            Y2(_mm256_castsi256_ps(f(w.0)), _mm256_castsi256_ps(f(w.1)))
-        }
-        #[inline(always)]
-        unsafe fn f16(w: (__m256i, __m256i), hi: bool) -> Self {
-            // Gather the 16-bit halves (values ≤ 0xffff, so the saturating pack is exact), fix the
-            // pack's lane order, widen.
-            let half = |v: __m256i| if hi { _mm256_srli_epi32(v, 16) } else { _mm256_and_si256(v, _mm256_set1_epi32(0xffff)) };
-            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(half(w.0), half(w.1)));
-            Y2(_mm256_cvtph_ps(_mm256_castsi256_si128(p)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(p)))
-        }
-        #[inline(always)]
-        unsafe fn bits(w: (__m256i, __m256i)) -> Self {
-            Y2(_mm256_castsi256_ps(w.0), _mm256_castsi256_ps(w.1))
-        }
-        #[inline(always)]
-        unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self {
-            let t = _mm256_loadu_ps(table);
-            let i0 = _mm256_loadu_si256(idx.as_ptr() as *const _);
-            let i1 = _mm256_loadu_si256(idx.as_ptr().add(8) as *const _);
-            Y2(_mm256_permutevar8x32_ps(t, i0), _mm256_permutevar8x32_ps(t, i1))
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            Y2(_mm256_set1_ps(x), _mm256_set1_ps(x))
-        }
-        #[inline(always)]
-        unsafe fn mul(a: Self, b: Self) -> Self {
-            Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1))
-        }
-        #[inline(always)]
-        unsafe fn div(a: Self, b: Self) -> Self {
-            Y2(_mm256_div_ps(a.0, b.0), _mm256_div_ps(a.1, b.1))
-        }
-        #[inline(always)]
-        unsafe fn fold(a: Self, b: Self) -> f32 {
-            // Lanes 0..8 | 8..16 | 16..24 | 24..32 = a.0 | a.1 | b.0 | b.1.
-            let s16_lo = _mm256_add_ps(a.0, b.0); // p[i] += p[i+16], i < 8
-            let s16_hi = _mm256_add_ps(a.1, b.1); // i in 8..16
-            let s8 = _mm256_add_ps(s16_lo, s16_hi); // p[i] += p[i+8]
-            let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
-            let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-            let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
-            _mm_cvtss_f32(s1)
-        }
-    }
-
-    /// One row's scales and biases widened to f32 once (affine only), padded so that 8 values
-    /// can be read from any group.
-    struct RowScales {
-        s: Vec<f32>,
-        b: Vec<f32>,
-        /// Per half `h`: lane → group offset from the half's first group.
-        idx: [[u32; 16]; 2],
-    }
-
-    impl RowScales {
-        fn new(w: &Matrix) -> Self {
-            let (groups, per_word, gs) = match &w.data {
-                MatrixData::Affine { bits, group_size, .. } => (w.cols / group_size, (32 / bits) as usize, *group_size),
-                _ => (0, 1, 1),
-            };
-            let mut idx = [[0u32; 16]; 2];
-            for (h, ih) in idx.iter_mut().enumerate() {
-                let first = 16 * h;
-                for (l, v) in ih.iter_mut().enumerate() {
-                    *v = (((first + l) * per_word) / gs - (first * per_word) / gs) as u32;
-                }
-            }
-            Self { s: vec![0.0; groups + 8], b: vec![0.0; groups + 8], idx }
-        }
-
-        fn load(&mut self, w: &Matrix, rb: &super::RowBytes<'_>) {
-            if let MatrixData::Affine { scale_dtype, group_size, .. } = &w.data {
-                let n = w.cols / group_size;
-                let (s, b) = (&mut self.s[..n], &mut self.b[..n]);
-                match scale_dtype {
-                    // The common case, without a per-element dtype dispatch.
-                    FloatType::BF16 => {
-                        for (d, c) in s.iter_mut().zip(rb.scales.chunks_exact(2)) {
-                            *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-                        }
-                        for (d, c) in b.iter_mut().zip(rb.biases.chunks_exact(2)) {
-                            *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
-                        }
-                    }
-                    ft => {
-                        for g in 0..n {
-                            s[g] = scale_at(*ft, rb.scales, g);
-                            b[g] = scale_at(*ft, rb.biases, g);
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    /// Decodes 16 lanes (half `h` of chunk `c`) of a row into `out[e]`, `e < E`.
-    #[inline(always)]
-    unsafe fn decode16<V: V16>(w: &Matrix, rb: &super::RowBytes<'_>, rs: &RowScales, c: usize, h: usize, lanes: usize, out: &mut [V; 8]) {
-        let first_word = c * 32 + h * 16;
-        let words = V::words(rb.words.as_ptr().add(first_word * 4), lanes);
-        match &w.data {
-            MatrixData::Affine { bits, group_size, .. } => {
-                let per_word = (32 / bits) as usize;
-                let g0 = first_word * per_word / group_size;
-                let s = V::permute8(rs.s.as_ptr().add(g0), &rs.idx[h]);
-                let b = V::permute8(rs.b.as_ptr().add(g0), &rs.idx[h]);
-                let mask = (1u32 << bits) - 1;
-                for (e, o) in out.iter_mut().enumerate().take(per_word) {
-                    *o = V::fma(s, V::field(words, bits * e as u32, mask), b);
-                }
-            }
-            MatrixData::Float { dtype: FloatType::BF16, .. } => {
-                out[0] = V::bf16(words, false);
-                out[1] = V::bf16(words, true);
-            }
-            MatrixData::Float { dtype: FloatType::F16, .. } => {
-                out[0] = V::f16(words, false);
-                out[1] = V::f16(words, true);
-            }
-            MatrixData::Float { dtype: FloatType::F32, .. } => {
-                out[0] = V::bits(words);
-            }
-        }
-    }
-
-    /// Few tokens (decode): each weight row is decoded in registers and used at once.
-    #[inline(always)]
-    unsafe fn matvec_generic<V: V16, const MR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
-        let e_n = xt.per_word;
-        let xstride = xt.chunks * e_n * 32;
-        let mr = xt.rows;
-        debug_assert!(mr <= MR);
-        let mut rs = RowScales::new(w);
-        let mut dec = [V::zero(); 8];
-        for n in n0..n0 + count {
-            let rb = row_bytes(w, n);
-            rs.load(w, &rb);
-            let mut acc = [[V::zero(); 2]; MR];
-            for c in 0..xt.chunks {
-                let words = (xt.words - c * 32).min(32);
-                for h in 0..2 {
-                    let lanes = words.saturating_sub(16 * h).min(16);
-                    if lanes == 0 {
-                        continue;
-                    }
-                    decode16::<V>(w, &rb, &rs, c, h, lanes, &mut dec);
-                    for (e, wv) in dec.iter().enumerate().take(e_n) {
-                        let off = (c * e_n + e) * 32 + 16 * h;
-                        for (i, a) in acc.iter_mut().enumerate().take(mr) {
-                            let xv = V::load(xt.data.as_ptr().add(i * xstride + off));
-                            a[h] = if lanes == 16 { V::fma(*wv, xv, a[h]) } else { V::fma_first(*wv, xv, a[h], lanes) };
-                        }
-                    }
-                }
-            }
-            for (i, a) in acc.iter().enumerate().take(mr) {
-                *y.add(i * ldy + n) = V::fold(a[0], a[1]);
-            }
-        }
-    }
-
-    /// The kernel: blocks of `NR` weight rows decoded into a panel once, then `MR` tokens at a
-    /// time, each output with a 32-lane accumulator (two `V16`).
-    #[inline(always)]
-    unsafe fn matmul_generic<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
-        let e_n = xt.per_word;
-        let plen = xt.chunks * e_n * 32;
-        if xt.rows <= 4 {
-            return matvec_generic::<V, 4>(w, xt, y, ldy, n0, count);
-        }
-        let mut panel = vec![0.0f32; NR * plen];
-        let mut dec = [V::zero(); 8];
-        let mut rs = RowScales::new(w);
-        let xstride = plen;
-        let mut n = n0;
-        while n < n0 + count {
-            let nr = NR.min(n0 + count - n);
-            // Decode the panel of rows n .. n + nr.
-            for r in 0..nr {
-                let rb = row_bytes(w, n + r);
-                rs.load(w, &rb);
-                let pr = panel.as_mut_ptr().add(r * plen);
-                for c in 0..xt.chunks {
-                    let words = (xt.words - c * 32).min(32);
-                    for h in 0..2 {
-                        let lanes = words.saturating_sub(16 * h).min(16);
-                        if lanes == 0 {
-                            continue;
-                        }
-                        decode16::<V>(w, &rb, &rs, c, h, lanes, &mut dec);
-                        for (e, d) in dec.iter().enumerate().take(e_n) {
-                            d.store(pr.add((c * e_n + e) * 32 + 16 * h));
-                        }
-                    }
-                }
-            }
-            // Every token against the panel.
-            let mut t = 0;
-            while t < xt.rows {
-                let mr = MR.min(xt.rows - t);
-                let mut acc = [[[V::zero(); 2]; NR]; MR];
-                for c in 0..xt.chunks {
-                    let words = (xt.words - c * 32).min(32);
-                    let full = words == 32;
-                    for e in 0..e_n {
-                        let off = (c * e_n + e) * 32;
-                        for h in 0..2 {
-                            let lanes = words.saturating_sub(16 * h).min(16);
-                            if lanes == 0 {
-                                continue;
-                            }
-                            let mut xv = [V::zero(); MR];
-                            for (i, xvi) in xv.iter_mut().enumerate().take(mr) {
-                                *xvi = V::load(xt.data.as_ptr().add((t + i) * xstride + off + 16 * h));
-                            }
-                            for r in 0..nr {
-                                let wv = V::load(panel.as_ptr().add(r * plen + off + 16 * h));
-                                for i in 0..mr {
-                                    acc[i][r][h] = if full { V::fma(wv, xv[i], acc[i][r][h]) } else { V::fma_first(wv, xv[i], acc[i][r][h], lanes) };
-                                }
-                            }
-                        }
-                    }
-                }
-                for i in 0..mr {
-                    for r in 0..nr {
-                        *y.add((t + i) * ldy + n + r) = V::fold(acc[i][r][0], acc[i][r][1]);
-                    }
-                }
-                t += mr;
-            }
-            n += nr;
-        }
-    }
-
-    /// Canonical dot with one element per lane word (`n` a multiple of 32): lane `k mod 32`.
-    #[inline(always)]
-    unsafe fn dot1<V: V16>(a: *const f32, b: *const f32, n: usize) -> f32 {
-        let (mut p0, mut p1) = (V::zero(), V::zero());
-        let mut i = 0;
-        while i < n {
-            p0 = V::fma(V::load(a.add(i)), V::load(b.add(i)), p0);
-            p1 = V::fma(V::load(a.add(i + 16)), V::load(b.add(i + 16)), p1);
-            i += 32;
-        }
-        V::fold(p0, p1)
-    }
-
-    /// The delta rule of one value head over its `dv` state rows (numerics §4, step 4).
-    #[inline(always)]
-    unsafe fn gdn_rows<V: V16>(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
-        let av = V::splat(alpha);
-        for (j, oj) in o.iter_mut().enumerate() {
-            let r = s.as_mut_ptr().add(j * dk);
-            let mut i = 0;
-            while i < dk {
-                V::mul(V::load(r.add(i)), av).store(r.add(i));
-                i += 16;
-            }
-            let mem = dot1::<V>(r, k.as_ptr(), dk);
-            let delta = (v[j] - mem) * beta;
-            let dv = V::splat(delta);
-            let mut i = 0;
-            while i < dk {
-                V::fma(V::load(k.as_ptr().add(i)), dv, V::load(r.add(i))).store(r.add(i));
-                i += 16;
-            }
-            *oj = dot1::<V>(r, q.as_ptr(), dk);
-        }
-    }
-
-    /// Attention of one head over positions `0..=p` with the tile order of numerics §6.
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn attend<V: V16>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
-        use crate::backend::cpu::kernels::ATTENTION_TILE;
-        use crate::numerics::exp;
-        let dh = q.len();
-        let scale = crate::numerics::rsqrt(dh as f32);
-        scores.clear();
-        for tau in 0..=p {
-            scores.push(dot1::<V>(q.as_ptr(), keys.as_ptr().add(tau * stride + head_off), dh) * scale);
-        }
-        let n_tiles = p / ATTENTION_TILE + 1;
-        // Per tile: (m, l) and o[dh].
-        tile_o.clear();
-        tile_o.resize(n_tiles * (dh + 2), 0.0);
-        for t in 0..n_tiles {
-            let lo = t * ATTENTION_TILE;
-            let hi = ((t + 1) * ATTENTION_TILE).min(p + 1);
-            let m = scores[lo..hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut l = 0.0f32;
-            let o = tile_o.as_mut_ptr().add(t * (dh + 2) + 2);
-            for tau in lo..hi {
-                let e = exp(scores[tau] - m);
-                l += e;
-                let ev = V::splat(e);
-                let vrow = values.as_ptr().add(tau * stride + head_off);
-                let mut d = 0;
-                while d < dh {
-                    V::fma(ev, V::load(vrow.add(d)), V::load(o.add(d))).store(o.add(d));
-                    d += 16;
-                }
-            }
-            tile_o[t * (dh + 2)] = m;
-            tile_o[t * (dh + 2) + 1] = l;
-        }
-        let big_m = (0..n_tiles).map(|t| tile_o[t * (dh + 2)]).fold(f32::NEG_INFINITY, f32::max);
-        let mut big_l = 0.0f32;
-        out.fill(0.0);
-        for t in 0..n_tiles {
-            let c = exp(tile_o[t * (dh + 2)] - big_m);
-            big_l = crate::numerics::fma(tile_o[t * (dh + 2) + 1], c, big_l);
-            let cv = V::splat(c);
-            let o = tile_o.as_ptr().add(t * (dh + 2) + 2);
-            let mut d = 0;
-            while d < dh {
-                V::fma(V::load(o.add(d)), cv, V::load(out.as_ptr().add(d))).store(out.as_mut_ptr().add(d));
-                d += 16;
-            }
-        }
-        let lv = V::splat(big_l);
-        let mut d = 0;
-        while d < dh {
-            V::div(V::load(out.as_ptr().add(d)), lv).store(out.as_mut_ptr().add(d));
-            d += 16;
-        }
-    }
-
-    macro_rules! instantiate {
-        ($feat:literal, $v:ty, $dot:ident, $gdn:ident, $attend:ident) => {
-            #[target_feature(enable = $feat)]
-            pub(super) unsafe fn $dot(a: &[f32], b: &[f32]) -> f32 {
-                dot1::<$v>(a.as_ptr(), b.as_ptr(), a.len())
-            }
-            #[target_feature(enable = $feat)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) unsafe fn $gdn(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
-                gdn_rows::<$v>(s, dk, k, q, alpha, beta, v, o)
-            }
-            #[target_feature(enable = $feat)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) unsafe fn $attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
-                attend::<$v>(q, keys, values, p, stride, head_off, scores, tile_o, out)
-            }
-        };
-    }
-    instantiate!("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2", Z, dot_avx512, gdn_avx512, attend_avx512);
-    instantiate!("avx2,fma,f16c", Y2, dot_avx2, gdn_avx2, attend_avx2);
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")]
-    pub(super) unsafe fn matmul_avx512(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
-        matmul_generic::<Z, 4, 3>(w, xt, y, ldy, n0, count)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn matmul_avx2(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize) {
-        matmul_generic::<Y2, 2, 1>(w, xt, y, ldy, n0, count)
-    }
-}
+mod x86;
 
 #[cfg(test)]
 mod tests {
@@ -812,7 +378,17 @@ mod tests {
 
     fn matrices(rng: &mut Rng, rows: usize, cols: usize) -> Vec<Matrix> {
         let mut v = Vec::new();
-        for (bits, gs) in [(4u32, 32usize), (4, 64), (4, 128), (8, 32), (8, 64)] {
+        let formats = [
+            (4u32, 32usize, FloatType::BF16),
+            (4, 64, FloatType::BF16),
+            (4, 128, FloatType::BF16),
+            (4, 16, FloatType::BF16),
+            (4, 64, FloatType::F16),
+            (4, 32, FloatType::F32),
+            (8, 32, FloatType::BF16),
+            (8, 64, FloatType::BF16),
+        ];
+        for (bits, gs, sdt) in formats {
             if cols % gs != 0 {
                 continue;
             }
@@ -821,19 +397,17 @@ mod tests {
             let mut wb = vec![0u8; 3];
             wb.extend(rng.bytes(rows * cols * bits as usize / 8));
             let mut sb = vec![0u8; 1];
-            sb.extend(rng.floats(rows * groups, FloatType::BF16));
-            let bb = rng.floats(rows * groups, FloatType::F16);
-            let _ = bb;
-            let bb = rng.floats(rows * groups, FloatType::BF16);
+            sb.extend(rng.floats(rows * groups, sdt));
+            let bb = rng.floats(rows * groups, sdt);
             let slice = |mut b: Vec<u8>, skip: usize| {
                 b.drain(..skip);
                 Bytes::from_vec(b)
             };
             v.push(Matrix {
-                name: format!("affine{bits}g{gs}"),
+                name: format!("affine{bits}g{gs}{sdt:?}"),
                 rows,
                 cols,
-                data: MatrixData::Affine { bits, group_size: gs, weight: slice(wb, 3), scales: slice(sb, 1), biases: Bytes::from_vec(bb), scale_dtype: FloatType::BF16 },
+                data: MatrixData::Affine { bits, group_size: gs, weight: slice(wb, 3), scales: slice(sb, 1), biases: Bytes::from_vec(bb), scale_dtype: sdt },
             });
         }
         for ft in [FloatType::BF16, FloatType::F16, FloatType::F32] {
@@ -844,10 +418,16 @@ mod tests {
 
     #[test]
     fn every_isa_gives_the_reference_bits() {
+        // Shapes: partial 32-word chunks (64, 320, 2368 columns), a lone 16-word half (128,
+        // 384), odd row counts (the decode kernel's row pairs, the panel's row blocks), token
+        // counts of every decode kernel (1–4) and panel tails (5, 7, 9, 13), and more tokens
+        // than one token block (70).
         let mut rng = Rng(7);
-        for &(rows, cols) in &[(7usize, 64usize), (5, 256), (9, 320), (4, 1280), (3, 2048 + 256 + 64)] {
+        let shapes = [(7usize, 64usize), (5, 256), (9, 320), (4, 1280), (3, 2048 + 256 + 64), (13, 128), (11, 384), (8, 1024)];
+        for &(rows, cols) in &shapes {
             for w in matrices(&mut rng, rows, cols) {
-                for tokens in [1usize, 2, 5, 9] {
+                let tokens_list: &[usize] = if cols <= 384 { &[1, 2, 3, 4, 5, 7, 9, 13, 70] } else { &[1, 2, 3, 4, 5, 9] };
+                for &tokens in tokens_list {
                     let x: Vec<f32> = (0..tokens * cols).map(|_| rng.f()).collect();
                     // The reference: decode the row, canonical dot.
                     let mut want = vec![0.0f32; tokens * rows];
@@ -863,9 +443,10 @@ mod tests {
                         let mut got = vec![f32::NAN; tokens * rows];
                         // Two calls over halves of the rows, as the pool splits them.
                         let h = rows / 2;
+                        let mut panel = Vec::new();
                         unsafe {
-                            matmul(isa, &w, &xt, got.as_mut_ptr(), rows, 0, h);
-                            matmul(isa, &w, &xt, got.as_mut_ptr(), rows, h, rows - h);
+                            matmul(isa, &w, &xt, got.as_mut_ptr(), rows, 0, h, &mut panel);
+                            matmul(isa, &w, &xt, got.as_mut_ptr(), rows, h, rows - h, &mut panel);
                         }
                         let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{} {isa:?} rows {rows} cols {cols} tokens {tokens}", w.name);
@@ -914,6 +495,102 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Inputs that reach every branch of `exp`: NaN, ±inf, ±0, the overflow and underflow
+    /// thresholds and their neighbours, results in the subnormal range, ties of `rint`, and
+    /// random bit patterns over the whole f32 range.
+    fn exp_inputs(rng: &mut Rng) -> Vec<f32> {
+        use crate::numerics::{EXP_MAX, EXP_MIN};
+        let up = |x: f32| f32::from_bits(x.to_bits() + 1);
+        let mut v = vec![f32::NAN, -f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 0.0, -0.0, 1.0, -1.0, EXP_MAX, up(EXP_MAX), EXP_MIN, up(EXP_MIN), -up(-EXP_MIN)];
+        v.extend([88.0, 88.72, -87.3, -100.0, -103.9, 0.5 * std::f32::consts::LN_2, 1.5 * std::f32::consts::LN_2, -2.5 * std::f32::consts::LN_2]);
+        v.extend((0..2000).map(|i| -110.0 + 200.0 * i as f32 / 2000.0));
+        v.extend((0..3000).map(|_| f32::from_bits(rng.next() as u32)));
+        v.extend((0..3000).map(|_| rng.f() * 30.0));
+        v
+    }
+
+    /// Bit equality, except that any NaN equals any NaN: Rust does not specify NaN payloads
+    /// (RFC 3514; LLVM folds `x − 0.0` to `x`, keeping a signalling NaN the hardware would
+    /// quiet), and a NaN logit is a NaN whatever its payload.
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+    }
+
+    #[test]
+    fn vector_exp_silu_sigmoid_give_the_scalar_bits() {
+        use crate::numerics::{exp, sigmoid, silu};
+        let mut rng = Rng(5);
+        let x = exp_inputs(&mut rng);
+        let g: Vec<f32> = (0..x.len()).map(|_| rng.f() * 4.0).collect();
+        for isa in Isa::available() {
+            // Every length up to two vectors and a tail, and the long sweep.
+            for n in (0..40).chain([x.len()]) {
+                let xs = &x[x.len() - n..];
+                let mut got = vec![0.0f32; n];
+                exp_shifted(isa, xs, 0.0, &mut got);
+                let want: Vec<f32> = xs.iter().map(|&v| exp(v - 0.0)).collect();
+                if let Some(i) = (0..n).find(|&i| !same_bits(&got[i..i + 1], &want[i..i + 1])) {
+                    panic!("{isa:?} exp n={n}: exp({:e} = {:#x}) = {:e}, want {:e}", xs[i], xs[i].to_bits(), got[i], want[i]);
+                }
+                let mut got = xs.to_vec();
+                super::silu(isa, &mut got);
+                assert!(same_bits(&got, &xs.iter().map(|&v| silu(v)).collect::<Vec<_>>()), "{isa:?} silu n={n}");
+                let mut got = vec![0.0f32; n];
+                swiglu(isa, xs, &g[..n], &mut got);
+                let want: Vec<f32> = xs.iter().zip(&g).map(|(&a, &b)| silu(a) * b).collect();
+                assert!(same_bits(&got, &want), "{isa:?} swiglu n={n}");
+                let mut got = g[..n].to_vec();
+                sigmoid_mul(isa, &mut got, xs);
+                let want: Vec<f32> = g[..n].iter().zip(xs).map(|(&a, &b)| a * sigmoid(b)).collect();
+                assert!(same_bits(&got, &want), "{isa:?} sigmoid n={n}");
+            }
+            // A shift that moves inputs across the thresholds.
+            let mut got = vec![0.0f32; x.len()];
+            exp_shifted(isa, &x, 3.25, &mut got);
+            assert!(same_bits(&got, &x.iter().map(|&v| exp(v - 3.25)).collect::<Vec<_>>()), "{isa:?} exp shifted");
+        }
+    }
+
+    #[test]
+    fn norms_and_conv_match_the_reference_on_every_isa() {
+        use crate::backend::cpu::kernels::{gdn_conv_taps, rms_norm_row as rms_ref};
+        let mut rng = Rng(13);
+        for n in [16usize, 33, 64, 1024] {
+            let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+            let w: Vec<f32> = (0..n).map(|_| 1.0 + rng.f() * 0.1).collect();
+            let z: Vec<f32> = (0..n).map(|_| rng.f() * 6.0).collect();
+            let mut want = vec![0.0f32; n];
+            rms_ref(&x, &w, 1e-6, &mut want);
+            let wn: Vec<f32> = (0..n).map(|j| ((x[j] * 0.37) * w[j]) * crate::numerics::silu(z[j])).collect();
+            for isa in Isa::available() {
+                let mut got = vec![0.0f32; n];
+                rms_norm_row(isa, &x, &w, 1e-6, &mut got);
+                assert!(same_bits(&got, &want), "{isa:?} rms n={n}");
+                gated_norm(isa, &x, 0.37, &w, &z, &mut got);
+                assert!(same_bits(&got, &wn), "{isa:?} gated norm n={n}");
+                if n % 32 == 0 {
+                    assert_eq!(dot(isa, &x, &w).to_bits(), crate::numerics::dot_f32(&x, &w).to_bits());
+                }
+            }
+        }
+        // Conv + SiLU over 5 tokens of 100 channels, kernel 4, split into two channel ranges.
+        let (kc, cd, t) = (4usize, 100usize, 5usize);
+        let taps: Vec<f32> = (0..kc * cd).map(|_| rng.f()).collect();
+        let conv0: Vec<f32> = (0..(kc - 1) * cd).map(|_| rng.f() * 5.0).collect();
+        let qkv: Vec<f32> = (0..t * cd).map(|_| rng.f() * 5.0).collect();
+        let mut want_conv = conv0.clone();
+        let mut want_y = vec![0.0f32; t * cd];
+        gdn_conv_taps(kc, cd, &taps, &mut want_conv, &qkv, t, &mut want_y, 0, cd);
+        want_y.iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
+        for isa in Isa::available() {
+            let mut conv = conv0.clone();
+            let mut y = vec![0.0f32; t * cd];
+            gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 0, 48);
+            gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 48, cd);
+            assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv");
         }
     }
 }

@@ -1,0 +1,1024 @@
+//! The x86-64 paths: one generic body per kernel, instantiated for AVX-512 (a 16-lane vector is
+//! one zmm register) and AVX2 + FMA (two ymm registers), each inside a function compiled with
+//! those target features, so scalar `f32::mul_add` in the same bodies is the hardware FMA.
+//!
+//! Every kernel performs the operations of its scalar twin in `kernels.rs` / `numerics.rs`, in
+//! the same order, with correctly rounded vector instructions: the bits are the same (tested in
+//! `simd.rs`).
+
+use super::Transposed;
+use crate::model::weights::{FloatType, Matrix, MatrixData};
+use crate::numerics::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
+use std::arch::x86_64::*;
+
+/// 16 f32 lanes and the operations the kernels need. Every method is `#[inline(always)]` and only
+/// called from functions compiled with the matching target features.
+pub(super) trait V16: Copy {
+    unsafe fn zero() -> Self;
+    unsafe fn load(p: *const f32) -> Self;
+    unsafe fn store(self, p: *mut f32);
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// 16 u32 words in registers.
+    type W: Copy;
+    /// 16 words from unaligned bytes (`n` of them; missing ones are 0).
+    unsafe fn words(p: *const u8, n: usize) -> Self::W;
+    /// `((w >> shift) & mask) as f32` per lane.
+    unsafe fn field(w: Self::W, shift: u32, mask: u32) -> Self;
+    /// `((w >> 4e) & 15) as f32` per lane, `E` a constant.
+    unsafe fn nibble<const E: u32>(w: Self::W) -> Self;
+    /// bf16 in the low (`hi == false`) or high half of each word, widened.
+    unsafe fn bf16(w: Self::W, hi: bool) -> Self;
+    /// f16 in the low or high half of each word, widened.
+    unsafe fn f16(w: Self::W, hi: bool) -> Self;
+    unsafe fn bits(w: Self::W) -> Self;
+    /// `table[idx[l]]` per lane, `idx[l] < 8`, from 8 floats at `table`.
+    unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self;
+    unsafe fn splat(x: f32) -> Self;
+    unsafe fn add(a: Self, b: Self) -> Self;
+    unsafe fn sub(a: Self, b: Self) -> Self;
+    unsafe fn mul(a: Self, b: Self) -> Self;
+    unsafe fn div(a: Self, b: Self) -> Self;
+    /// `-a` (the sign bit flipped, as Rust's unary minus).
+    unsafe fn neg(a: Self) -> Self;
+    /// [`crate::numerics::exp`] per lane, bit for bit.
+    unsafe fn exp(a: Self) -> Self;
+    /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
+    unsafe fn fold(a: Self, b: Self) -> f32;
+}
+
+#[derive(Clone, Copy)]
+pub(super) struct Z(__m512);
+
+impl V16 for Z {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Z(_mm512_setzero_ps())
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Z(_mm512_loadu_ps(p))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        _mm512_storeu_ps(p, self.0)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        Z(_mm512_fmadd_ps(a.0, b.0, c.0))
+    }
+    type W = __m512i;
+    #[inline(always)]
+    unsafe fn words(p: *const u8, n: usize) -> __m512i {
+        if n >= 16 {
+            _mm512_loadu_si512(p as *const _)
+        } else {
+            _mm512_maskz_loadu_epi32(((1u32 << n) - 1) as __mmask16, p as *const i32)
+        }
+    }
+    #[inline(always)]
+    unsafe fn field(v: __m512i, shift: u32, mask: u32) -> Self {
+        let q = _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(shift as i32)), _mm512_set1_epi32(mask as i32));
+        Z(_mm512_cvtepi32_ps(q))
+    }
+    #[inline(always)]
+    unsafe fn nibble<const E: u32>(v: __m512i) -> Self {
+        // vpermps reads only bits 0–3 of each index: the table {0, 1, …, 15} turns the low
+        // nibble into its float (exact) without a mask or a conversion.
+        let table = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
+        let idx = match E {
+            0 => v,
+            1 => _mm512_srli_epi32::<4>(v),
+            2 => _mm512_srli_epi32::<8>(v),
+            3 => _mm512_srli_epi32::<12>(v),
+            4 => _mm512_srli_epi32::<16>(v),
+            5 => _mm512_srli_epi32::<20>(v),
+            6 => _mm512_srli_epi32::<24>(v),
+            _ => _mm512_srli_epi32::<28>(v),
+        };
+        Z(_mm512_permutexvar_ps(idx, table))
+    }
+    #[inline(always)]
+    unsafe fn bf16(v: __m512i, hi: bool) -> Self {
+        let r = if hi { _mm512_and_si512(v, _mm512_set1_epi32(0xffff0000u32 as i32)) } else { _mm512_slli_epi32::<16>(v) };
+        Z(_mm512_castsi512_ps(r))
+    }
+    #[inline(always)]
+    unsafe fn f16(v: __m512i, hi: bool) -> Self {
+        let h = if hi { _mm512_srli_epi32::<16>(v) } else { _mm512_and_si512(v, _mm512_set1_epi32(0xffff)) };
+        Z(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(h)))
+    }
+    #[inline(always)]
+    unsafe fn bits(v: __m512i) -> Self {
+        Z(_mm512_castsi512_ps(v))
+    }
+    #[inline(always)]
+    unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self {
+        let t = _mm512_castps256_ps512(_mm256_loadu_ps(table));
+        Z(_mm512_permutexvar_ps(_mm512_loadu_si512(idx.as_ptr() as *const _), t))
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Z(_mm512_set1_ps(x))
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        Z(_mm512_add_ps(a.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn sub(a: Self, b: Self) -> Self {
+        Z(_mm512_sub_ps(a.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        Z(_mm512_mul_ps(a.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn div(a: Self, b: Self) -> Self {
+        Z(_mm512_div_ps(a.0, b.0))
+    }
+    #[inline(always)]
+    unsafe fn neg(a: Self) -> Self {
+        Z(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a.0), _mm512_set1_epi32(i32::MIN))))
+    }
+    #[inline(always)]
+    unsafe fn exp(a: Self) -> Self {
+        let x = a.0;
+        // k = rint(x·log2e) (ties to even), r = fma(−k, ln2_lo, fma(−k, ln2_hi, x)).
+        let kf = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)));
+        let r = _mm512_fnmadd_ps(kf, _mm512_set1_ps(LN2_LO), _mm512_fnmadd_ps(kf, _mm512_set1_ps(LN2_HI), x));
+        let mut p = _mm512_set1_ps(EXP_POLY[0]);
+        for &c in &EXP_POLY[1..] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0));
+        // 2^k in two factors 2^(k/2) · 2^(k − k/2), k/2 truncated toward zero as Rust's `/`.
+        let k = _mm512_cvtps_epi32(kf);
+        let k1 = _mm512_srai_epi32::<1>(_mm512_add_epi32(k, _mm512_srli_epi32::<31>(k)));
+        let k2 = _mm512_sub_epi32(k, k1);
+        let bias = _mm512_set1_epi32(127);
+        let s1 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(k1, bias)));
+        let s2 = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(k2, bias)));
+        let mut v = _mm512_mul_ps(_mm512_mul_ps(p, s1), s2);
+        // The scalar branches, as blends: overflow, underflow, NaN.
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(EXP_MAX)), _mm512_set1_ps(f32::INFINITY));
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, _mm512_set1_ps(EXP_MIN)), _mm512_setzero_ps());
+        v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), x);
+        Z(v)
+    }
+    #[inline(always)]
+    unsafe fn fold(a: Self, b: Self) -> f32 {
+        let s16 = _mm512_add_ps(a.0, b.0); // p[i] += p[i+16]
+        let s8 = _mm256_add_ps(_mm512_castps512_ps256(s16), _mm512_extractf32x8_ps::<1>(s16));
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+        _mm_cvtss_f32(s1)
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(super) struct Y2(__m256, __m256);
+
+#[inline(always)]
+unsafe fn exp8(x: __m256) -> __m256 {
+    let kf = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)));
+    let r = _mm256_fnmadd_ps(kf, _mm256_set1_ps(LN2_LO), _mm256_fnmadd_ps(kf, _mm256_set1_ps(LN2_HI), x));
+    let mut p = _mm256_set1_ps(EXP_POLY[0]);
+    for &c in &EXP_POLY[1..] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    let k = _mm256_cvtps_epi32(kf);
+    let k1 = _mm256_srai_epi32::<1>(_mm256_add_epi32(k, _mm256_srli_epi32::<31>(k)));
+    let k2 = _mm256_sub_epi32(k, k1);
+    let bias = _mm256_set1_epi32(127);
+    let s1 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(k1, bias)));
+    let s2 = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(k2, bias)));
+    let mut v = _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+    v = _mm256_blendv_ps(v, _mm256_set1_ps(f32::INFINITY), _mm256_cmp_ps::<_CMP_GT_OQ>(x, _mm256_set1_ps(EXP_MAX)));
+    v = _mm256_blendv_ps(v, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_MIN)));
+    _mm256_blendv_ps(v, x, _mm256_cmp_ps::<_CMP_UNORD_Q>(x, x))
+}
+
+impl V16 for Y2 {
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Y2(_mm256_setzero_ps(), _mm256_setzero_ps())
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self {
+        Y2(_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut f32) {
+        _mm256_storeu_ps(p, self.0);
+        _mm256_storeu_ps(p.add(8), self.1);
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        Y2(_mm256_fmadd_ps(a.0, b.0, c.0), _mm256_fmadd_ps(a.1, b.1, c.1))
+    }
+    type W = (__m256i, __m256i);
+    #[inline(always)]
+    unsafe fn words(p: *const u8, n: usize) -> (__m256i, __m256i) {
+        if n >= 16 {
+            (_mm256_loadu_si256(p as *const _), _mm256_loadu_si256(p.add(32) as *const _))
+        } else {
+            let mut buf = [0u32; 16];
+            std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr() as *mut u8, 4 * n);
+            (_mm256_loadu_si256(buf.as_ptr() as *const _), _mm256_loadu_si256(buf.as_ptr().add(8) as *const _))
+        }
+    }
+    #[inline(always)]
+    unsafe fn field(w: (__m256i, __m256i), shift: u32, mask: u32) -> Self {
+        let s = _mm_cvtsi32_si128(shift as i32);
+        let m = _mm256_set1_epi32(mask as i32);
+        Y2(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.0, s), m)), _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(w.1, s), m)))
+    }
+    #[inline(always)]
+    unsafe fn nibble<const E: u32>(w: (__m256i, __m256i)) -> Self {
+        Self::field(w, 4 * E, 15)
+    }
+    #[inline(always)]
+    unsafe fn bf16(w: (__m256i, __m256i), hi: bool) -> Self {
+        let f = |v: __m256i| if hi { _mm256_and_si256(v, _mm256_set1_epi32(0xffff0000u32 as i32)) } else { _mm256_slli_epi32::<16>(v) };
+        Y2(_mm256_castsi256_ps(f(w.0)), _mm256_castsi256_ps(f(w.1)))
+    }
+    #[inline(always)]
+    unsafe fn f16(w: (__m256i, __m256i), hi: bool) -> Self {
+        // Gather the 16-bit halves (values ≤ 0xffff, so the saturating pack is exact), fix the
+        // pack's lane order, widen.
+        let half = |v: __m256i| if hi { _mm256_srli_epi32::<16>(v) } else { _mm256_and_si256(v, _mm256_set1_epi32(0xffff)) };
+        let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(half(w.0), half(w.1)));
+        Y2(_mm256_cvtph_ps(_mm256_castsi256_si128(p)), _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(p)))
+    }
+    #[inline(always)]
+    unsafe fn bits(w: (__m256i, __m256i)) -> Self {
+        Y2(_mm256_castsi256_ps(w.0), _mm256_castsi256_ps(w.1))
+    }
+    #[inline(always)]
+    unsafe fn permute8(table: *const f32, idx: &[u32; 16]) -> Self {
+        let t = _mm256_loadu_ps(table);
+        let i0 = _mm256_loadu_si256(idx.as_ptr() as *const _);
+        let i1 = _mm256_loadu_si256(idx.as_ptr().add(8) as *const _);
+        Y2(_mm256_permutevar8x32_ps(t, i0), _mm256_permutevar8x32_ps(t, i1))
+    }
+    #[inline(always)]
+    unsafe fn splat(x: f32) -> Self {
+        Y2(_mm256_set1_ps(x), _mm256_set1_ps(x))
+    }
+    #[inline(always)]
+    unsafe fn add(a: Self, b: Self) -> Self {
+        Y2(_mm256_add_ps(a.0, b.0), _mm256_add_ps(a.1, b.1))
+    }
+    #[inline(always)]
+    unsafe fn sub(a: Self, b: Self) -> Self {
+        Y2(_mm256_sub_ps(a.0, b.0), _mm256_sub_ps(a.1, b.1))
+    }
+    #[inline(always)]
+    unsafe fn mul(a: Self, b: Self) -> Self {
+        Y2(_mm256_mul_ps(a.0, b.0), _mm256_mul_ps(a.1, b.1))
+    }
+    #[inline(always)]
+    unsafe fn div(a: Self, b: Self) -> Self {
+        Y2(_mm256_div_ps(a.0, b.0), _mm256_div_ps(a.1, b.1))
+    }
+    #[inline(always)]
+    unsafe fn neg(a: Self) -> Self {
+        let s = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MIN));
+        Y2(_mm256_xor_ps(a.0, s), _mm256_xor_ps(a.1, s))
+    }
+    #[inline(always)]
+    unsafe fn exp(a: Self) -> Self {
+        Y2(exp8(a.0), exp8(a.1))
+    }
+    #[inline(always)]
+    unsafe fn fold(a: Self, b: Self) -> f32 {
+        // Lanes 0..8 | 8..16 | 16..24 | 24..32 = a.0 | a.1 | b.0 | b.1.
+        let s16_lo = _mm256_add_ps(a.0, b.0); // p[i] += p[i+16], i < 8
+        let s16_hi = _mm256_add_ps(a.1, b.1); // i in 8..16
+        let s8 = _mm256_add_ps(s16_lo, s16_hi); // p[i] += p[i+8]
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps::<1>(s8));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
+        _mm_cvtss_f32(s1)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise functions (16 lanes at a time, the scalar function on the tail).
+
+/// `x / (1 + exp(−x))`, as [`crate::numerics::silu`].
+#[inline(always)]
+unsafe fn silu_v<V: V16>(x: V) -> V {
+    V::div(x, V::add(V::splat(1.0), V::exp(V::neg(x))))
+}
+
+/// `1 / (1 + exp(−x))`, as [`crate::numerics::sigmoid`].
+#[inline(always)]
+unsafe fn sigmoid_v<V: V16>(x: V) -> V {
+    V::div(V::splat(1.0), V::add(V::splat(1.0), V::exp(V::neg(x))))
+}
+
+#[inline(always)]
+unsafe fn silu_slice<V: V16>(x: &mut [f32]) {
+    let n16 = x.len() / 16 * 16;
+    let p = x.as_mut_ptr();
+    let mut i = 0;
+    while i < n16 {
+        silu_v(V::load(p.add(i))).store(p.add(i));
+        i += 16;
+    }
+    for v in &mut x[n16..] {
+        *v = crate::numerics::silu(*v);
+    }
+}
+
+#[inline(always)]
+unsafe fn swiglu<V: V16>(g: &[f32], u: &[f32], out: &mut [f32]) {
+    let n = out.len();
+    let n16 = n / 16 * 16;
+    let mut i = 0;
+    while i < n16 {
+        V::mul(silu_v(V::load(g.as_ptr().add(i))), V::load(u.as_ptr().add(i))).store(out.as_mut_ptr().add(i));
+        i += 16;
+    }
+    for i in n16..n {
+        out[i] = crate::numerics::silu(g[i]) * u[i];
+    }
+}
+
+/// `out[j] = ((o[j] · inv) · w[j]) · silu(z[j])` (numerics §4 step 5).
+#[inline(always)]
+unsafe fn gated_norm<V: V16>(o: &[f32], inv: f32, w: &[f32], z: &[f32], out: &mut [f32]) {
+    let n = out.len();
+    let n16 = n / 16 * 16;
+    let iv = V::splat(inv);
+    let mut j = 0;
+    while j < n16 {
+        let a = V::mul(V::mul(V::load(o.as_ptr().add(j)), iv), V::load(w.as_ptr().add(j)));
+        V::mul(a, silu_v(V::load(z.as_ptr().add(j)))).store(out.as_mut_ptr().add(j));
+        j += 16;
+    }
+    for j in n16..n {
+        out[j] = ((o[j] * inv) * w[j]) * crate::numerics::silu(z[j]);
+    }
+}
+
+/// `x[d] = x[d] · sigmoid(g[d])`.
+#[inline(always)]
+unsafe fn sigmoid_mul<V: V16>(x: &mut [f32], g: &[f32]) {
+    let n = x.len();
+    let n16 = n / 16 * 16;
+    let mut d = 0;
+    while d < n16 {
+        V::mul(V::load(x.as_ptr().add(d)), sigmoid_v(V::load(g.as_ptr().add(d)))).store(x.as_mut_ptr().add(d));
+        d += 16;
+    }
+    for d in n16..n {
+        x[d] *= crate::numerics::sigmoid(g[d]);
+    }
+}
+
+/// `out[i] = exp(s[i] − m)`.
+#[inline(always)]
+unsafe fn exp_shifted<V: V16>(s: &[f32], m: f32, out: &mut [f32]) {
+    let n = s.len();
+    let n16 = n / 16 * 16;
+    let mv = V::splat(m);
+    let mut i = 0;
+    while i < n16 {
+        V::exp(V::sub(V::load(s.as_ptr().add(i)), mv)).store(out.as_mut_ptr().add(i));
+        i += 16;
+    }
+    for i in n16..n {
+        out[i] = crate::numerics::exp(s[i] - m);
+    }
+}
+
+/// RMSNorm of one row (numerics §3): canonical sum of squares, `(x · inv) · w`.
+#[inline(always)]
+unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = x.len();
+    let ss = if n % 32 == 0 { dot1::<V>(x.as_ptr(), x.as_ptr(), n) } else { crate::numerics::sum_squares(x) };
+    let inv = crate::numerics::rsqrt(ss / n as f32 + eps);
+    let iv = V::splat(inv);
+    let n16 = n / 16 * 16;
+    let mut i = 0;
+    while i < n16 {
+        V::mul(V::mul(V::load(x.as_ptr().add(i)), iv), V::load(w.as_ptr().add(i))).store(out.as_mut_ptr().add(i));
+        i += 16;
+    }
+    for i in n16..n {
+        out[i] = (x[i] * inv) * w[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Canonical dots, the delta rule, attention.
+
+/// Canonical dot with one element per lane word (`n` a multiple of 32): lane `k mod 32`.
+#[inline(always)]
+unsafe fn dot1<V: V16>(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let (mut p0, mut p1) = (V::zero(), V::zero());
+    let mut i = 0;
+    while i < n {
+        p0 = V::fma(V::load(a.add(i)), V::load(b.add(i)), p0);
+        p1 = V::fma(V::load(a.add(i + 16)), V::load(b.add(i + 16)), p1);
+        i += 32;
+    }
+    V::fold(p0, p1)
+}
+
+/// The delta rule of one value head over its `dv` state rows (numerics §4, step 4), a state row
+/// of `dk` values held in `dk / 16` registers between the passes.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_rows_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+    let dk = NV * 16;
+    let av = V::splat(alpha);
+    let mut kv = [V::zero(); NV];
+    let mut qv = [V::zero(); NV];
+    for i in 0..NV {
+        kv[i] = V::load(k.as_ptr().add(16 * i));
+        qv[i] = V::load(q.as_ptr().add(16 * i));
+    }
+    for (j, oj) in o.iter_mut().enumerate() {
+        let r = s.as_mut_ptr().add(j * dk);
+        let mut row = [V::zero(); NV];
+        for i in 0..NV {
+            row[i] = V::mul(V::load(r.add(16 * i)), av);
+        }
+        // mem = dot(S, k): lanes 0..16 and 16..32 of each 32-element block.
+        let (mut p0, mut p1) = (V::zero(), V::zero());
+        for i in (0..NV).step_by(2) {
+            p0 = V::fma(row[i], kv[i], p0);
+            p1 = V::fma(row[i + 1], kv[i + 1], p1);
+        }
+        let mem = V::fold(p0, p1);
+        let delta = (v[j] - mem) * beta;
+        let dv = V::splat(delta);
+        let (mut p0, mut p1) = (V::zero(), V::zero());
+        for i in (0..NV).step_by(2) {
+            row[i] = V::fma(kv[i], dv, row[i]);
+            row[i + 1] = V::fma(kv[i + 1], dv, row[i + 1]);
+            p0 = V::fma(row[i], qv[i], p0);
+            p1 = V::fma(row[i + 1], qv[i + 1], p1);
+        }
+        for i in 0..NV {
+            row[i].store(r.add(16 * i));
+        }
+        *oj = V::fold(p0, p1);
+    }
+}
+
+/// The delta rule for any `dk` that is a multiple of 32 (state rows through memory).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_rows<V: V16>(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+    match dk {
+        64 => return gdn_rows_regs::<V, 4>(s, k, q, alpha, beta, v, o),
+        128 => return gdn_rows_regs::<V, 8>(s, k, q, alpha, beta, v, o),
+        _ => {}
+    }
+    let av = V::splat(alpha);
+    for (j, oj) in o.iter_mut().enumerate() {
+        let r = s.as_mut_ptr().add(j * dk);
+        let mut i = 0;
+        while i < dk {
+            V::mul(V::load(r.add(i)), av).store(r.add(i));
+            i += 16;
+        }
+        let mem = dot1::<V>(r, k.as_ptr(), dk);
+        let delta = (v[j] - mem) * beta;
+        let dv = V::splat(delta);
+        let mut i = 0;
+        while i < dk {
+            V::fma(V::load(k.as_ptr().add(i)), dv, V::load(r.add(i))).store(r.add(i));
+            i += 16;
+        }
+        *oj = dot1::<V>(r, q.as_ptr(), dk);
+    }
+}
+
+/// Attention of one head over positions `0..=p` with the tile order of numerics §6.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend<V: V16>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
+    use crate::backend::cpu::kernels::ATTENTION_TILE;
+    use crate::numerics::exp;
+    let dh = q.len();
+    let scale = crate::numerics::rsqrt(dh as f32);
+    scores.clear();
+    for tau in 0..=p {
+        scores.push(dot1::<V>(q.as_ptr(), keys.as_ptr().add(tau * stride + head_off), dh) * scale);
+    }
+    let n_tiles = p / ATTENTION_TILE + 1;
+    // Per tile: (m, l) and o[dh]; then the tile's weights e_τ.
+    tile_o.clear();
+    tile_o.resize(n_tiles * (dh + 2) + ATTENTION_TILE, 0.0);
+    let ebuf = tile_o.as_mut_ptr().add(n_tiles * (dh + 2));
+    for t in 0..n_tiles {
+        let lo = t * ATTENTION_TILE;
+        let hi = ((t + 1) * ATTENTION_TILE).min(p + 1);
+        let m = scores[lo..hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let e = std::slice::from_raw_parts_mut(ebuf, hi - lo);
+        exp_shifted::<V>(&scores[lo..hi], m, e);
+        let mut l = 0.0f32;
+        let o = tile_o.as_mut_ptr().add(t * (dh + 2) + 2);
+        for (i, tau) in (lo..hi).enumerate() {
+            let ev = *ebuf.add(i);
+            l += ev;
+            let ev = V::splat(ev);
+            let vrow = values.as_ptr().add(tau * stride + head_off);
+            let mut d = 0;
+            while d < dh {
+                V::fma(ev, V::load(vrow.add(d)), V::load(o.add(d))).store(o.add(d));
+                d += 16;
+            }
+        }
+        *tile_o.as_mut_ptr().add(t * (dh + 2)) = m;
+        *tile_o.as_mut_ptr().add(t * (dh + 2) + 1) = l;
+    }
+    let big_m = (0..n_tiles).map(|t| tile_o[t * (dh + 2)]).fold(f32::NEG_INFINITY, f32::max);
+    let mut big_l = 0.0f32;
+    out.fill(0.0);
+    for t in 0..n_tiles {
+        let c = exp(tile_o[t * (dh + 2)] - big_m);
+        big_l = crate::numerics::fma(tile_o[t * (dh + 2) + 1], c, big_l);
+        let cv = V::splat(c);
+        let o = tile_o.as_ptr().add(t * (dh + 2) + 2);
+        let mut d = 0;
+        while d < dh {
+            V::fma(V::load(o.add(d)), cv, V::load(out.as_ptr().add(d))).store(out.as_mut_ptr().add(d));
+            d += 16;
+        }
+    }
+    let lv = V::splat(big_l);
+    let mut d = 0;
+    while d < dh {
+        V::div(V::load(out.as_ptr().add(d)), lv).store(out.as_mut_ptr().add(d));
+        d += 16;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Matrix products.
+
+/// Group offsets of the 16 lanes of half `h` of a chunk, relative to the half's first group,
+/// for `per_word` elements per word and groups of `gs` elements.
+fn half_group_index(per_word: usize, gs: usize) -> [[u32; 16]; 2] {
+    let mut idx = [[0u32; 16]; 2];
+    for (h, ih) in idx.iter_mut().enumerate() {
+        let first = 16 * h;
+        for (l, v) in ih.iter_mut().enumerate() {
+            *v = (((first + l) * per_word) / gs - (first * per_word) / gs) as u32;
+        }
+    }
+    idx
+}
+
+/// Widens `n` 16/32-bit floats of `b` to f32 (exact).
+#[inline(always)]
+fn widen(ft: FloatType, b: &[u8], out: &mut [f32]) {
+    match ft {
+        FloatType::BF16 => {
+            for (d, c) in out.iter_mut().zip(b.chunks_exact(2)) {
+                *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16);
+            }
+        }
+        ft => {
+            for (g, d) in out.iter_mut().enumerate() {
+                *d = ft.get(b, g);
+            }
+        }
+    }
+}
+
+/// A 4-bit affine matrix in the shape the fast paths take: every row a whole number of 16-word
+/// halves, groups of 16 elements or more (so a half holds at most 8 groups).
+pub(super) struct Q4<'a> {
+    codes: &'a [u8],
+    scales: &'a [u8],
+    biases: &'a [u8],
+    sdt: FloatType,
+    /// log2 of the group size (a power of two).
+    gs_log2: u32,
+    /// 32-bit words per row (`cols / 8`).
+    words: usize,
+    /// Groups per row.
+    groups: usize,
+    idx: [[u32; 16]; 2],
+}
+
+impl<'a> Q4<'a> {
+    pub(super) fn of(w: &'a Matrix) -> Option<Self> {
+        match &w.data {
+            MatrixData::Affine { bits: 4, group_size, weight, scales, biases, scale_dtype } => {
+                let (gs, words) = (*group_size, w.cols / 8);
+                let groups = w.cols / gs;
+                if words % 16 != 0 || !gs.is_power_of_two() || gs < 16 {
+                    return None;
+                }
+                Some(Self {
+                    codes: weight.as_slice(),
+                    scales: scales.as_slice(),
+                    biases: biases.as_slice(),
+                    sdt: *scale_dtype,
+                    gs_log2: gs.trailing_zeros(),
+                    words,
+                    groups,
+                    idx: half_group_index(8, gs),
+                })
+            }
+            _ => None,
+        }
+    }
+
+    /// Row `n`'s scales and biases widened into `s`, `b` (`groups` values each).
+    #[inline(always)]
+    fn row_scales(&self, n: usize, s: &mut [f32], b: &mut [f32]) {
+        let sb = self.groups * self.sdt.size();
+        widen(self.sdt, &self.scales[n * sb..(n + 1) * sb], &mut s[..self.groups]);
+        widen(self.sdt, &self.biases[n * sb..(n + 1) * sb], &mut b[..self.groups]);
+    }
+}
+
+/// One 16-word half `h` of every chunk of `RB` rows against `MR` tokens: decodes each word's 8
+/// codes with `fma(scale, q, bias)` and accumulates lane-wise (numerics §2, §2.1). `sb[r]` points
+/// at row `r`'s widened scales, then its biases (`groups + 8` floats each).
+#[inline(always)]
+unsafe fn q4_half<V: V16, const MR: usize, const RB: usize>(q: &Q4, rows: [*const u8; RB], sb: [*const f32; RB], xt: &Transposed, h: usize, acc: &mut [[V; RB]; MR]) {
+    let xstride = xt.stride();
+    let chunks = (q.words - 16 * h).div_ceil(32);
+    let idx = &q.idx[h];
+    let boff = q.groups + 8;
+    for c in 0..chunks {
+        let first_word = c * 32 + 16 * h;
+        let g0 = (first_word * 8) >> q.gs_log2;
+        let mut wd = [V::words(rows[0], 16); RB];
+        let mut sv = [V::zero(); RB];
+        let mut bv = [V::zero(); RB];
+        for r in 0..RB {
+            wd[r] = V::words(rows[r].add(first_word * 4), 16);
+            sv[r] = V::permute8(sb[r].add(g0), idx);
+            bv[r] = V::permute8(sb[r].add(boff + g0), idx);
+        }
+        for r in 0..RB {
+            _mm_prefetch::<_MM_HINT_T0>(rows[r].add(first_word * 4 + PREFETCH_BYTES) as *const i8);
+        }
+        let xb = xt.data.as_ptr().add(c * 8 * 32 + 16 * h);
+        q4_step::<V, MR, RB, 0>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 1>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 2>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 3>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 4>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 5>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 6>(xb, xstride, &wd, &sv, &bv, acc);
+        q4_step::<V, MR, RB, 7>(xb, xstride, &wd, &sv, &bv, acc);
+    }
+}
+
+/// Element `E` of 16 words of `RB` rows: decode, then one FMA per token.
+#[inline(always)]
+unsafe fn q4_step<V: V16, const MR: usize, const RB: usize, const E: u32>(xb: *const f32, xstride: usize, wd: &[V::W; RB], sv: &[V; RB], bv: &[V; RB], acc: &mut [[V; RB]; MR]) {
+    let mut xv = [V::zero(); MR];
+    for (i, x) in xv.iter_mut().enumerate() {
+        *x = V::load(xb.add(i * xstride + E as usize * 32));
+    }
+    for r in 0..RB {
+        let wv = V::fma(sv[r], V::nibble::<E>(wd[r]), bv[r]);
+        for i in 0..MR {
+            acc[i][r] = V::fma(wv, xv[i], acc[i][r]);
+        }
+    }
+}
+
+/// Bytes ahead of the current weight codes that the decode kernel asks the cache for: enough
+/// requests in flight to cover the memory latency on a bandwidth-starved core.
+const PREFETCH_BYTES: usize = 2048;
+
+/// `RB` rows from `n` of a 4-bit matrix against all `MR` tokens of `xt`; `buf` holds
+/// `RB · 2 · (groups + 8)` floats.
+#[inline(always)]
+unsafe fn q4_rows<V: V16, const MR: usize, const RB: usize>(q: &Q4, xt: &Transposed, n: usize, y: *mut f32, ldy: usize, buf: &mut [f32]) {
+    let per = 2 * (q.groups + 8);
+    let mut rows = [std::ptr::null::<u8>(); RB];
+    let mut sb = [std::ptr::null::<f32>(); RB];
+    for r in 0..RB {
+        let (s, b) = buf[r * per..(r + 1) * per].split_at_mut(q.groups + 8);
+        q.row_scales(n + r, s, b);
+        sb[r] = buf.as_ptr().add(r * per);
+        rows[r] = q.codes.as_ptr().add((n + r) * q.words * 4);
+    }
+    let mut a0 = [[V::zero(); RB]; MR];
+    q4_half::<V, MR, RB>(q, rows, sb, xt, 0, &mut a0);
+    let mut a1 = [[V::zero(); RB]; MR];
+    if q.words > 16 {
+        q4_half::<V, MR, RB>(q, rows, sb, xt, 1, &mut a1);
+    }
+    for i in 0..MR {
+        for r in 0..RB {
+            *y.add(i * ldy + n + r) = V::fold(a0[i][r], a1[i][r]);
+        }
+    }
+}
+
+/// Few tokens (decode) of a 4-bit matrix: each weight row is decoded in registers and used at
+/// once, `RB` rows per pass so their loads and FMA chains overlap.
+#[inline(always)]
+unsafe fn q4_matvec<V: V16, const MR: usize, const RB: usize>(q: &Q4, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
+    let per = 2 * (q.groups + 8);
+    if scratch.len() < RB * per {
+        scratch.resize(RB * per, 0.0);
+    }
+    let mut n = n0;
+    while n + RB <= n0 + count {
+        q4_rows::<V, MR, RB>(q, xt, n, y, ldy, scratch);
+        n += RB;
+    }
+    while n < n0 + count {
+        q4_rows::<V, MR, 1>(q, xt, n, y, ldy, scratch);
+        n += 1;
+    }
+}
+
+/// Per-row scales and biases widened to f32 once (affine formats), for the panel decode.
+struct RowScales {
+    s: Vec<f32>,
+    b: Vec<f32>,
+    /// Per half `h`: lane → group offset from the half's first group.
+    idx: [[u32; 16]; 2],
+}
+
+impl RowScales {
+    fn new(w: &Matrix) -> Self {
+        let (groups, per_word, gs) = match &w.data {
+            MatrixData::Affine { bits, group_size, .. } => (w.cols / group_size, (32 / bits) as usize, *group_size),
+            _ => (0, 1, 1),
+        };
+        Self { s: vec![0.0; groups + 8], b: vec![0.0; groups + 8], idx: half_group_index(per_word, gs) }
+    }
+
+    fn load(&mut self, w: &Matrix, rb: &super::RowBytes<'_>) {
+        if let MatrixData::Affine { scale_dtype, group_size, .. } = &w.data {
+            let n = w.cols / group_size;
+            widen(*scale_dtype, rb.scales, &mut self.s[..n]);
+            widen(*scale_dtype, rb.biases, &mut self.b[..n]);
+        }
+    }
+}
+
+/// Decodes 16 lanes (half `h` of chunk `c`) of a row into `out[e]`, `e < E`.
+#[inline(always)]
+unsafe fn decode16<V: V16>(w: &Matrix, rb: &super::RowBytes<'_>, rs: &RowScales, c: usize, h: usize, lanes: usize, out: &mut [V; 8]) {
+    let first_word = c * 32 + h * 16;
+    let words = V::words(rb.words.as_ptr().add(first_word * 4), lanes);
+    match &w.data {
+        MatrixData::Affine { bits, group_size, .. } => {
+            let per_word = (32 / bits) as usize;
+            let g0 = first_word * per_word / group_size;
+            let s = V::permute8(rs.s.as_ptr().add(g0), &rs.idx[h]);
+            let b = V::permute8(rs.b.as_ptr().add(g0), &rs.idx[h]);
+            let mask = (1u32 << bits) - 1;
+            for (e, o) in out.iter_mut().enumerate().take(per_word) {
+                *o = V::fma(s, V::field(words, bits * e as u32, mask), b);
+            }
+        }
+        MatrixData::Float { dtype: FloatType::BF16, .. } => {
+            out[0] = V::bf16(words, false);
+            out[1] = V::bf16(words, true);
+        }
+        MatrixData::Float { dtype: FloatType::F16, .. } => {
+            out[0] = V::f16(words, false);
+            out[1] = V::f16(words, true);
+        }
+        MatrixData::Float { dtype: FloatType::F32, .. } => {
+            out[0] = V::bits(words);
+        }
+    }
+}
+
+/// Decodes row `n` of `w` into lane order at `dst` (`chunks · E · 32` floats, 0 past the last
+/// word), any format.
+#[inline(always)]
+unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &mut RowScales, dst: *mut f32) {
+    let e_n = xt.per_word;
+    let rb = super::row_bytes(w, n);
+    rs.load(w, &rb);
+    let mut dec = [V::zero(); 8];
+    for c in 0..xt.chunks {
+        let words = (xt.words - c * 32).min(32);
+        for h in 0..2 {
+            let lanes = words.saturating_sub(16 * h).min(16);
+            if lanes == 0 {
+                for e in 0..e_n {
+                    V::zero().store(dst.add((c * e_n + e) * 32 + 16 * h));
+                }
+                continue;
+            }
+            decode16::<V>(w, &rb, rs, c, h, lanes, &mut dec);
+            for (e, d) in dec.iter().enumerate().take(e_n) {
+                d.store(dst.add((c * e_n + e) * 32 + 16 * h));
+            }
+        }
+    }
+}
+
+/// `MR` tokens × `NR` decoded rows over `steps` 32-lane steps (`steps = chunks · E` for the
+/// whole row, fewer for a K block): one 16-lane half at a time, so each output needs one
+/// accumulator. `xs[i]`, `ws[r]` point at the first step. The partial lane sums come from and
+/// go to `acc` (`[MR][NR][32]` floats at `acc[i·ld + r·32]`) unless `first` (start from +0.0) or
+/// `last` (fold the 32 lanes and return the outputs instead of storing).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize, acc_p: *mut f32, ld: usize, first: bool, last: bool) -> [[f32; NR]; MR] {
+    let mut half0 = [[V::zero(); NR]; MR];
+    let mut out = [[0.0f32; NR]; MR];
+    for h in 0..2 {
+        let mut acc = [[V::zero(); NR]; MR];
+        if !first {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r] = V::load(acc_p.add(i * ld + r * 32 + 16 * h));
+                }
+            }
+        }
+        for s in 0..steps {
+            let off = s * 32 + 16 * h;
+            let mut xv = [V::zero(); MR];
+            for i in 0..MR {
+                xv[i] = V::load(xs[i].add(off));
+            }
+            for r in 0..NR {
+                let wv = V::load(ws[r].add(off));
+                for i in 0..MR {
+                    acc[i][r] = V::fma(wv, xv[i], acc[i][r]);
+                }
+            }
+        }
+        if !last {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r].store(acc_p.add(i * ld + r * 32 + 16 * h));
+                }
+            }
+        } else if h == 0 {
+            half0 = acc;
+        } else {
+            for i in 0..MR {
+                for r in 0..NR {
+                    out[i][r] = V::fold(half0[i][r], acc[i][r]);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Tokens per block of the panel path: the block's inputs stay in L2 while every row of the
+/// task passes over them.
+const TOKEN_BLOCK: usize = 64;
+/// 32-lane steps per K block of the panel path (512 elements at 8 per word): a block of the
+/// task's panel stays in L1 while every token of the token block passes over it.
+const K_STEPS: usize = 16;
+
+/// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
+/// in lane order; then per token block and K block, `NR` rows × `MR` tokens at a time run
+/// [`micro`], the partial lane sums parked in a buffer between K blocks (stored and reloaded
+/// f32 values: the per-lane order of numerics §2 is unchanged). Partial blocks repeat the last
+/// valid token or row and store only valid outputs.
+#[inline(always)]
+unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, panel: &mut Vec<f32>) {
+    let plen = xt.stride();
+    let steps = xt.chunks * xt.per_word;
+    let rows_pad = count.div_ceil(NR) * NR;
+    // Panel rows, then the lane sums [TOKEN_BLOCK + MR][rows_pad][32].
+    let acc_len = (TOKEN_BLOCK + MR) * rows_pad * 32;
+    panel.clear();
+    panel.resize(count * plen + acc_len, 0.0);
+    let mut rs = RowScales::new(w);
+    for r in 0..count {
+        decode_row_lanes::<V>(w, n0 + r, xt, &mut rs, panel.as_mut_ptr().add(r * plen));
+    }
+    let acc_base = panel.as_mut_ptr().add(count * plen);
+    let ld = rows_pad * 32;
+    let mut tb = 0;
+    while tb < xt.rows {
+        let t_end = (tb + TOKEN_BLOCK).min(xt.rows);
+        let mut k0 = 0;
+        while k0 < steps {
+            let ks = K_STEPS.min(steps - k0);
+            let (first, last) = (k0 == 0, k0 + ks == steps);
+            let mut r = 0;
+            while r < count {
+                let nr = NR.min(count - r);
+                let mut ws = [std::ptr::null::<f32>(); NR];
+                for (j, wp) in ws.iter_mut().enumerate() {
+                    *wp = panel.as_ptr().add((r + j.min(nr - 1)) * plen + k0 * 32);
+                }
+                let mut t = tb;
+                while t < t_end {
+                    let mr = MR.min(t_end - t);
+                    let mut xs = [std::ptr::null::<f32>(); MR];
+                    for (i, xp) in xs.iter_mut().enumerate() {
+                        *xp = xt.data.as_ptr().add((t + i.min(mr - 1)) * plen + k0 * 32);
+                    }
+                    let out = micro::<V, MR, NR>(xs, ws, ks, acc_base.add((t - tb) * ld + r * 32), ld, first, last);
+                    if last {
+                        for (i, row) in out.iter().enumerate().take(mr) {
+                            for (j, &v) in row.iter().enumerate().take(nr) {
+                                *y.add((t + i) * ldy + n0 + r + j) = v;
+                            }
+                        }
+                    }
+                    t += mr;
+                }
+                r += nr;
+            }
+            k0 += ks;
+        }
+        tb = t_end;
+    }
+}
+
+/// The entry points of one instruction set, each compiled with its target features.
+macro_rules! isa_module {
+    ($name:ident, $feat:literal, $v:ty, $rb:literal, $mr:literal, $nr:literal) => {
+        pub(crate) mod $name {
+            use super::*;
+
+            /// Rows per pass of the decode kernel, tokens × rows of the panel kernel.
+            pub(crate) const MATVEC_ROWS: usize = $rb;
+            pub(crate) const PANEL_ROWS: usize = $nr;
+
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+                dot1::<$v>(a.as_ptr(), b.as_ptr(), a.len())
+            }
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(crate) unsafe fn gdn(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
+                gdn_rows::<$v>(s, dk, k, q, alpha, beta, v, o)
+            }
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(crate) unsafe fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
+                super::attend::<$v>(q, keys, values, p, stride, head_off, scores, tile_o, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn silu(x: &mut [f32]) {
+                silu_slice::<$v>(x)
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn swiglu(g: &[f32], u: &[f32], out: &mut [f32]) {
+                super::swiglu::<$v>(g, u, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn gated_norm(o: &[f32], inv: f32, w: &[f32], z: &[f32], out: &mut [f32]) {
+                super::gated_norm::<$v>(o, inv, w, z, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn sigmoid_mul(x: &mut [f32], g: &[f32]) {
+                super::sigmoid_mul::<$v>(x, g)
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn exp_shifted(s: &[f32], m: f32, out: &mut [f32]) {
+                super::exp_shifted::<$v>(s, m, out)
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn rms_norm_row(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+                super::rms_norm_row::<$v>(x, w, eps, out)
+            }
+            /// The conv + SiLU of [`crate::backend::cpu::kernels::gdn_conv`], its scalar FMAs
+            /// compiled as the FMA instruction (the bits of the library call).
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(crate) unsafe fn gdn_conv(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1);
+                for t in 0..t_len {
+                    silu_slice::<$v>(&mut y[t * cd + ch0..t * cd + ch1]);
+                }
+            }
+            #[target_feature(enable = $feat)]
+            pub(crate) unsafe fn matmul(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, panel: &mut Vec<f32>) {
+                if xt.rows <= 4 {
+                    if let Some(q) = Q4::of(w) {
+                        return match xt.rows {
+                            1 => q4_matvec::<$v, 1, $rb>(&q, xt, y, ldy, n0, count, panel),
+                            2 => q4_matvec::<$v, 2, $rb>(&q, xt, y, ldy, n0, count, panel),
+                            3 => q4_matvec::<$v, 3, $rb>(&q, xt, y, ldy, n0, count, panel),
+                            _ => q4_matvec::<$v, 4, $rb>(&q, xt, y, ldy, n0, count, panel),
+                        };
+                    }
+                }
+                gemm::<$v, $mr, $nr>(w, xt, y, ldy, n0, count, panel)
+            }
+        }
+    };
+}
+
+isa_module!(avx512, "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2", Z, 2, 4, 6);
+isa_module!(avx2, "avx2,fma,f16c", Y2, 1, 2, 2);

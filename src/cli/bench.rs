@@ -1,0 +1,261 @@
+//! `tensorfold bench`: prompt processing and decode speed of a checkpoint, set against the
+//! memory bandwidth and the FMA peak of the same machine measured in the same run.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use tensorfold::backend::cpu::{machine, Cpu};
+use tensorfold::backend::Backend;
+use tensorfold::bench::{self, Kind, Phase, Plan, Spread};
+use tensorfold::engine::{Engine, DEFAULT_CHUNK};
+use tensorfold::model::cost::Costs;
+use tensorfold::model::weights::MatrixData;
+use tensorfold::model::{HostModel, Model};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model directory; default: the demo model.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// Prompt lengths to time (prompt processing from an empty sequence).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "128,512,4096")]
+    pub prompts: Vec<usize>,
+    /// Contexts at which to time decode.
+    #[arg(short = 'c', long = "decode-context", value_delimiter = ',', default_value = "0,512,4096")]
+    pub contexts: Vec<usize>,
+    /// Tokens generated per decode phase.
+    #[arg(short = 'n', long = "n-gen", default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Repetitions of every phase; the median and the spread are reported.
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    pub repeats: usize,
+    /// Tokens per prompt-processing step.
+    #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
+    pub chunk: usize,
+    /// Threads (default: `TENSORFOLD_THREADS`, else one per core).
+    #[arg(short = 't', long = "threads")]
+    pub threads: Option<usize>,
+    /// Where to run (`cpu`; `cuda` needs the device's own bandwidth and peak measurements).
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: super::Device,
+    /// Also write the figures as JSON to this file.
+    #[arg(long = "json")]
+    pub json: Option<PathBuf>,
+}
+
+/// What the device can do at best, measured in this run.
+#[derive(Clone, Debug, serde::Serialize)]
+struct MachineFigures {
+    description: String,
+    /// Copy bandwidth samples, bytes/s.
+    copy_bandwidth: Vec<f64>,
+    copy_bandwidth_method: String,
+    /// FLOP/s.
+    fma_peak: f64,
+    fma_peak_method: String,
+}
+
+#[derive(serde::Serialize)]
+struct PhaseReport {
+    name: String,
+    #[serde(flatten)]
+    phase: Phase,
+    tokens_per_second: Spread,
+    ms_per_token: Spread,
+    /// Decode: bytes per token (averaged over the phase's contexts).
+    bytes_per_token: Option<f64>,
+    /// Decode: achieved GB/s (1e9 bytes) and % of the median copy bandwidth.
+    gb_per_second: Option<Spread>,
+    percent_of_bandwidth: Option<f64>,
+    /// Prompt: achieved GFLOP/s and % of the FMA peak.
+    gflop_per_second: Option<Spread>,
+    percent_of_fma_peak: Option<f64>,
+}
+
+#[derive(serde::Serialize)]
+struct Report {
+    tool: &'static str,
+    date: String,
+    commit: String,
+    cpu: String,
+    model: String,
+    model_summary: String,
+    backend: String,
+    machine: MachineFigures,
+    copy_bandwidth_gb_s: Spread,
+    fma_peak_gflop_s: f64,
+    chunk: usize,
+    decode_tokens: usize,
+    repetitions: usize,
+    phases: Vec<PhaseReport>,
+    definitions: Vec<&'static str>,
+}
+
+const DEFINITIONS: &[&str] = &[
+    "decode bytes per token = every weight byte the token reads (packed codes, scales and biases of every projection, the whole LM head, one embedding row, the f32 norm/conv/gate vectors) + GDN conv and recurrent state read and written + KV cache read at the token's context + the new KV row written",
+    "bandwidth = (bytes read + bytes written) / time of copying a 512 MiB buffer into another with every thread (memcpy on contiguous slices), median of 10 copies taken before and after the phases",
+    "prompt FLOPs = 2 x multiply-adds of every layer projection per token + the LM head for each chunk's last row + attention 4*Hq*Dh per (query, key) pair + delta rule 7*Hv*dv*dk per token per GDN layer (norms, conv, activations not counted)",
+    "FMA peak = every thread at once running 12 independent chains of vector FMAs (the selected ISA's widest: 16 lanes AVX-512, 8 AVX2, scalar portable), 2 FLOP per lane per FMA, best of 3",
+    "decode feeds fixed token ids one at a time and reads each token's logits back; sampling is not timed",
+];
+
+fn commit() -> String {
+    let dir = env!("CARGO_MANIFEST_DIR");
+    std::process::Command::new("git")
+        .args(["-C", dir, "describe", "--always", "--dirty", "--abbrev=12"])
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn cpu_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string())
+}
+
+/// CPU: copy bandwidth (5 copies) and the FMA peak (best of 3, about 0.3 s each).
+fn cpu_machine(cpu: &Cpu) -> MachineFigures {
+    let probe = 200_000;
+    let t = std::time::Instant::now();
+    cpu.fma_peak(probe);
+    let iters = ((0.3 / t.elapsed().as_secs_f64().max(1e-6)) * probe as f64) as usize;
+    let peak = (0..3).map(|_| cpu.fma_peak(iters.max(probe))).fold(0.0, f64::max);
+    MachineFigures {
+        description: format!("{} thread(s), {}", cpu.threads(), cpu.isa().name()),
+        copy_bandwidth: cpu.copy_bandwidth(5),
+        copy_bandwidth_method: format!("memcpy of {} MiB with {} thread(s)", machine::COPY_BUFFER_BYTES >> 20, cpu.threads()),
+        fma_peak: peak,
+        fma_peak_method: format!("12 chains x {} lanes of {} FMAs per thread, {} thread(s)", machine::lanes(cpu.isa()), cpu.isa().name(), cpu.threads()),
+    }
+}
+
+fn gib(b: f64) -> String {
+    format!("{:.1} MiB", b / (1u64 << 20) as f64)
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    let dir = super::model_dir(a.model.as_deref())?;
+    let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
+    let costs = Costs::of(&host.config, &host.loaded.weights);
+    if a.chunk == 0 || a.repeats == 0 {
+        bail!("--chunk and --repetitions must be at least 1");
+    }
+    let max_pos = host.config.max_position_embeddings;
+    let top = a.prompts.iter().chain(&a.contexts).max().copied().unwrap_or(0) + a.decode_tokens;
+    if top > max_pos {
+        bail!("the bench would reach position {top}, beyond max_position_embeddings ({max_pos}) of {}", dir.display());
+    }
+    let quant = match &host.loaded.weights.embed_tokens.data {
+        MatrixData::Affine { bits, group_size, .. } => format!("MLX affine {bits}-bit g{group_size}"),
+        MatrixData::Float { dtype, .. } => format!("{dtype:?}"),
+    };
+    let model_summary = format!("{:.3} B parameters, {quant}, {} layers, hidden {}", costs.parameters as f64 / 1e9, host.config.num_hidden_layers, host.config.hidden_size);
+    let plan = Plan { prompt_lens: a.prompts.clone(), decode_contexts: a.contexts.clone(), decode_tokens: a.decode_tokens, repeats: a.repeats };
+    match a.device {
+        super::Device::Cuda(_) => bail!("bench --device cuda: the device's bandwidth and FMA peak measurements are not written yet; the timed phases (tensorfold::bench::run) are backend-agnostic"),
+        super::Device::Cpu => {
+            let threads = a.threads.unwrap_or_else(|| Cpu::new().threads());
+            let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
+            eprintln!("measuring the machine (copy bandwidth, FMA peak) ...");
+            let mut m = cpu_machine(&cpu);
+            let describe = cpu.describe();
+            let model = Model::new(&host, cpu)?;
+            let phases = run(model, &costs, &a, &plan)?;
+            // Bandwidth again after the phases (drift, other load).
+            let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
+            m.copy_bandwidth.extend(cpu.copy_bandwidth(5));
+            report(&a, &dir, model_summary, describe, m, phases)
+        }
+    }
+}
+
+fn run<B: Backend>(model: Model<B>, costs: &Costs, a: &BenchArgs, plan: &Plan) -> Result<Vec<Phase>> {
+    let mut engine = Engine::new(model, a.chunk)?;
+    Ok(bench::run(&mut engine, costs, a.chunk, plan, &mut |s| eprintln!("  {s}"))?)
+}
+
+fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: String, m: MachineFigures, phases: Vec<Phase>) -> Result<()> {
+    let bw = Spread::of(&m.copy_bandwidth);
+    let date = jiff::fmt::strtime::format("%Y-%m-%d %H:%M:%S %Z", &jiff::ZonedDateTime::now()).unwrap_or_default();
+    let mut rows = Vec::new();
+    for p in phases {
+        let t = Spread::of(&p.seconds);
+        let n = p.tokens as f64;
+        let tps = t.map_decreasing(|s| n / s);
+        let ms = Spread { median: 1e3 * t.median / n, min: 1e3 * t.min / n, max: 1e3 * t.max / n };
+        let (mut bpt, mut gbs, mut pbw, mut gfs, mut ppk) = (None, None, None, None, None);
+        match p.kind {
+            Kind::Decode => {
+                let bytes = p.bytes as f64;
+                bpt = Some(bytes / n);
+                let g = t.map_decreasing(|s| bytes / s / 1e9);
+                pbw = Some(100.0 * g.median * 1e9 / bw.median);
+                gbs = Some(g);
+            }
+            Kind::Prompt => {
+                let f = p.flops as f64;
+                let g = t.map_decreasing(|s| f / s / 1e9);
+                ppk = Some(100.0 * g.median * 1e9 / m.fma_peak);
+                gfs = Some(g);
+            }
+        }
+        rows.push(PhaseReport { name: p.name(), phase: p, tokens_per_second: tps, ms_per_token: ms, bytes_per_token: bpt, gb_per_second: gbs, percent_of_bandwidth: pbw, gflop_per_second: gfs, percent_of_fma_peak: ppk });
+    }
+    let r = Report {
+        tool: "tensorfold bench",
+        date,
+        commit: commit(),
+        cpu: cpu_name(),
+        model: dir.display().to_string(),
+        model_summary,
+        backend,
+        copy_bandwidth_gb_s: Spread { median: bw.median / 1e9, min: bw.min / 1e9, max: bw.max / 1e9 },
+        fma_peak_gflop_s: m.fma_peak / 1e9,
+        machine: m,
+        chunk: a.chunk,
+        decode_tokens: a.decode_tokens,
+        repetitions: a.repeats,
+        phases: rows,
+        definitions: DEFINITIONS.to_vec(),
+    };
+    println!("tensorfold bench  {}  commit {}", r.date, r.commit);
+    println!("model    {} ({})", r.model, r.model_summary);
+    println!("device   {} on {}", r.backend, r.cpu);
+    println!(
+        "machine  copy bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {})",
+        r.copy_bandwidth_gb_s.median, r.copy_bandwidth_gb_s.min, r.copy_bandwidth_gb_s.max, r.machine.copy_bandwidth_method
+    );
+    println!("         f32 FMA peak {:.1} GFLOP/s ({})", r.fma_peak_gflop_s, r.machine.fma_peak_method);
+    println!("{} repetitions per phase; median (min-max)", r.repetitions);
+    println!();
+    println!("{:<12} {:>22} {:>9} {:>13} {:>20} {:>8}", "phase", "tokens/s", "ms/tok", "bytes/tok", "GB/s | GFLOP/s", "% peak");
+    for p in &r.phases {
+        let tps = format!("{:.1} ({:.1}-{:.1})", p.tokens_per_second.median, p.tokens_per_second.min, p.tokens_per_second.max);
+        let (bytes, rate, pct) = match p.phase.kind {
+            Kind::Decode => {
+                let g = p.gb_per_second.unwrap();
+                (gib(p.bytes_per_token.unwrap()), format!("{:.2} GB/s", g.median), format!("{:.0}% bw", p.percent_of_bandwidth.unwrap()))
+            }
+            Kind::Prompt => {
+                let g = p.gflop_per_second.unwrap();
+                ("-".to_string(), format!("{:.1} GFLOP/s", g.median), format!("{:.0}% fma", p.percent_of_fma_peak.unwrap()))
+            }
+        };
+        println!("{:<12} {:>22} {:>9.2} {:>13} {:>20} {:>8}", p.name, tps, p.ms_per_token.median, bytes, rate, pct);
+    }
+    println!();
+    for d in DEFINITIONS {
+        println!("- {d}");
+    }
+    if let Some(path) = &a.json {
+        let s = serde_json::to_string_pretty(&r)?;
+        std::fs::write(path, s + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("figures written to {}", path.display());
+    }
+    Ok(())
+}
