@@ -69,6 +69,26 @@ gpu_timing() {
   done
 }
 
+gpu_bench() {
+  synth_models
+  mkdir -p "$OUT/bench"
+  for p in ${PRESETS:-0.8b 2b 4b 9b}; do
+    log "bench --device cuda $p"
+    reps=2; [ "$p" = 2b ] && reps=3
+    $TF bench --device cuda -m /tmp/tf/models/$p -p 512,4096 -c 0,512,4096 -n 128 -r $reps --json "$OUT/bench/$p.json" 2>&1 | grep -v "^  " | head -16 | tee -a "$OUT/summary.txt"
+  done
+}
+
+quick_verify() {
+  synth_models
+  for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/2b; do
+    log "verify $m (300-token prompt, 200 steps)"
+    $TF verify -m $m --steps 200 --random-prompt 300 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  done
+  log "verify demo"
+  $TF verify --steps 200 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+}
+
 sanitizer() {
   log "compute-sanitizer memcheck: a prompt chunk and decode steps on the demo model"
   compute-sanitizer --tool memcheck --leak-check none $TF run --device cuda -p "def fibonacci(n):" -n 4 --temp 0 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
@@ -82,6 +102,8 @@ case "${1:-all}" in
   long) long_context ;;
   timing) gpu_timing ;;
   sanitizer) sanitizer ;;
+  bench) gpu_bench ;;
+  quick-verify) quick_verify ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

@@ -175,6 +175,8 @@ enum Chooser {
 /// A recorded step.
 struct Recorded {
     graph: cudarc::driver::CudaGraph,
+    /// Kernel launches recorded into it.
+    nodes: u64,
     /// The token-choosing kernel recorded with it, if any.
     chooser: Option<Chooser>,
 }
@@ -255,6 +257,8 @@ struct Step {
     launches: u64,
     /// Host synchronisations (waits for the device).
     waits: u64,
+    /// `launches` when the current capture began.
+    capture_start: u64,
 }
 
 /// The CUDA backend on one device.
@@ -348,6 +352,7 @@ impl Cuda {
             error: None,
             launches: 0,
             waits: 0,
+            capture_start: 0,
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         Ok(Self {
@@ -382,6 +387,11 @@ impl Cuda {
     /// Graphs recorded so far.
     pub fn graphs(&self) -> usize {
         self.step.lock().unwrap().graphs.len()
+    }
+
+    /// Kernel nodes of the recorded one-row decode graphs (the largest, if several).
+    pub fn decode_graph_nodes(&self) -> Option<u64> {
+        self.step.lock().unwrap().graphs.iter().filter(|(k, _)| k.rows == 1).map(|(_, r)| r.nodes).max()
     }
 
     /// Device copy bandwidth in bytes/s, counting bytes read plus bytes written: the median of
@@ -863,7 +873,8 @@ impl Backend for Cuda {
                 graph.upload().map_err(|e| dev_err("uploading a graph", e))?;
                 graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 let chooser = st.captured_chooser.take();
-                st.graphs.insert(key, Recorded { graph, chooser });
+                let nodes = st.launches - st.capture_start;
+                st.graphs.insert(key, Recorded { graph, nodes, chooser });
             }
             Mode::Replaying(key) => {
                 st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
@@ -915,7 +926,10 @@ impl Backend for Cuda {
                     return;
                 }
                 match self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
-                    Ok(()) => st.mode = Mode::Capturing(key),
+                    Ok(()) => {
+                        st.mode = Mode::Capturing(key);
+                        st.capture_start = st.launches;
+                    }
                     Err(e) => {
                         st.error.get_or_insert(dev_err("beginning graph capture", e));
                     }
