@@ -75,7 +75,15 @@ gpu_bench() {
   for p in ${PRESETS:-0.8b 2b 4b 9b}; do
     log "bench --device cuda $p"
     reps=2; [ "$p" = 2b ] && reps=3
-    $TF bench --device cuda -m /tmp/tf/models/$p -p 512,4096 -c 0,512,4096 -n 128 -r $reps --json "$OUT/bench/$p.json" 2>&1 | grep -v "^  " | head -16 | tee -a "$OUT/summary.txt"
+    $TF bench --device cuda -m /tmp/tf/models/$p -p 512,4096 -c 0,512,4096 -n 128 -r $reps --json "$OUT/bench/$p.json" 2>&1 | grep -v "^  [a-z]" | grep -v "^- " | tee -a "$OUT/summary.txt"
+  done
+}
+
+profile() {
+  PRESETS="${PRESETS:-2b}" synth_models
+  for p in ${PRESETS:-2b}; do
+    log "bench --profile $p"
+    $TF bench --device cuda -m /tmp/tf/models/$p -p 512 -c 512 -n 64 -r 2 --profile 2>&1 | grep -v "^  [a-z]" | grep -v "^- " | tee -a "$OUT/summary.txt"
   done
 }
 
@@ -103,6 +111,7 @@ case "${1:-all}" in
   timing) gpu_timing ;;
   sanitizer) sanitizer ;;
   bench) gpu_bench ;;
+  profile) profile ;;
   quick-verify) quick_verify ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;

@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Where to run (`cpu`; `cuda` needs the device's own bandwidth and peak measurements).
     #[arg(long = "device", default_value = "cpu")]
     pub device: super::Device,
+    /// GPU: also time every kernel of 32 decode tokens run without graphs (CUDA events) and print
+    /// the device time per kernel.
+    #[arg(long)]
+    pub profile: bool,
     /// Also write the figures as JSON to this file.
     #[arg(long = "json")]
     pub json: Option<PathBuf>,
@@ -187,9 +191,28 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let launches = (b.launches() - l0) as f64 / 64.0;
             let waits = (b.host_waits() - w0) as f64 / 64.0;
             let nodes = b.decode_graph_nodes().unwrap_or(0);
-            let notes = vec![
+            let mut notes = vec![
                 format!("a decode token: 1 CUDA graph launch of {nodes} kernels + {launches:.1} other kernel launches, {waits:.1} host wait(s)"),
             ];
+            if a.profile {
+                // The same tokens eagerly, each kernel between two events.
+                b.set_graphs(false);
+                b.set_profile(true);
+                let t = std::time::Instant::now();
+                for _ in 0..32 {
+                    tok = engine.feed_greedy(&mut s, &[tok], v, &mut |_, _| {})?;
+                }
+                let wall = t.elapsed().as_secs_f64() * 1e3 / 32.0;
+                let b = &engine.model.backend;
+                let rep = b.profile_report()?;
+                b.set_profile(false);
+                b.set_graphs(true);
+                let total: f64 = rep.iter().map(|r| r.1).sum::<f64>() / 32.0;
+                notes.push(format!("profile (32 eager decode tokens at context ~{}): {total:.3} ms of kernel time per token, {wall:.3} ms wall per eager token", s.position()));
+                for (name, ms, n) in rep {
+                    notes.push(format!("  {name:<22} {:>8.1} us/token  ({} launches/token, {:.2} us each)", 1e3 * ms / 32.0, n / 32, 1e3 * ms / n as f64));
+                }
+            }
             report(&a, &dir, model_summary, describe, m, phases, notes)
         }
         super::Device::Cpu => {

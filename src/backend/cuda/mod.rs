@@ -259,6 +259,9 @@ struct Step {
     waits: u64,
     /// `launches` when the current capture began.
     capture_start: u64,
+    /// Kernel timings while profiling: (name, start event, end event).
+    profile: Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+    event_pool: Vec<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
 }
 
 /// The CUDA backend on one device.
@@ -353,6 +356,8 @@ impl Cuda {
             launches: 0,
             waits: 0,
             capture_start: 0,
+            profile: None,
+            event_pool: Vec::new(),
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         Ok(Self {
@@ -465,12 +470,59 @@ impl Cuda {
         if matches!(st.mode, Mode::Replaying(_)) {
             return;
         }
+        // Profiling (eager steps only): events around the launch, summed per kernel name.
+        let timed = st.profile.is_some() && st.mode == Mode::Eager;
+        let start = if timed { self.event_pair(&mut st).ok() } else { None };
+        if let Some((a, _)) = &start {
+            let _ = a.record(&self.stream);
+        }
         if let Err(e) = f(&mut st) {
             if st.error.is_none() {
                 st.error = Some(dev_err(what, e));
             }
         }
+        if let Some((a, b)) = start {
+            let _ = b.record(&self.stream);
+            if let Some(p) = st.profile.as_mut() {
+                p.push((what.to_string(), a, b));
+            }
+        }
         st.launches += 1;
+    }
+
+    fn event_pair(&self, st: &mut Step) -> Result<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent), cudarc::driver::DriverError> {
+        if let Some(pair) = st.event_pool.pop() {
+            return Ok(pair);
+        }
+        let ctx = self.stream.context();
+        Ok((ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?))
+    }
+
+    /// Starts (`true`) or stops timing every eagerly launched kernel with CUDA events.
+    pub fn set_profile(&self, on: bool) {
+        let mut st = self.step.lock().unwrap();
+        st.profile = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// Device time per kernel name (milliseconds, launches) since profiling started, sorted by
+    /// time; clears the record.
+    pub fn profile_report(&self) -> Result<Vec<(String, f64, usize)>, BackendError> {
+        let mut st = self.step.lock().unwrap();
+        let recs = match st.profile.as_mut() {
+            Some(p) => std::mem::take(p),
+            None => return Ok(Vec::new()),
+        };
+        let mut sums: HashMap<String, (f64, usize)> = HashMap::new();
+        for (name, a, b) in recs {
+            let ms = a.elapsed_ms(&b).map_err(|e| dev_err("profile", e))? as f64;
+            let e = sums.entry(name).or_insert((0.0, 0));
+            e.0 += ms;
+            e.1 += 1;
+            st.event_pool.push((a, b));
+        }
+        let mut v: Vec<(String, f64, usize)> = sums.into_iter().map(|(k, (t, n))| (k, t, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(v)
     }
 
     /// Queues the kernel that picks each row's next id (recorded into a graph being captured;

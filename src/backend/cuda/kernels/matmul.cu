@@ -43,8 +43,8 @@ __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
 
 // Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
 // partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
-// of a word ascending. Words are loaded four at a time (independent loads in flight), which
-// keeps each lane's order: j, j+32, j+64, j+96.
+// of a word ascending. Words are loaded eight at a time (independent loads in flight), which
+// keeps each lane's order: j, j+32, j+64, ...
 template <int T, int R, int FMT>
 __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows, const float* x, u32 ldx, u32 t0, u32 nt,
                                            float (&acc)[T][R]) {
@@ -67,7 +67,7 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
     for (int t = 0; t < T; t++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
-    const int U = 4;
+    const int U = 8;
     for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
         u32 wd[U][R];
 #pragma unroll
