@@ -114,5 +114,6 @@ case "${1:-all}" in
   profile) profile ;;
   quick-verify) quick_verify ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
+  final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

@@ -1010,7 +1010,7 @@ impl Backend for Cuda {
         let cols = x.cols as u32;
         let f = self.func("rms_norm_rows");
         self.launch("rms_norm_rows", |_| unsafe {
-            self.stream.launch_builder(f).arg(&x.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 256, 0))
+            self.stream.launch_builder(f).arg(&x.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 512, 0))
         });
     }
 
@@ -1018,7 +1018,7 @@ impl Backend for Cuda {
         let cols = x.cols as u32;
         let f = self.func("add_rms_norm_rows");
         self.launch("add_rms_norm_rows", |_| unsafe {
-            self.stream.launch_builder(f).arg(&mut x.buf).arg(&y.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 256, 0))
+            self.stream.launch_builder(f).arg(&mut x.buf).arg(&y.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 512, 0))
         });
     }
 

@@ -32,10 +32,15 @@ template <> struct Fmt<1> { enum { E = 2 }; };
 template <> struct Fmt<0> { enum { E = 1 }; };
 
 // Element e of word `wd` of a row whose group scale/bias are s, b.
+// float(q) for a code q < 2^23 without an integer-to-float conversion (a quarter-rate
+// instruction that bounds decode): 2^23 + q is exact in the mantissa, and subtracting 2^23 is
+// exact. The value is bit-identical to (float)q.
+__device__ __forceinline__ float code_to_float(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+
 template <int FMT>
 __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
-    if (FMT == 4) return fmaf(s, (float)((wd >> (4 * e)) & 15u), b);
-    if (FMT == 8) return fmaf(s, (float)((wd >> (8 * e)) & 255u), b);
+    if (FMT == 4) return fmaf(s, code_to_float((wd >> (4 * e)) & 15u), b);
+    if (FMT == 8) return fmaf(s, code_to_float((wd >> (8 * e)) & 255u), b);
     if (FMT == 2) return bf16_to_f32(e == 0 ? (wd & 0xffffu) : (wd >> 16));
     if (FMT == 1) return f16_to_f32((u16)(e == 0 ? (wd & 0xffffu) : (wd >> 16)));
     return __uint_as_float(wd);
