@@ -87,6 +87,15 @@ profile() {
   done
 }
 
+ncu_profile() {
+  PRESETS=2b synth_models
+  log "ncu: decode kernels of 2b (eager)"
+  TENSORFOLD_CUDA_GRAPHS=0 ncu --clock-control none -k regex:"matmul_t1r1|add_rms_norm_rows|gdn_heads|gdn_conv|attn_tiles|matmul_swiglu_t1" -s 40 -c 12 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    $TF run --device cuda -m /tmp/tf/models/2b --prompt-ids 1,2,3 -n 3 --temp 0 > "$OUT/ncu.txt" 2>&1
+  grep -E "^  [a-z_]+|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Grid Size|Stall|Warp Cycles Per Issued|Issue Slots|Waves Per SM" "$OUT/ncu.txt" | head -150
+}
+
 quick_verify() {
   synth_models
   for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/2b; do
@@ -99,7 +108,7 @@ quick_verify() {
 
 sanitizer() {
   log "compute-sanitizer memcheck: a prompt chunk and decode steps on the demo model"
-  compute-sanitizer --tool memcheck --leak-check none $TF run --device cuda -p "def fibonacci(n):" -n 4 --temp 0 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
+  compute-sanitizer --tool memcheck $TF run --device cuda -p "def fibonacci(n):" -n 4 --temp 0 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
   log "compute-sanitizer racecheck"
   compute-sanitizer --tool racecheck $TF run --device cuda -p "def fibonacci(n):" -n 2 --temp 0 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
 }
@@ -112,6 +121,7 @@ case "${1:-all}" in
   sanitizer) sanitizer ;;
   bench) gpu_bench ;;
   profile) profile ;;
+  ncu) ncu_profile ;;
   quick-verify) quick_verify ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
