@@ -87,6 +87,16 @@ profile() {
   done
 }
 
+clocks() {
+  PRESETS=2b synth_models
+  log "SM clock while bench runs decode on 2b (sampled every 50 ms)"
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,utilization.gpu --format=csv,noheader -lms 50 > "$OUT/clocks.csv" &
+  smi=$!
+  $TF bench --device cuda -m /tmp/tf/models/2b -p 512 -c 0 -n 512 -r 2 2>&1 | grep -E "^tg|^pp" | tee -a "$OUT/summary.txt"
+  kill $smi
+  sort "$OUT/clocks.csv" | uniq -c | sort -rn | head -8 | tee -a "$OUT/summary.txt"
+}
+
 ncu_profile() {
   PRESETS=2b synth_models
   log "ncu: decode kernels of 2b (eager)"
@@ -122,6 +132,7 @@ case "${1:-all}" in
   bench) gpu_bench ;;
   profile) profile ;;
   ncu) ncu_profile ;;
+  clocks) clocks ;;
   quick-verify) quick_verify ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
