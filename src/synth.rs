@@ -27,10 +27,15 @@
 //! The 4-bit codes, scales and biases are drawn directly (never by quantizing floats, which
 //! would be too slow at 9B). The HF layout stores, for every quantized matrix, the dequantized
 //! values of the MLX group-64 checkpoint of the same seed, `bf16(s·q + b)` with `s·q + b` in
-//! f32, and the same norm, conv, `A_log` and `dt_bias` values (norms on a 1/128 grid so that
-//! `w` and `1 + w` are both exact in bf16). So `--layout hf` and the default MLX layout of one
-//! seed are the same model up to that one rounding, and mlx-lm's own conversion of the HF files
-//! shifts the norms back to exactly the MLX values.
+//! f32, and the same norm, conv, `A_log` and `dt_bias` values (norms on a grid where `w` and
+//! `1 + w` are both exact in bf16). So `--layout hf` and the default MLX layout of one seed are
+//! the same model up to that one rounding (MLX group sizes 32 and 128 draw other scales). Checked
+//! with mlx-lm 0.32.2 on the 0.8B: its `convert` of the HF files reproduces our MLX norms, conv,
+//! `A_log` and gated-norm weights bit for bit, and its float32 logits on the two differ by at
+//! most 1.3 (std 4), 16 of 18 argmaxes equal: the bf16 rounding, amplified by 24 random layers.
+//! transformers 5.24 loads the HF 0.8B as `Qwen3_5ForCausalLM` with no missing or unexpected
+//! keys (as `Qwen3_5ForConditionalGeneration`, only the vision tower is missing), and its
+//! float32 hidden states and logits match mlx-lm's on the same weights to 5e−5 and 5.4e−4.
 //!
 //! # Weight scales
 //!
@@ -41,12 +46,16 @@
 //! * residual-writing projections (`out_proj`, `o_proj`, `down_proj`): std
 //!   `1/√(fan_in · 2L)`; the residual stream then receives 2L contributions of variance ≈ 1/(2L)
 //!   each (times the O(1) inner activation), so its RMS stays O(1) instead of growing like √L;
-//! * `embed_tokens` (and the untied `lm_head`): std [`EMBED_STD`] = 0.5 per element, so the
-//!   residual stream starts at RMS 0.5, comparable to what the layers add;
-//! * RMSNorm weights: effective gain `1 ± 10 %` (uniform). The final `norm` is the exception: its
-//!   gain is `LOGIT_STD / (EMBED_STD · √D)` (0.25 at D = 1024, 0.125 at D = 4096), because the
-//!   logits are head rows (std 0.5) dotted with the normalised state: their std is
-//!   `0.5 · gain · √D`, which would be 16–32 with unit gain;
+//! * `embed_tokens` (and the untied `lm_head`): std `1/√D` per element (rows of norm ≈ 1), and
+//!   the final `norm` has gain [`LOGIT_STD`] = 4, so the logits (head rows dotted with the
+//!   normalised state, RMS 4) have std ≈ 4. The embedding is deliberately small: with a tied
+//!   head the token's own row also sits in the final state, adding ≈ `σ_e²·D·gain/RMS(x)` to its
+//!   own logit. With std 0.5 that is ≈ 80 against a spread of 4, and mlx-lm's greedy decode of
+//!   such a checkpoint only ever repeated the last prompt token; at `1/√D` the own-token bonus is
+//!   under 2 std. Real checkpoints look the same way (small embeddings, large final-norm gains).
+//!   Measured with mlx-lm on the 0.8B: logit std 4.0 at every position, varied argmaxes, and a
+//!   residual-stream RMS growing smoothly from 0.12 after layer 0 to 0.54 after layer 23;
+//! * other RMSNorm weights: effective gain `1 ± 10 %` (uniform);
 //! * `linear_attn.norm.weight` (gated norm, plain weight): `1 ± 10 %`;
 //! * `A_log`: uniform in [−2.5, 1.0], so `exp(A_log)` spans 0.08 … 2.7 and the per-token decay
 //!   `exp(−exp(A_log)·softplus(a + dt_bias))` covers slow to fast heads (the real 4B range is
@@ -70,7 +79,7 @@
 //! `k` is `mix64(k + (i + 1)·γ)`, exactly the i-th output of SplitMix64 seeded with `k`. The
 //! key is `mix64(FNV-1a(name ‖ 0xFF ‖ purpose) ⊕ mix64(seed + γ))`, where `name` is the tensor's
 //! layout-independent name (`layers.3.self_attn.q_proj`) and `purpose` is `codes`, `scales` or
-//! `values`. Each value is a function of (seed, name, purpose, index) alone, so files do not
+//! `values`. Each value is a function of (seed, name, purpose, index) alone, so values do not
 //! depend on write order, thread count or layout, and the same seed gives byte-identical files.
 //! Only IEEE basic operations and `sqrt` turn random bits into values (no libm), so the bytes
 //! are the same on every platform.
@@ -100,9 +109,7 @@ pub const VOCAB_SIZE: usize = 248_320;
 pub const TOKENIZER_IDS: usize = 248_077;
 /// mlx-lm's default quantization group size.
 pub const MLX_DEFAULT_GROUP_SIZE: usize = 64;
-/// Standard deviation of the embedding (and untied `lm_head`) elements.
-pub const EMBED_STD: f64 = 0.5;
-/// Intended standard deviation of the logits (sets the final norm's gain).
+/// Intended standard deviation of the logits: the final norm's gain, given head rows of norm ≈ 1.
 pub const LOGIT_STD: f64 = 4.0;
 /// Standard deviation of the GDN depthwise conv weights.
 pub const CONV_STD: f64 = 0.4;
@@ -376,7 +383,7 @@ impl Dims {
     }
     /// Spec §2: layer ℓ is full attention iff (ℓ+1) mod 4 == 0.
     fn is_full_attention(&self, layer: usize) -> bool {
-        (layer + 1) % 4 == 0
+        (layer + 1).is_multiple_of(4)
     }
 }
 
@@ -551,9 +558,10 @@ fn logical_tensors(d: &Dims) -> Vec<Logical> {
     let inv_sqrt = |n: usize| 1.0 / (n as f64).sqrt();
     let two_l = 2 * d.layers;
     let (dm, hv) = (d.hidden, d.lin_v_heads);
+    let embed_std = inv_sqrt(dm); // rows of norm ≈ 1 (module docs)
     push(
         "embed_tokens".into(),
-        Init::Embedding { std: EMBED_STD },
+        Init::Embedding { std: embed_std },
         vec![d.vocab, dm],
     );
     for l in 0..d.layers {
@@ -612,16 +620,15 @@ fn logical_tensors(d: &Dims) -> Vec<Logical> {
             vec![dm, d.intermediate],
         );
     }
-    let final_gain = LOGIT_STD / (EMBED_STD * (dm as f64).sqrt());
     push(
         "norm".into(),
-        Init::ShiftedNorm { gain: final_gain },
+        Init::ShiftedNorm { gain: LOGIT_STD },
         vec![dm],
     );
     if !d.tied {
         push(
             "lm_head".into(),
-            Init::Embedding { std: EMBED_STD },
+            Init::Embedding { std: embed_std },
             vec![d.vocab, dm],
         );
     }
@@ -794,12 +801,19 @@ fn base_scale(std: f64) -> f64 {
     std / (255.0 / 12.0 * 13.0 / 12.0_f64).sqrt()
 }
 
-/// A shifted-norm value on the 1/128 grid: `k/128`, k = round(128·gain·(1 ± jitter)), k ∈ [1, 255].
-/// Both `k/128` and `k/128 − 1` are exact in bf16, so the two layouts hold the same weight.
+/// A norm weight `gain·(1 ± jitter)` rounded to a multiple of `2^(E−8)`, where `2^E` (E ≥ 1) is
+/// the first power of two above every possible value: then the value `v` and `v − 1` both have
+/// at most 8 significant bits, so both are exact in bf16 and the two layouts hold the same weight
+/// (1/128 steps for gains near 1, 1/32 for the final norm's gain of 4).
 fn norm_value(stream: Stream, i: usize, gain: f64) -> f32 {
     let x = gain * (1.0 + NORM_JITTER * (2.0 * stream.unit(i as u64) - 1.0));
-    let k = (128.0 * x + 0.5).floor().clamp(1.0, 255.0);
-    (k / 128.0) as f32
+    let mut top = 2.0;
+    while gain * (1.0 + NORM_JITTER) >= top {
+        top *= 2.0;
+    }
+    let step = top / 256.0;
+    let k = (x / step + 0.5).floor().clamp(1.0, 255.0);
+    (k * step) as f32
 }
 
 /// Generates the bytes of stored tensors.
@@ -1203,6 +1217,12 @@ fn write_dims(
                 source,
             }
         })?;
+        // The writer's temporary file is created 0600; give the shard a download's usual mode.
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).map_err(io_err(&path))?;
+        }
     }
     {
         let mut p = progress_state.borrow_mut();
@@ -1288,7 +1308,9 @@ fn write_dims(
     )?;
     if let Some(tok) = &opts.tokenizer {
         let dst = d.join("tokenizer.json");
-        fs::copy(tok, &dst).map_err(io_err(tok))?;
+        // Read and write rather than fs::copy, which would carry over a read-only mode.
+        let bytes = fs::read(tok).map_err(io_err(tok))?;
+        fs::write(&dst, bytes).map_err(io_err(&dst))?;
     }
     let readme = format!(
         "---\nlanguage: en\nlibrary_name: {}\npipeline_tag: text-generation\ntags:\n- synthetic\n---\n\n\
@@ -1771,6 +1793,12 @@ mod tests {
             "tokenizer_config.json",
         ];
         assert_eq!(summary.files, expect_files);
+        #[cfg(unix)]
+        for f in ["model.safetensors", "tokenizer.json"] {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(out.join(f)).unwrap().permissions().mode();
+            assert_eq!(mode & 0o777, 0o644, "{f}");
+        }
         // 4-layer 0.8B: embedding + 3 GDN layers + 1 attention layer + final norm, counted by hand
         // from the spec's shapes.
         let gdn =
@@ -1879,7 +1907,7 @@ mod tests {
         assert_eq!(rows, 248_320);
         let (mean, sd) = mean_std(live);
         assert!(
-            (sd / EMBED_STD - 1.0).abs() < 0.01 && mean.abs() < 0.005,
+            (sd * 32.0 - 1.0).abs() < 0.01 && mean.abs() < 0.0003,
             "embedding {mean} {sd}"
         );
         assert!(
@@ -1918,7 +1946,7 @@ mod tests {
         }
         let (final_mean, _) = mean_std(&vals("norm.weight"));
         assert!(
-            (final_mean - 0.25).abs() < 0.01,
+            (final_mean - LOGIT_STD).abs() < 0.02,
             "final norm gain {final_mean}"
         );
         assert!(vals("layers.0.linear_attn.A_log")
@@ -1995,6 +2023,11 @@ mod tests {
         let get = |n: &str| st.tensor(&format!("model.language_model.{n}")).unwrap();
         let w = bf16s(get("layers.0.input_layernorm.weight").data());
         assert!(w.iter().all(|x| x.abs() <= 0.11), "zero-centred");
+        let (final_w, _) = mean_std(&bf16s(get("norm.weight").data()));
+        assert!(
+            (final_w + 1.0 - LOGIT_STD).abs() < 0.02,
+            "final norm stored as gain − 1: {final_w}"
+        );
         let g = f32s(get("layers.0.linear_attn.norm.weight").data());
         assert!(g.iter().all(|x| (0.89..=1.11).contains(x)));
         let (_, sd) = mean_std(&bf16s(get("layers.0.mlp.gate_proj.weight").data()));
