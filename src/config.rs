@@ -273,7 +273,7 @@ impl ModelConfig {
             None => 1.0,
         };
         let rotary = head_dim as f64 * partial_rotary_factor;
-        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) || rotary.fract() != 0.0 || rotary as usize % 2 != 0 {
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) || rotary.fract() != 0.0 || !(rotary as usize).is_multiple_of(2) {
             return Err(ConfigError::Invalid {
                 path: p(),
                 field: "partial_rotary_factor".into(),

@@ -63,10 +63,10 @@ pub fn info(a: InfoArgs) -> Result<()> {
         mib(2 * (costs.conv_state_bytes + costs.recurrent_state_bytes)),
         mib(costs.kv_bytes_per_token));
     println!(
-        "session state    {} conv + {} recurrent (f32) + {} KV cache per token (f32) = {} at 4096 tokens",
+        "session state    {} conv + {} recurrent (f32) + {:.1} KiB KV cache per token (f32) = {} at 4096 tokens",
         mib(costs.conv_state_bytes),
         mib(costs.recurrent_state_bytes),
-        format!("{:.1} KiB", costs.kv_bytes_per_token as f64 / 1024.0),
+        costs.kv_bytes_per_token as f64 / 1024.0,
         mib(costs.state_bytes(4096))
     );
     println!(

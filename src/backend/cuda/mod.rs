@@ -691,7 +691,7 @@ impl Backend for Cuda {
         if cfg.hidden_size > 8192 || cfg.intermediate_size > 65536 {
             return Err(BackendError::Device(format!("hidden_size {} > 8192 is not supported by the CUDA RMSNorm kernel", cfg.hidden_size)));
         }
-        if cfg.head_dim > 256 || cfg.num_attention_heads % cfg.num_key_value_heads != 0 {
+        if cfg.head_dim > 256 || !cfg.num_attention_heads.is_multiple_of(cfg.num_key_value_heads) {
             return Err(BackendError::Device(format!("head_dim {} > 256 is not supported by the CUDA kernels", cfg.head_dim)));
         }
         *self.cfg_cache.lock().unwrap() = Some(cfg.clone());
