@@ -31,6 +31,10 @@ pub struct RunArgs {
     /// Wrap the prompt in the model's chat template as one user message.
     #[arg(long)]
     pub chat: bool,
+    /// Extra chat template variables as a JSON object, e.g. '{"enable_thinking": false}'
+    /// (llama.cpp's spelling).
+    #[arg(long = "chat-template-kwargs", value_name = "JSON", requires = "chat")]
+    pub chat_template_kwargs: Option<String>,
     /// Tokens to generate at most (-1: until an end-of-sequence token or the context is full).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256, allow_hyphen_values = true)]
     pub n_predict: i64,
@@ -180,7 +184,14 @@ pub fn run(a: RunArgs) -> Result<()> {
                     bail!("--chat: the model in {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja)", dir.display());
                 };
                 // Templates write their own special tokens, so none are added (as transformers).
-                tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &Default::default())?, false)?
+                let kwargs = match &a.chat_template_kwargs {
+                    None => Default::default(),
+                    Some(j) => match serde_json::from_str::<serde_json::Value>(j) {
+                        Ok(serde_json::Value::Object(m)) => m,
+                        _ => bail!("--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"),
+                    },
+                };
+                tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &kwargs)?, false)?
             } else if text.is_empty() {
                 Vec::new()
             } else {
