@@ -78,6 +78,16 @@ impl<B: Backend> Engine<B> {
         self.model.config.vocab_size
     }
 
+    /// Checks every id is a row of the embedding: a backend's `embed` indexes the table with it
+    /// (an id past it would panic on the CPU and read foreign memory on a device).
+    fn check_ids(&self, ids: &[u32]) -> Result<(), BackendError> {
+        let vocab_size = self.vocab_size();
+        match ids.iter().find(|&&id| id as usize >= vocab_size) {
+            Some(&id) => Err(BackendError::TokenId { id, vocab_size }),
+            None => Ok(()),
+        }
+    }
+
     /// The backend's state storage (slots), e.g. to check which slots are allocated.
     pub fn states(&self) -> &B::States {
         &self.states
@@ -197,6 +207,7 @@ impl<B: Backend> Engine<B> {
         if total == 0 {
             return Err(BackendError::Batch("no tokens to feed".into()));
         }
+        self.check_ids(s.pending())?;
         self.swap_in(s)?;
         let slot = s.slot().expect("swapped in");
         let v = self.vocab_size();
@@ -258,6 +269,8 @@ impl<B: Backend> Engine<B> {
         if n == 0 {
             return Err(BackendError::Batch("the prompt is empty".into()));
         }
+        // Before the session's state is replaced by a snapshot or reset.
+        self.check_ids(prompt)?;
         let own = (s.position < n && prompt.starts_with(&s.tokens[..s.position])).then_some(s.position);
         let snap_len = if self.snapshots.config().enabled() {
             self.snapshots.longest_prefix(prompt, n - 1).map(|sn| sn.tokens().len())
@@ -363,6 +376,7 @@ impl<B: Backend> Engine<B> {
         if total == 0 {
             return Err(BackendError::Batch("no tokens to feed".into()));
         }
+        self.check_ids(s.pending())?;
         // All but the last step as usual (snapshots included), then the last one greedy.
         let stride = if self.snapshots.config().enabled() { self.snapshots.config().every } else { 0 };
         // The step boundaries `process` uses; the last step's length.
@@ -417,6 +431,7 @@ impl<B: Backend> Engine<B> {
         if !s.pending().is_empty() || ids.is_empty() {
             return Err(BackendError::Batch("probe_step needs a session without pending ids and some ids".into()));
         }
+        self.check_ids(ids)?;
         self.swap_in(s)?;
         let slot = s.slot().expect("swapped in");
         if ids.len() > 1 && self.prefill.is_none() {
@@ -461,5 +476,41 @@ impl<B: Backend> Engine<B> {
         s.tokens = tokens.to_vec();
         s.position = tokens.len();
         Ok(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::model::HostModel;
+    use crate::testutil::shared;
+
+    fn engine(chunk: usize) -> Engine<Cpu> {
+        let dir = shared("fixtures/tiny/mlx-q4");
+        let host = HostModel::open(&dir).unwrap();
+        Engine::new(Model::new(&host, Cpu::with(crate::backend::cpu::simd::Isa::Portable, 1)).unwrap(), chunk).unwrap().with_model_dir(dir)
+    }
+
+    #[test]
+    fn ids_outside_the_vocabulary_are_refused_and_leave_the_session_as_it_was() {
+        let mut e = engine(4);
+        let v = e.vocab_size() as u32;
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let want = e.feed(&mut s, &[5, 6, 7], false, &mut |_, _| {}).unwrap().to_vec();
+        let is_token_id = |r: Result<(), BackendError>| matches!(r, Err(BackendError::TokenId { id, vocab_size }) if id == v && vocab_size == v as usize);
+        // feed, the greedy and sampling feeds, prompt and probe_step, each with one bad id.
+        assert!(is_token_id(e.feed(&mut s, &[8, v], false, &mut |_, _| {}).map(|_| ())));
+        assert!(is_token_id(e.feed_greedy(&mut s, &[v], v as usize, &mut |_, _| {}).map(|_| ())));
+        assert!(is_token_id(e.prompt(&mut s, &[5, 6, 7, v], &mut |_, _| {}).map(|_| ())));
+        assert!(is_token_id(e.probe_step(&mut s, &[v], &mut |_, _, _| {})));
+        // Nothing was consumed or reset: the session continues as if they never came.
+        assert_eq!((s.tokens(), s.position()), (&[5u32, 6, 7][..], 3));
+        let got = e.feed(&mut s, &[8], false, &mut |_, _| {}).unwrap().to_vec();
+        let mut fresh = e.new_session(SamplingParams::greedy()).unwrap();
+        let _ = e.feed(&mut fresh, &[5, 6, 7], false, &mut |_, _| {}).unwrap();
+        let reference = e.feed(&mut fresh, &[8], false, &mut |_, _| {}).unwrap().to_vec();
+        assert!(want.iter().zip(&got).any(|(a, b)| a != b), "a new token changes the logits");
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), reference.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
     }
 }
