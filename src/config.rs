@@ -68,6 +68,12 @@ impl QuantConfig {
     }
 }
 
+/// The largest `max_position_embeddings` accepted: 2048 times Qwen3.5's 262,144. Positions
+/// travel as `u32` in a step ([`crate::backend::SeqRows`]), the RoPE table's sin/cos reduction
+/// covers angles below 1e9 (a position times at most 1), and a device may size tables by the
+/// maximum up front, so the bound keeps a config's number from overflowing any of them.
+pub const MAX_POSITIONS: usize = 1 << 29;
+
 /// Hyperparameters of the text model, with Hugging Face names. Units: counts of elements
 /// unless stated.
 #[derive(Clone, Debug, PartialEq)]
@@ -180,6 +186,13 @@ impl ModelConfig {
         let intermediate_size = usize_field("intermediate_size")?;
         let vocab_size = usize_field("vocab_size")?;
         let max_position_embeddings = usize_or("max_position_embeddings", 262_144)?;
+        if max_position_embeddings > MAX_POSITIONS {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "max_position_embeddings".into(),
+                problem: format!("({max_position_embeddings}) must be at most {MAX_POSITIONS}"),
+            });
+        }
         let rms_norm_eps = match get("rms_norm_eps") {
             Some(v) => f64_of("rms_norm_eps", v)? as f32,
             None => 1e-6,
@@ -532,7 +545,7 @@ mod tests {
     }
 
     #[test]
-    fn rope_theta_and_rms_norm_eps_outside_their_domain_are_errors() {
+    fn numbers_outside_their_domain_are_errors() {
         // θ <= 0 used to panic in the RoPE table's log, θ < 1 in its sin/cos reduction a few
         // positions in; a negative epsilon gave NaN logits.
         for theta in [0.0, -5.0, 1e-300, 0.5] {
@@ -547,6 +560,13 @@ mod tests {
             let err = parse(v).unwrap_err().to_string();
             assert!(err.contains("field `rms_norm_eps`"), "{eps}: {err}");
         }
+        let mut v = base();
+        v["max_position_embeddings"] = serde_json::json!(1u64 << 62);
+        let err = parse(v).unwrap_err().to_string();
+        assert!(err.contains("field `max_position_embeddings` (4611686018427387904) must be at most 536870912"), "{err}");
+        let mut v = base();
+        v["max_position_embeddings"] = MAX_POSITIONS.into();
+        assert_eq!(parse(v).unwrap().max_position_embeddings, MAX_POSITIONS);
         let mut v = base();
         v["rope_theta"] = 1.0.into();
         v["rms_norm_eps"] = 0.0.into();
