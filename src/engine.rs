@@ -222,14 +222,7 @@ impl<B: Backend> Engine<B> {
             }
             let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + n], all_logits);
             let want = batch.logit_rows.len();
-            let scratch = if n == 1 {
-                &mut self.decode
-            } else {
-                if self.prefill.is_none() {
-                    self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
-                }
-                self.prefill.as_mut().unwrap()
-            };
+            let scratch = if n == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, n, want)? };
             self.model.step(&batch, &mut self.states, scratch)?;
             s.position += n;
             if all_logits || s.position == s.tokens.len() {
@@ -401,10 +394,7 @@ impl<B: Backend> Engine<B> {
         let slot = s.slot().expect("swapped in");
         let pos = s.position;
         let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + last], false);
-        if last > 1 && self.prefill.is_none() {
-            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
-        }
-        let scratch = if last == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        let scratch = if last == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, last, 1)? };
         let next = if sample {
             self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?
         } else {
@@ -479,6 +469,23 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// The prompt-step buffers `slot` holds, first (re)allocated when they cannot hold a step of
+/// `rows` rows and `logit_rows` logits rows. They grow by powers of two up to the chunk
+/// (`cap`), never shrink, and hold no more logits rows than steps asked for: a short prompt with
+/// a large chunk, or prompts that want only their last row's logits (`[rows, vocab_size]` floats
+/// each: 250 MB for 256 rows of Qwen3.5's vocabulary), do not allocate for a full chunk of them.
+fn prefill_scratch<'a, B: Backend>(model: &Model<B>, slot: &'a mut Option<Scratch<B>>, cap: usize, rows: usize, logit_rows: usize) -> Result<&'a mut Scratch<B>, BackendError> {
+    let (have_rows, have_logits) = slot.as_ref().map_or((0, 0), |s| (s.max_rows, s.max_logit_rows));
+    if rows > have_rows || logit_rows > have_logits {
+        let size = |need: usize, have: usize| need.checked_next_power_of_two().unwrap_or(need).min(cap.max(need)).max(have);
+        let (r, l) = (size(rows, have_rows), size(logit_rows, have_logits));
+        // The old buffers go before the new ones are allocated.
+        *slot = None;
+        *slot = Some(model.scratch(r, l)?);
+    }
+    Ok(slot.as_mut().expect("allocated above"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -490,6 +497,50 @@ mod tests {
         let dir = shared("fixtures/tiny/mlx-q4");
         let host = HostModel::open(&dir).unwrap();
         Engine::new(Model::new(&host, Cpu::with(crate::backend::cpu::simd::Isa::Portable, 1)).unwrap(), chunk).unwrap().with_model_dir(dir)
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn prompt_buffers_are_sized_to_the_steps_not_to_the_chunk() {
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 2048) as u32).collect();
+        let mut one = engine(1);
+        let mut s1 = one.new_session(SamplingParams::greedy()).unwrap();
+        let want = one.feed(&mut s1, &prompt, true, &mut |_, _| {}).unwrap().to_vec();
+
+        // A prompt of 5 tokens, of which only the last wants logits, used to allocate 256 rows of
+        // every activation and 256 × vocab_size logits floats.
+        let mut e = engine(256);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let last = e.feed(&mut s, &prompt[..5], false, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (8, 1));
+        assert_eq!(bits(&last), bits(&want[4 * 2048..5 * 2048]));
+        // A chunk far larger than any prompt (2^40 rows: the allocation used to abort the process).
+        let mut e = engine(1 << 40);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let last = e.feed(&mut s, &prompt[..5], false, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (8, 1));
+        assert_eq!(bits(&last), bits(&want[4 * 2048..5 * 2048]));
+        // More rows, then every row's logits: the buffers grow (by powers of two), the bits do not
+        // change.
+        let all = e.feed(&mut s, &prompt[5..], true, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (64, 64));
+        assert_eq!(bits(&all), bits(&want[5 * 2048..]));
+        // Never beyond the chunk.
+        let mut e = engine(16);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let all = e.feed(&mut s, &prompt, true, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (16, 16));
+        assert_eq!(bits(&all), bits(&want));
+        let g = e.feed_greedy(&mut s, &prompt[..20], 2048, &mut |_, _| {}).unwrap();
+        let _ = one.feed(&mut s1, &prompt[..19], false, &mut |_, _| {}).unwrap();
+        assert_eq!(g, crate::sampling::argmax(one.feed(&mut s1, &prompt[19..20], false, &mut |_, _| {}).unwrap()));
     }
 
     #[test]
