@@ -424,11 +424,10 @@ impl<B: Backend> Engine<B> {
         self.check_ids(ids)?;
         self.swap_in(s)?;
         let slot = s.slot().expect("swapped in");
-        if ids.len() > 1 && self.prefill.is_none() {
-            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
-        }
         let batch = Batch::single(slot, s.position as u32, ids, false);
-        let scratch = if ids.len() == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        // One step of all the ids, however many: forward_probed writes every row into the
+        // scratch without Model::step's size check.
+        let scratch = if ids.len() == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, ids.len(), 1)? };
         self.model.backend.begin_step(&mut self.states, &batch)?;
         let backend = &self.model.backend;
         let mut err = None;
@@ -541,6 +540,26 @@ mod tests {
         let g = e.feed_greedy(&mut s, &prompt[..20], 2048, &mut |_, _| {}).unwrap();
         let _ = one.feed(&mut s1, &prompt[..19], false, &mut |_, _| {}).unwrap();
         assert_eq!(g, crate::sampling::argmax(one.feed(&mut s1, &prompt[19..20], false, &mut |_, _| {}).unwrap()));
+    }
+
+    #[test]
+    fn probe_step_runs_steps_longer_than_the_chunk() {
+        // `tensorfold verify` probes a prompt prefix of any length; with more ids than the chunk
+        // the forward pass wrote past the prompt buffers (a panic on the CPU).
+        let ids: Vec<u32> = (0..11).map(|i| (i * 101 % 2048) as u32).collect();
+        let mut e = engine(4);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let mut lm_head = Vec::new();
+        e.probe_step(&mut s, &ids, &mut |_, op, v| {
+            if op == "lm_head" {
+                lm_head = v;
+            }
+        })
+        .unwrap();
+        assert_eq!((s.position(), s.tokens()), (11, &ids[..]));
+        let mut fresh = e.new_session(SamplingParams::greedy()).unwrap();
+        let want = e.feed(&mut fresh, &ids, false, &mut |_, _| {}).unwrap();
+        assert_eq!(bits(&lm_head), bits(want));
     }
 
     #[test]
