@@ -176,3 +176,29 @@ fn bad_checkpoints_are_refused_with_the_file_and_tensor_named() {
     let e = err(&["info", "-m", t.path().to_str().unwrap()]);
     assert!(e.contains("unsupported model_type `qwen3_next`"), "{e}");
 }
+
+/// `tensorfold chat ARGS` with `input` on stdin.
+fn chat(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+        .arg("chat")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tensorfold chat");
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_huge_snapshot_budget_is_huge_not_zero() {
+    // 2^44 MiB is 2^64 bytes: shifted by 20 bits it used to wrap to 0, which turns snapshots off.
+    let m = shared("fixtures/tiny/mlx-q4");
+    let o = chat(&["-m", m.to_str().unwrap(), "-n", "2", "--temp", "0", "--snapshot-budget", "17592186044416"], "hello\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("| 1 snapshots,"), "{e}");
+}
