@@ -409,7 +409,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The logits rows of the last one-token step (`[rows, V]`), read from the backend.
+    ///
+    /// # Errors
+    /// [`BackendError::Batch`] when `rows` exceeds the rows a one-token step has (one).
     pub fn decode_logits(&mut self, rows: usize) -> Result<Vec<f32>, BackendError> {
+        if rows > self.decode.max_logit_rows {
+            return Err(BackendError::Batch(format!("{rows} logits rows asked of a one-token step, which has {}", self.decode.max_logit_rows)));
+        }
         let mut v = Vec::new();
         self.model.backend.read_tensor(&self.decode.logits, rows, &mut v)?;
         Ok(v)
@@ -560,6 +566,19 @@ mod tests {
         let mut fresh = e.new_session(SamplingParams::greedy()).unwrap();
         let want = e.feed(&mut fresh, &ids, false, &mut |_, _| {}).unwrap();
         assert_eq!(bits(&lm_head), bits(want));
+    }
+
+    #[test]
+    fn decode_logits_reads_the_one_token_step_and_refuses_more_rows() {
+        let mut e = engine(4);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let want = e.feed(&mut s, &[3, 1, 4], false, &mut |_, _| {}).unwrap().to_vec();
+        let _ = e.feed(&mut s, &[1], false, &mut |_, _| {}).unwrap();
+        let last = e.feed(&mut s, &[5], false, &mut |_, _| {}).unwrap().to_vec();
+        assert_ne!(bits(&want), bits(&last));
+        assert_eq!(bits(&e.decode_logits(1).unwrap()), bits(&last));
+        // Two rows used to panic slicing the one-row buffer.
+        assert!(matches!(e.decode_logits(2), Err(BackendError::Batch(m)) if m.contains("2 logits rows")));
     }
 
     #[test]
