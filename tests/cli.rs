@@ -176,3 +176,46 @@ fn bad_checkpoints_are_refused_with_the_file_and_tensor_named() {
     let e = err(&["info", "-m", t.path().to_str().unwrap()]);
     assert!(e.contains("unsupported model_type `qwen3_next`"), "{e}");
 }
+
+/// `tensorfold chat ARGS` with `input` on stdin.
+fn chat(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+        .arg("chat")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tensorfold chat");
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_huge_snapshot_budget_is_huge_not_zero() {
+    // 2^44 MiB is 2^64 bytes: shifted by 20 bits it used to wrap to 0, which turns snapshots off.
+    let m = shared("fixtures/tiny/mlx-q4");
+    let o = chat(&["-m", m.to_str().unwrap(), "-n", "2", "--temp", "0", "--snapshot-budget", "17592186044416"], "hello\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("| 1 snapshots,"), "{e}");
+}
+
+#[test]
+fn chat_with_a_tokenizer_wider_than_the_model_reports_the_id_and_goes_on() {
+    // The tiny model (2,048 ids) with the real Qwen3.5 tokenizer: the chat template's special
+    // tokens encode to ids past the embedding, which used to panic in the embedding lookup.
+    let tmp = TempDir::new("chat-wide-tokenizer");
+    let src = shared("fixtures/tiny/mlx-q4");
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), tmp.path().join(f.file_name())).unwrap();
+    }
+    std::fs::copy(shared("tokenizers/qwen3.5/tokenizer.json"), tmp.path().join("tokenizer.json")).unwrap();
+    let o = chat(&["-m", tmp.path().to_str().unwrap(), "-n", "2", "--temp", "0"], "hello\nagain\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !e.contains("panicked"), "{e}");
+    assert_eq!(e.matches("is outside the model's vocabulary (vocab_size 2048)").count(), 2, "{e}");
+}

@@ -20,6 +20,8 @@ use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
 pub enum BackendError {
     #[error("position {position} is beyond max_position_embeddings ({max}) of this model")]
     ContextFull { position: usize, max: usize },
+    #[error("token id {id} is outside the model's vocabulary (vocab_size {vocab_size})")]
+    TokenId { id: u32, vocab_size: usize },
     #[error("sequence slot {slot} {problem}")]
     Slot { slot: usize, problem: String },
     #[error("batch: {0}")]

@@ -291,7 +291,7 @@ fn generate<B: Backend>(
     let mut dumped_ids: Vec<u32> = Vec::new();
 
     // Prompt processing, with a progress bar when it is long.
-    let bar = if prompt_ids.len() > 4 * a.chunk.max(1) && std::io::stderr().is_terminal() {
+    let bar = if prompt_ids.len() > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new(prompt_ids.len() as u64);
         b.set_style(indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({per_sec}, eta {eta})").unwrap());
         Some(b)
