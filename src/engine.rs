@@ -39,10 +39,11 @@ impl<B: Backend> Engine<B> {
     pub fn new(model: Model<B>, chunk: usize) -> Result<Self, BackendError> {
         let states = model.backend.new_states(&model.config)?;
         let decode = model.scratch(1, 1)?;
+        let chunk = chunk.clamp(1, model.backend.max_rows());
         Ok(Self {
             model,
             states,
-            chunk: chunk.max(1),
+            chunk,
             prefill: None,
             decode,
             logits: Vec::new(),

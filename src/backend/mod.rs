@@ -171,6 +171,10 @@ pub trait Backend {
 
     /// A short description for logs (`cpu (avx512, 2 threads)`).
     fn describe(&self) -> String;
+    /// The most rows (tokens) one step may hold; the engine splits prompts to fit.
+    fn max_rows(&self) -> usize {
+        usize::MAX
+    }
     fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix, BackendError>;
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor, BackendError>;

@@ -173,6 +173,12 @@ pub fn run(a: RunArgs) -> Result<()> {
     let gc = GenerationConfig::from_dir(&dir)?;
     let params = a.sampling.apply(checkpoint_params(&gc, gc_path.exists()));
     params.validate()?;
+    if a.n_predict < -1 {
+        bail!("-n {} is invalid: give a number of tokens, or -1 for no limit", a.n_predict);
+    }
+    if a.chunk == 0 {
+        bail!("--chunk 0 is invalid: a prompt step holds at least one token");
+    }
     let loading = a.load_session.is_some();
 
     let prompt_ids: Vec<u32> = match (&a.prompt_ids, &a.prompt, &a.file) {

@@ -641,6 +641,10 @@ impl Backend for Cuda {
         format!("cuda ({}, {})", self.name, self.arch)
     }
 
+    fn max_rows(&self) -> usize {
+        MAX_ROWS
+    }
+
     fn upload_matrix(&self, m: &Matrix) -> Result<CudaMatrix, BackendError> {
         let (fmt, group, sdtype) = fmt_codes(m);
         let up = |b: &[u8]| -> Result<CudaSlice<u8>, BackendError> {
@@ -714,15 +718,12 @@ impl Backend for Cuda {
         let host_table = vec![0u64; (n_full * 2 * states.max_pages).max(1)];
         let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
         let mem = SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0 };
-        let idx = match states.slots.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                states.slots.push(None);
-                states.slots.len() - 1
-            }
-        };
+        let idx = states.slots.iter().position(Option::is_none).unwrap_or(states.slots.len());
         if idx >= MAX_SLOTS {
             return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
+        }
+        if idx == states.slots.len() {
+            states.slots.push(None);
         }
         let mut st = self.step.lock().unwrap();
         st.host_slot_table[idx] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
