@@ -35,8 +35,106 @@ verify_fixtures() {
   $TF run --device cuda -p "def fibonacci(n):" -n 64 --temp 0 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 }
 
+ids() { python3 -c "import sys; n=int(sys.argv[1]); print(','.join(str((i*7919+13)%240000) for i in range(n)))" "$1"; }
+
+synth_models() {
+  mkdir -p /tmp/tf/models
+  for p in ${PRESETS:-0.8b 2b 4b 9b}; do
+    [ -d /tmp/tf/models/$p ] || $TF synth --preset qwen3.5-$p --tokenizer $TENSORFOLD_SHARED/tokenizers/qwen3.5/tokenizer.json /tmp/tf/models/$p 2>&1 | tail -1 | tee -a "$OUT/summary.txt"
+  done
+}
+
+synth_verify() {
+  synth_models
+  for p in ${VERIFY_PRESETS:-0.8b 2b}; do
+    log "verify synthetic $p (200 decode steps after a 300-token prompt)"
+    $TF verify -m /tmp/tf/models/$p --steps 200 --random-prompt 300 2>&1 | tail -5 | tee -a "$OUT/summary.txt"
+  done
+}
+
+long_context() {
+  for m in fixtures/heads/mlx-q4; do
+    log "verify $m at 32k context (32768-token prompt, 100 decode steps)"
+    $TF verify -m $TENSORFOLD_SHARED/$m --steps 100 --random-prompt 32768 --chunk 1024 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  done
+}
+
+gpu_timing() {
+  synth_models
+  for p in ${PRESETS:-0.8b 2b 4b 9b}; do
+    for ctx in 1 512 4096; do
+      log "run $p: decode 256 tokens after a $ctx-token prompt"
+      $TF run --device cuda -m /tmp/tf/models/$p --temp 0 -n 256 --prompt-ids $(ids $ctx) --print-ids 2>&1 >/dev/null | tail -1 | tee -a "$OUT/summary.txt"
+    done
+  done
+}
+
+gpu_bench() {
+  synth_models
+  mkdir -p "$OUT/bench"
+  for p in ${PRESETS:-0.8b 2b 4b 9b}; do
+    log "bench --device cuda $p"
+    reps=2; [ "$p" = 2b ] && reps=3
+    $TF bench --device cuda -m /tmp/tf/models/$p -p 512,4096 -c 0,512,4096 -n 128 -r $reps --json "$OUT/bench/$p.json" 2>&1 | grep -v "^  [a-z]" | grep -v "^- " | tee -a "$OUT/summary.txt"
+  done
+}
+
+profile() {
+  PRESETS="${PRESETS:-2b}" synth_models
+  for p in ${PRESETS:-2b}; do
+    log "bench --profile $p"
+    $TF bench --device cuda -m /tmp/tf/models/$p -p 512 -c 512 -n 64 -r 2 --profile 2>&1 | grep -v "^  [a-z]" | grep -v "^- " | tee -a "$OUT/summary.txt"
+  done
+}
+
+clocks() {
+  PRESETS=2b synth_models
+  log "SM clock while bench runs decode on 2b (sampled every 50 ms)"
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,utilization.gpu --format=csv,noheader -lms 50 > "$OUT/clocks.csv" &
+  smi=$!
+  $TF bench --device cuda -m /tmp/tf/models/2b -p 512 -c 0 -n 512 -r 2 2>&1 | grep -E "^tg|^pp" | tee -a "$OUT/summary.txt"
+  kill $smi
+  sort "$OUT/clocks.csv" | uniq -c | sort -rn | head -8 | tee -a "$OUT/summary.txt"
+}
+
+ncu_profile() {
+  PRESETS=2b synth_models
+  log "ncu: decode kernels of 2b (eager)"
+  TENSORFOLD_CUDA_GRAPHS=0 ncu --clock-control none -k regex:"matmul_t1r1|add_rms_norm_rows|gdn_heads|gdn_conv|attn_tiles|matmul_swiglu_t1" -s 40 -c 12 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
+    $TF run --device cuda -m /tmp/tf/models/2b --prompt-ids 1,2,3 -n 3 --temp 0 > "$OUT/ncu.txt" 2>&1
+  grep -E "^  [a-z_]+|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Grid Size|Stall|Warp Cycles Per Issued|Issue Slots|Waves Per SM" "$OUT/ncu.txt" | head -150
+}
+
+quick_verify() {
+  synth_models
+  for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/2b; do
+    log "verify $m (300-token prompt, 200 steps)"
+    $TF verify -m $m --steps 200 --random-prompt 300 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  done
+  log "verify demo"
+  $TF verify --steps 200 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+}
+
+sanitizer() {
+  log "compute-sanitizer memcheck: a prompt chunk and decode steps on the demo model"
+  compute-sanitizer --tool memcheck $TF run --device cuda -p "def fibonacci(n):" -n 4 --temp 0 2>&1 | tail -6 | tee -a "$OUT/summary.txt"
+  log "compute-sanitizer racecheck"
+  compute-sanitizer --tool racecheck $TF run --device cuda -p "def fibonacci(n):" -n 2 --temp 0 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+}
+
 case "${1:-all}" in
   verify) verify_fixtures ;;
-  all) verify_fixtures ;;
+  synth-verify) synth_verify ;;
+  long) long_context ;;
+  timing) gpu_timing ;;
+  sanitizer) sanitizer ;;
+  bench) gpu_bench ;;
+  profile) profile ;;
+  ncu) ncu_profile ;;
+  clocks) clocks ;;
+  quick-verify) quick_verify ;;
+  all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
+  final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac

@@ -68,6 +68,12 @@ impl QuantConfig {
     }
 }
 
+/// The largest `max_position_embeddings` accepted: 2048 times Qwen3.5's 262,144. Positions
+/// travel as `u32` in a step ([`crate::backend::SeqRows`]), the RoPE table's sin/cos reduction
+/// covers angles below 1e9 (a position times at most 1), and a device may size tables by the
+/// maximum up front, so the bound keeps a config's number from overflowing any of them.
+pub const MAX_POSITIONS: usize = 1 << 29;
+
 /// Hyperparameters of the text model, with Hugging Face names. Units: counts of elements
 /// unless stated.
 #[derive(Clone, Debug, PartialEq)]
@@ -180,10 +186,26 @@ impl ModelConfig {
         let intermediate_size = usize_field("intermediate_size")?;
         let vocab_size = usize_field("vocab_size")?;
         let max_position_embeddings = usize_or("max_position_embeddings", 262_144)?;
+        if max_position_embeddings > MAX_POSITIONS {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "max_position_embeddings".into(),
+                problem: format!("({max_position_embeddings}) must be at most {MAX_POSITIONS}"),
+            });
+        }
         let rms_norm_eps = match get("rms_norm_eps") {
             Some(v) => f64_of("rms_norm_eps", v)? as f32,
             None => 1e-6,
         };
+        // A negative epsilon makes RMSNorm's square root NaN for small rows (and an f64 beyond
+        // f32's range becomes infinite): the logits would be NaN, silently.
+        if !(rms_norm_eps >= 0.0 && rms_norm_eps.is_finite()) {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "rms_norm_eps".into(),
+                problem: format!("({rms_norm_eps}) must be a finite number >= 0"),
+            });
+        }
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(ConfigError::Invalid {
                 path: p(),
@@ -268,12 +290,21 @@ impl ModelConfig {
             Some(v) => f64_of("rope_theta", v)?,
             None => return Err(ConfigError::Missing { path: p(), field: "rope_parameters.rope_theta".into() }),
         };
+        // The RoPE table takes ln θ (defined for θ > 0) and reduces angles p·θ^(−2i/r), which stay
+        // within the position (and within what the reduction covers) only for θ >= 1.
+        if rope_theta < 1.0 {
+            return Err(ConfigError::Invalid {
+                path: p(),
+                field: "rope_theta".into(),
+                problem: format!("({rope_theta}) must be at least 1 (Qwen3.5 uses 1e7)"),
+            });
+        }
         let partial_rotary_factor = match rope_get("partial_rotary_factor") {
             Some(v) => f64_of("partial_rotary_factor", v)?,
             None => 1.0,
         };
         let rotary = head_dim as f64 * partial_rotary_factor;
-        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) || rotary.fract() != 0.0 || rotary as usize % 2 != 0 {
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) || rotary.fract() != 0.0 || !(rotary as usize).is_multiple_of(2) {
             return Err(ConfigError::Invalid {
                 path: p(),
                 field: "partial_rotary_factor".into(),
@@ -511,6 +542,36 @@ mod tests {
         let mut v = base();
         v["partial_rotary_factor"] = 0.3.into();
         assert!(parse(v).unwrap_err().to_string().contains("partial_rotary_factor"));
+    }
+
+    #[test]
+    fn numbers_outside_their_domain_are_errors() {
+        // θ <= 0 used to panic in the RoPE table's log, θ < 1 in its sin/cos reduction a few
+        // positions in; a negative epsilon gave NaN logits.
+        for theta in [0.0, -5.0, 1e-300, 0.5] {
+            let mut v = base();
+            v["rope_theta"] = theta.into();
+            let err = parse(v).unwrap_err().to_string();
+            assert!(err.contains("field `rope_theta`") && err.contains("must be at least 1"), "{theta}: {err}");
+        }
+        for eps in [-1e-6, 1e300] {
+            let mut v = base();
+            v["rms_norm_eps"] = eps.into();
+            let err = parse(v).unwrap_err().to_string();
+            assert!(err.contains("field `rms_norm_eps`"), "{eps}: {err}");
+        }
+        let mut v = base();
+        v["max_position_embeddings"] = serde_json::json!(1u64 << 62);
+        let err = parse(v).unwrap_err().to_string();
+        assert!(err.contains("field `max_position_embeddings` (4611686018427387904) must be at most 536870912"), "{err}");
+        let mut v = base();
+        v["max_position_embeddings"] = MAX_POSITIONS.into();
+        assert_eq!(parse(v).unwrap().max_position_embeddings, MAX_POSITIONS);
+        let mut v = base();
+        v["rope_theta"] = 1.0.into();
+        v["rms_norm_eps"] = 0.0.into();
+        let c = parse(v).unwrap();
+        assert_eq!((c.rope_theta, c.rms_norm_eps), (1.0, 0.0));
     }
 
     #[test]

@@ -39,10 +39,11 @@ impl<B: Backend> Engine<B> {
     pub fn new(model: Model<B>, chunk: usize) -> Result<Self, BackendError> {
         let states = model.backend.new_states(&model.config)?;
         let decode = model.scratch(1, 1)?;
+        let chunk = chunk.clamp(1, model.backend.max_rows());
         Ok(Self {
             model,
             states,
-            chunk: chunk.max(1),
+            chunk,
             prefill: None,
             decode,
             logits: Vec::new(),
@@ -76,6 +77,16 @@ impl<B: Backend> Engine<B> {
     /// Vocabulary width of a logits row.
     pub fn vocab_size(&self) -> usize {
         self.model.config.vocab_size
+    }
+
+    /// Checks every id is a row of the embedding: a backend's `embed` indexes the table with it
+    /// (an id past it would panic on the CPU and read foreign memory on a device).
+    fn check_ids(&self, ids: &[u32]) -> Result<(), BackendError> {
+        let vocab_size = self.vocab_size();
+        match ids.iter().find(|&&id| id as usize >= vocab_size) {
+            Some(&id) => Err(BackendError::TokenId { id, vocab_size }),
+            None => Ok(()),
+        }
     }
 
     /// The backend's state storage (slots), e.g. to check which slots are allocated.
@@ -197,6 +208,7 @@ impl<B: Backend> Engine<B> {
         if total == 0 {
             return Err(BackendError::Batch("no tokens to feed".into()));
         }
+        self.check_ids(s.pending())?;
         self.swap_in(s)?;
         let slot = s.slot().expect("swapped in");
         let v = self.vocab_size();
@@ -211,14 +223,7 @@ impl<B: Backend> Engine<B> {
             }
             let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + n], all_logits);
             let want = batch.logit_rows.len();
-            let scratch = if n == 1 {
-                &mut self.decode
-            } else {
-                if self.prefill.is_none() {
-                    self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
-                }
-                self.prefill.as_mut().unwrap()
-            };
+            let scratch = if n == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, n, want)? };
             self.model.step(&batch, &mut self.states, scratch)?;
             s.position += n;
             if all_logits || s.position == s.tokens.len() {
@@ -258,6 +263,8 @@ impl<B: Backend> Engine<B> {
         if n == 0 {
             return Err(BackendError::Batch("the prompt is empty".into()));
         }
+        // Before the session's state is replaced by a snapshot or reset.
+        self.check_ids(prompt)?;
         let own = (s.position < n && prompt.starts_with(&s.tokens[..s.position])).then_some(s.position);
         let snap_len = if self.snapshots.config().enabled() {
             self.snapshots.longest_prefix(prompt, n - 1).map(|sn| sn.tokens().len())
@@ -363,6 +370,7 @@ impl<B: Backend> Engine<B> {
         if total == 0 {
             return Err(BackendError::Batch("no tokens to feed".into()));
         }
+        self.check_ids(s.pending())?;
         // All but the last step as usual (snapshots included), then the last one greedy.
         let stride = if self.snapshots.config().enabled() { self.snapshots.config().every } else { 0 };
         // The step boundaries `process` uses; the last step's length.
@@ -387,10 +395,7 @@ impl<B: Backend> Engine<B> {
         let slot = s.slot().expect("swapped in");
         let pos = s.position;
         let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + last], false);
-        if last > 1 && self.prefill.is_none() {
-            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
-        }
-        let scratch = if last == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        let scratch = if last == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, last, 1)? };
         let next = if sample {
             self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?
         } else {
@@ -405,7 +410,13 @@ impl<B: Backend> Engine<B> {
     }
 
     /// The logits rows of the last one-token step (`[rows, V]`), read from the backend.
+    ///
+    /// # Errors
+    /// [`BackendError::Batch`] when `rows` exceeds the rows a one-token step has (one).
     pub fn decode_logits(&mut self, rows: usize) -> Result<Vec<f32>, BackendError> {
+        if rows > self.decode.max_logit_rows {
+            return Err(BackendError::Batch(format!("{rows} logits rows asked of a one-token step, which has {}", self.decode.max_logit_rows)));
+        }
         let mut v = Vec::new();
         self.model.backend.read_tensor(&self.decode.logits, rows, &mut v)?;
         Ok(v)
@@ -417,13 +428,13 @@ impl<B: Backend> Engine<B> {
         if !s.pending().is_empty() || ids.is_empty() {
             return Err(BackendError::Batch("probe_step needs a session without pending ids and some ids".into()));
         }
+        self.check_ids(ids)?;
         self.swap_in(s)?;
         let slot = s.slot().expect("swapped in");
-        if ids.len() > 1 && self.prefill.is_none() {
-            self.prefill = Some(self.model.scratch(self.chunk, self.chunk)?);
-        }
         let batch = Batch::single(slot, s.position as u32, ids, false);
-        let scratch = if ids.len() == 1 { &mut self.decode } else { self.prefill.as_mut().unwrap() };
+        // One step of all the ids, however many: forward_probed writes every row into the
+        // scratch without Model::step's size check.
+        let scratch = if ids.len() == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, ids.len(), 1)? };
         self.model.backend.begin_step(&mut self.states, &batch)?;
         let backend = &self.model.backend;
         let mut err = None;
@@ -461,5 +472,135 @@ impl<B: Backend> Engine<B> {
         s.tokens = tokens.to_vec();
         s.position = tokens.len();
         Ok(s)
+    }
+}
+
+/// The prompt-step buffers `slot` holds, first (re)allocated when they cannot hold a step of
+/// `rows` rows and `logit_rows` logits rows. They grow by powers of two up to the chunk
+/// (`cap`), never shrink, and hold no more logits rows than steps asked for: a short prompt with
+/// a large chunk, or prompts that want only their last row's logits (`[rows, vocab_size]` floats
+/// each: 250 MB for 256 rows of Qwen3.5's vocabulary), do not allocate for a full chunk of them.
+fn prefill_scratch<'a, B: Backend>(model: &Model<B>, slot: &'a mut Option<Scratch<B>>, cap: usize, rows: usize, logit_rows: usize) -> Result<&'a mut Scratch<B>, BackendError> {
+    let (have_rows, have_logits) = slot.as_ref().map_or((0, 0), |s| (s.max_rows, s.max_logit_rows));
+    if rows > have_rows || logit_rows > have_logits {
+        let size = |need: usize, have: usize| need.checked_next_power_of_two().unwrap_or(need).min(cap.max(need)).max(have);
+        let (r, l) = (size(rows, have_rows), size(logit_rows, have_logits));
+        // The old buffers go before the new ones are allocated.
+        *slot = None;
+        *slot = Some(model.scratch(r, l)?);
+    }
+    Ok(slot.as_mut().expect("allocated above"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+    use crate::model::HostModel;
+    use crate::testutil::shared;
+
+    fn engine(chunk: usize) -> Engine<Cpu> {
+        let dir = shared("fixtures/tiny/mlx-q4");
+        let host = HostModel::open(&dir).unwrap();
+        Engine::new(Model::new(&host, Cpu::with(crate::backend::cpu::simd::Isa::Portable, 1)).unwrap(), chunk).unwrap().with_model_dir(dir)
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn prompt_buffers_are_sized_to_the_steps_not_to_the_chunk() {
+        let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 2048) as u32).collect();
+        let mut one = engine(1);
+        let mut s1 = one.new_session(SamplingParams::greedy()).unwrap();
+        let want = one.feed(&mut s1, &prompt, true, &mut |_, _| {}).unwrap().to_vec();
+
+        // A prompt of 5 tokens, of which only the last wants logits, used to allocate 256 rows of
+        // every activation and 256 × vocab_size logits floats.
+        let mut e = engine(256);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let last = e.feed(&mut s, &prompt[..5], false, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (8, 1));
+        assert_eq!(bits(&last), bits(&want[4 * 2048..5 * 2048]));
+        // A chunk far larger than any prompt (2^40 rows: the allocation used to abort the process).
+        let mut e = engine(1 << 40);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let last = e.feed(&mut s, &prompt[..5], false, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (8, 1));
+        assert_eq!(bits(&last), bits(&want[4 * 2048..5 * 2048]));
+        // More rows, then every row's logits: the buffers grow (by powers of two), the bits do not
+        // change.
+        let all = e.feed(&mut s, &prompt[5..], true, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (64, 64));
+        assert_eq!(bits(&all), bits(&want[5 * 2048..]));
+        // Never beyond the chunk.
+        let mut e = engine(16);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let all = e.feed(&mut s, &prompt, true, &mut |_, _| {}).unwrap().to_vec();
+        let p = e.prefill.as_ref().unwrap();
+        assert_eq!((p.max_rows, p.max_logit_rows), (16, 16));
+        assert_eq!(bits(&all), bits(&want));
+        let g = e.feed_greedy(&mut s, &prompt[..20], 2048, &mut |_, _| {}).unwrap();
+        let _ = one.feed(&mut s1, &prompt[..19], false, &mut |_, _| {}).unwrap();
+        assert_eq!(g, crate::sampling::argmax(one.feed(&mut s1, &prompt[19..20], false, &mut |_, _| {}).unwrap()));
+    }
+
+    #[test]
+    fn probe_step_runs_steps_longer_than_the_chunk() {
+        // `tensorfold verify` probes a prompt prefix of any length; with more ids than the chunk
+        // the forward pass wrote past the prompt buffers (a panic on the CPU).
+        let ids: Vec<u32> = (0..11).map(|i| (i * 101 % 2048) as u32).collect();
+        let mut e = engine(4);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let mut lm_head = Vec::new();
+        e.probe_step(&mut s, &ids, &mut |_, op, v| {
+            if op == "lm_head" {
+                lm_head = v;
+            }
+        })
+        .unwrap();
+        assert_eq!((s.position(), s.tokens()), (11, &ids[..]));
+        let mut fresh = e.new_session(SamplingParams::greedy()).unwrap();
+        let want = e.feed(&mut fresh, &ids, false, &mut |_, _| {}).unwrap();
+        assert_eq!(bits(&lm_head), bits(want));
+    }
+
+    #[test]
+    fn decode_logits_reads_the_one_token_step_and_refuses_more_rows() {
+        let mut e = engine(4);
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let want = e.feed(&mut s, &[3, 1, 4], false, &mut |_, _| {}).unwrap().to_vec();
+        let _ = e.feed(&mut s, &[1], false, &mut |_, _| {}).unwrap();
+        let last = e.feed(&mut s, &[5], false, &mut |_, _| {}).unwrap().to_vec();
+        assert_ne!(bits(&want), bits(&last));
+        assert_eq!(bits(&e.decode_logits(1).unwrap()), bits(&last));
+        // Two rows used to panic slicing the one-row buffer.
+        assert!(matches!(e.decode_logits(2), Err(BackendError::Batch(m)) if m.contains("2 logits rows")));
+    }
+
+    #[test]
+    fn ids_outside_the_vocabulary_are_refused_and_leave_the_session_as_it_was() {
+        let mut e = engine(4);
+        let v = e.vocab_size() as u32;
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let want = e.feed(&mut s, &[5, 6, 7], false, &mut |_, _| {}).unwrap().to_vec();
+        let is_token_id = |r: Result<(), BackendError>| matches!(r, Err(BackendError::TokenId { id, vocab_size }) if id == v && vocab_size == v as usize);
+        // feed, the greedy and sampling feeds, prompt and probe_step, each with one bad id.
+        assert!(is_token_id(e.feed(&mut s, &[8, v], false, &mut |_, _| {}).map(|_| ())));
+        assert!(is_token_id(e.feed_greedy(&mut s, &[v], v as usize, &mut |_, _| {}).map(|_| ())));
+        assert!(is_token_id(e.prompt(&mut s, &[5, 6, 7, v], &mut |_, _| {}).map(|_| ())));
+        assert!(is_token_id(e.probe_step(&mut s, &[v], &mut |_, _, _| {})));
+        // Nothing was consumed or reset: the session continues as if they never came.
+        assert_eq!((s.tokens(), s.position()), (&[5u32, 6, 7][..], 3));
+        let got = e.feed(&mut s, &[8], false, &mut |_, _| {}).unwrap().to_vec();
+        let mut fresh = e.new_session(SamplingParams::greedy()).unwrap();
+        let _ = e.feed(&mut fresh, &[5, 6, 7], false, &mut |_, _| {}).unwrap();
+        let reference = e.feed(&mut fresh, &[8], false, &mut |_, _| {}).unwrap().to_vec();
+        assert!(want.iter().zip(&got).any(|(a, b)| a != b), "a new token changes the logits");
+        assert_eq!(got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), reference.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
     }
 }

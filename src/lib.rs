@@ -12,6 +12,7 @@ pub mod model;
 pub mod numerics;
 pub mod sampling;
 pub mod session;
+pub mod synth;
 #[doc(hidden)]
 pub mod testutil;
 pub mod tokenizer;

@@ -6,6 +6,11 @@
 //! fused multiply-adds, so a CUDA kernel compiled with `--fmad=false` that performs the same
 //! operations in the same order produces the same bits. No function calls the platform libm
 //! for anything that reaches the logits.
+//!
+//! Constants are written with every decimal digit of their exact binary value (hence
+//! `clippy::excessive_precision` is allowed here): the hex patterns beside them are what a
+//! CUDA twin must reproduce.
+#![allow(clippy::excessive_precision)]
 
 /// Number of partial sums in every canonical reduction: one per lane of a CUDA warp.
 pub const LANES: usize = 32;
@@ -50,7 +55,7 @@ pub fn fold_lanes(mut p: [f32; LANES]) -> f32 {
 /// If `x.len()` is not a multiple of `per_word` (a checked model never asks for that).
 #[inline]
 pub fn dot_ref(per_word: usize, x: &[f32], mut w: impl FnMut(usize) -> f32) -> f32 {
-    assert!(per_word > 0 && x.len() % per_word == 0);
+    assert!(per_word > 0 && x.len().is_multiple_of(per_word));
     let mut p = [0.0f32; LANES];
     for (j, word) in x.chunks_exact(per_word).enumerate() {
         let lane = j % LANES;

@@ -401,6 +401,15 @@ pub(crate) struct LoadedSession {
     pub state: SequenceState,
 }
 
+/// What the body of a session file held, as far as it was read.
+enum Body {
+    /// Everything: the identity, the session, the stored and the computed checksum.
+    Read(ModelIdentity, LoadedSession, u64, u64),
+    /// A header describing state arrays of other shapes than this model's (the arrays were not
+    /// read): the identity and what differs.
+    OtherShapes(ModelIdentity, String),
+}
+
 /// A writer that hashes what passes through it.
 struct Hashing<W> {
     inner: W,
@@ -575,7 +584,8 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
     }
     // The rest, parsed while hashing; any inconsistency is reported as the checksum's verdict
     // when the checksum disagrees (the usual cause), else as what is wrong.
-    let body = (|| -> Result<(ModelIdentity, LoadedSession, u64, u64), String> {
+    let this_layout = layout(cfg);
+    let body = (|| -> Result<Body, String> {
         let e = |x: std::io::Error| x.to_string();
         let file_id = ModelIdentity(u128::from_le_bytes(r.bytes(16).map_err(e)?.try_into().unwrap()));
         let mut f = [0f32; 6];
@@ -611,6 +621,19 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
         if need != expected as u128 {
             return Err(format!("its sections add up to {need} bytes, its header says {expected}"));
         }
+        // The file length bounds the bytes of the arrays, not their number (arrays may be empty):
+        // arrays of other shapes than this model's are never read, so a header cannot make the
+        // reader allocate billions of them.
+        let file_layout = (n_conv, n_rec, n_attn, conv_len, rec_len, kv_width);
+        if file_layout != this_layout {
+            let (c, r, a, cl, rl, w) = this_layout;
+            return Ok(Body::OtherShapes(
+                file_id,
+                format!(
+                    "its state has {n_conv} conv arrays of {conv_len}, {n_rec} recurrent arrays of {rec_len} and {n_attn} attention layers of KV width {kv_width}; this model has {c} of {cl}, {r} of {rl} and {a} of {w}"
+                ),
+            ));
+        }
         let tokens: Vec<u32> = r.bytes(4 * n_tokens as usize).map_err(e)?.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
         let meta = String::from_utf8(r.bytes(meta_len as usize).map_err(e)?).map_err(|_| "meta is not UTF-8".to_string())?;
         let mut read_arrays = |n: u32, len: u64| -> Result<Vec<Vec<f32>>, String> { (0..n).map(|_| r.f32s(len as usize).map_err(e)).collect() };
@@ -622,11 +645,23 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
         let mut sum = [0u8; 8];
         r.inner.read_exact(&mut sum).map_err(e)?;
         let state = SequenceState { position: position as usize, conv, recurrent, keys, values };
-        Ok((file_id, LoadedSession { tokens, params, meta, state }, u64::from_le_bytes(sum), computed))
+        Ok(Body::Read(file_id, LoadedSession { tokens, params, meta, state }, u64::from_le_bytes(sum), computed))
     })();
     let (file_id, loaded) = match body {
-        Ok((id, l, stored, computed)) if stored == computed => (id, l),
-        Ok((_, _, stored, computed)) => return Err(SessionError::Checksum { path: p(), stored, computed }),
+        Ok(Body::Read(id, l, stored, computed)) if stored == computed => (id, l),
+        Ok(Body::Read(_, _, stored, computed)) => return Err(SessionError::Checksum { path: p(), stored, computed }),
+        Ok(Body::OtherShapes(file_id, reason)) => {
+            // The same verdicts, in the same order, as for a file read to the end: damage, then
+            // another model, then shapes.
+            if let Some(e) = checksum_error(path, found) {
+                return Err(e);
+            }
+            let this = identity()?;
+            if file_id != this {
+                return Err(SessionError::OtherModel { path: p(), file: file_id, this });
+            }
+            return Err(SessionError::Shape { path: p(), reason });
+        }
         Err(reason) => return Err(checksum_error(path, found).unwrap_or_else(|| SessionError::Corrupt { path: p(), reason })),
     };
     loaded.params.validate().map_err(|e| SessionError::Corrupt { path: p(), reason: e.to_string() })?;
@@ -680,6 +715,61 @@ mod tests {
 
     fn state(position: usize, fill: f32) -> SequenceState {
         SequenceState { position, conv: vec![vec![fill; 4]], recurrent: vec![vec![fill; 8]], keys: vec![vec![fill; position * 2]], values: vec![vec![fill; position * 2]] }
+    }
+
+    /// A session file with no tokens, no meta and empty state arrays whose header claims the
+    /// given array counts, with a correct checksum.
+    fn empty_arrays_file(path: &Path, identity: ModelIdentity, counts: (u32, u32, u32)) {
+        let mut b = Vec::new();
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&(FIXED_HEADER + 8).to_le_bytes());
+        b.extend_from_slice(&identity.0.to_le_bytes());
+        for x in [0.8f32, 0.95, 0.05, 1.0, 0.0, 0.0] {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in [40u64, 64, 1, 0, 0, 0] {
+            // top_k, repeat_last_n, seed, position, tokens, meta length
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in [counts.0, counts.1, counts.2, 0] {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        for x in [0u64, 0, 0] {
+            // conv, recurrent lengths and KV width: every array is empty
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        assert_eq!(b.len() as u64, FIXED_HEADER);
+        let sum = xxhash_rust::xxh3::xxh3_64(&b);
+        b.extend_from_slice(&sum.to_le_bytes());
+        std::fs::write(path, b).unwrap();
+    }
+
+    #[test]
+    fn a_header_claiming_billions_of_empty_arrays_is_refused_before_reading_them() {
+        // The sizes add up to the file length whatever the number of empty arrays, so the reader
+        // used to allocate u32::MAX of them (about 100 GB of Vec headers, hours of work) before
+        // looking at the shapes.
+        let cfg = ModelConfig::from_dir(&crate::testutil::shared("fixtures/tiny/mlx-q4")).unwrap();
+        let tmp = crate::testutil::TempDir::new("session-layout");
+        let path = tmp.path().join("many.session");
+        let id = ModelIdentity(7);
+        for counts in [(u32::MAX, 0, 0), (0, 0, u32::MAX), (2, 3, 1)] {
+            empty_arrays_file(&path, id, counts);
+            let err = read_session(&path, &cfg, &mut || Ok(id)).err().expect("refused");
+            assert!(matches!(err, SessionError::Shape { .. }), "{counts:?}: {err}");
+            assert!(err.to_string().contains(&format!("its state has {} conv arrays of 0", counts.0)), "{err}");
+            // Another model's file is still reported as such.
+            let err = read_session(&path, &cfg, &mut || Ok(ModelIdentity(8))).err().expect("refused");
+            assert!(matches!(err, SessionError::OtherModel { .. }), "{counts:?}: {err}");
+        }
+        // A damaged one is reported as damaged.
+        let mut b = std::fs::read(&path).unwrap();
+        b[30] ^= 1;
+        std::fs::write(&path, b).unwrap();
+        let err = read_session(&path, &cfg, &mut || Ok(id)).err().expect("refused");
+        assert!(matches!(err, SessionError::Checksum { .. }), "{err}");
     }
 
     #[test]

@@ -20,6 +20,8 @@ use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
 pub enum BackendError {
     #[error("position {position} is beyond max_position_embeddings ({max}) of this model")]
     ContextFull { position: usize, max: usize },
+    #[error("token id {id} is outside the model's vocabulary (vocab_size {vocab_size})")]
+    TokenId { id: u32, vocab_size: usize },
     #[error("sequence slot {slot} {problem}")]
     Slot { slot: usize, problem: String },
     #[error("batch: {0}")]
@@ -169,6 +171,10 @@ pub trait Backend {
 
     /// A short description for logs (`cpu (avx512, 2 threads)`).
     fn describe(&self) -> String;
+    /// The most rows (tokens) one step may hold; the engine splits prompts to fit.
+    fn max_rows(&self) -> usize {
+        usize::MAX
+    }
     fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix, BackendError>;
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor, BackendError>;

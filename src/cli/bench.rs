@@ -39,6 +39,10 @@ pub struct BenchArgs {
     /// Where to run (`cpu`; `cuda` needs the device's own bandwidth and peak measurements).
     #[arg(long = "device", default_value = "cpu")]
     pub device: super::Device,
+    /// GPU: also time every kernel of 32 decode tokens run without graphs (CUDA events) and print
+    /// the device time per kernel.
+    #[arg(long)]
+    pub profile: bool,
     /// Also write the figures as JSON to this file.
     #[arg(long = "json")]
     pub json: Option<PathBuf>,
@@ -89,15 +93,17 @@ struct Report {
     decode_tokens: usize,
     repetitions: usize,
     phases: Vec<PhaseReport>,
+    /// Backend-specific facts (launches and waits per token on a GPU).
+    notes: Vec<String>,
     definitions: Vec<&'static str>,
 }
 
 const DEFINITIONS: &[&str] = &[
     "decode bytes per token = every weight byte the token reads (packed codes, scales and biases of every projection, the whole LM head, one embedding row, the f32 norm/conv/gate vectors) + GDN conv and recurrent state read and written + KV cache read at the token's context + the new KV row written",
-    "bandwidth = (bytes read + bytes written) / time of copying a 512 MiB buffer into another with every thread (memcpy on contiguous slices), median of 10 copies taken before and after the phases",
+    "bandwidth = (bytes read + bytes written) / time of copying a large buffer into another with the whole device (CPU: memcpy of 512 MiB with every thread; GPU: a 1 GiB device-to-device copy), median; the machine line gives the method",
     "prompt FLOPs = 2 x multiply-adds of every layer projection per token + the LM head for each chunk's last row + attention 4*Hq*Dh per (query, key) pair + delta rule 7*Hv*dv*dk per token per GDN layer (norms, conv, activations not counted)",
-    "FMA peak = every thread at once running 12 independent chains of vector FMAs (the selected ISA's widest: 16 lanes AVX-512, 8 AVX2, scalar portable), 2 FLOP per lane per FMA, best of 3",
-    "decode feeds fixed token ids one at a time and reads each token's logits back; sampling is not timed",
+    "FMA peak = every core running independent chains of f32 FMAs, 2 FLOP per FMA (CPU: 12 chains per thread on the selected ISA; GPU: 8 chains per thread, 8 blocks of 256 per multiprocessor), best of 3",
+    "decode generates greedily, one step per token, with the argmax taken where the logits are (on a GPU inside the step's CUDA graph); tokens/s counts the whole step as the host sees it",
 ];
 
 fn commit() -> String {
@@ -157,7 +163,58 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let model_summary = format!("{:.3} B parameters, {quant}, {} layers, hidden {}", costs.parameters as f64 / 1e9, host.config.num_hidden_layers, host.config.hidden_size);
     let plan = Plan { prompt_lens: a.prompts.clone(), decode_contexts: a.contexts.clone(), decode_tokens: a.decode_tokens, repeats: a.repeats };
     match a.device {
-        super::Device::Cuda(_) => bail!("bench --device cuda: the device's bandwidth and FMA peak measurements are not written yet; the timed phases (tensorfold::bench::run) are backend-agnostic"),
+        super::Device::Cuda(n) => {
+            use tensorfold::backend::cuda::Cuda;
+            let gpu = Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            eprintln!("measuring the device (copy bandwidth, FMA peak) ...");
+            let m = MachineFigures {
+                description: gpu.device_name(),
+                copy_bandwidth: gpu.copy_bandwidth(1 << 30, 10)?,
+                copy_bandwidth_method: "device-to-device copy of a 1 GiB buffer, bytes read + written, event-timed, 10 copies".into(),
+                fma_peak: gpu.fma_peak()?,
+                fma_peak_method: "8 independent fmaf chains per thread, 8 blocks of 256 threads per multiprocessor, event-timed, best of 3".into(),
+            };
+            let describe = gpu.describe();
+            let model = Model::new(&host, gpu)?;
+            let mut engine = Engine::new(model, a.chunk)?;
+            let phases = bench::run(&mut engine, &costs, a.chunk, &plan, &mut |s| eprintln!("  {s}"))?;
+            // What one decode token costs the host: launches and waits over 64 greedy tokens.
+            let mut s = engine.new_session(tensorfold::sampling::SamplingParams::greedy())?;
+            let v = engine.vocab_size();
+            let mut tok = engine.feed_greedy(&mut s, &[1, 2, 3], v, &mut |_, _| {})?;
+            let b = &engine.model.backend;
+            let (l0, w0) = (b.launches(), b.host_waits());
+            for _ in 0..64 {
+                tok = engine.feed_greedy(&mut s, &[tok], v, &mut |_, _| {})?;
+            }
+            let b = &engine.model.backend;
+            let launches = (b.launches() - l0) as f64 / 64.0;
+            let waits = (b.host_waits() - w0) as f64 / 64.0;
+            let nodes = b.decode_graph_nodes().unwrap_or(0);
+            let mut notes = vec![
+                format!("a decode token: 1 CUDA graph launch of {nodes} kernels + {launches:.1} other kernel launches, {waits:.1} host wait(s)"),
+            ];
+            if a.profile {
+                // The same tokens eagerly, each kernel between two events.
+                b.set_graphs(false);
+                b.set_profile(true);
+                let t = std::time::Instant::now();
+                for _ in 0..32 {
+                    tok = engine.feed_greedy(&mut s, &[tok], v, &mut |_, _| {})?;
+                }
+                let wall = t.elapsed().as_secs_f64() * 1e3 / 32.0;
+                let b = &engine.model.backend;
+                let rep = b.profile_report()?;
+                b.set_profile(false);
+                b.set_graphs(true);
+                let total: f64 = rep.iter().map(|r| r.1).sum::<f64>() / 32.0;
+                notes.push(format!("profile (32 eager decode tokens at context ~{}): {total:.3} ms of kernel time per token, {wall:.3} ms wall per eager token", s.position()));
+                for (name, ms, n) in rep {
+                    notes.push(format!("  {name:<22} {:>8.1} us/token  ({} launches/token, {:.2} us each)", 1e3 * ms / 32.0, n / 32, 1e3 * ms / n as f64));
+                }
+            }
+            report(&a, &dir, model_summary, describe, m, phases, notes)
+        }
         super::Device::Cpu => {
             let threads = a.threads.unwrap_or_else(|| Cpu::new().threads());
             let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
@@ -169,7 +226,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // Bandwidth again after the phases (drift, other load).
             let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
             m.copy_bandwidth.extend(cpu.copy_bandwidth(5));
-            report(&a, &dir, model_summary, describe, m, phases)
+            report(&a, &dir, model_summary, describe, m, phases, Vec::new())
         }
     }
 }
@@ -179,7 +236,7 @@ fn run<B: Backend>(model: Model<B>, costs: &Costs, a: &BenchArgs, plan: &Plan) -
     Ok(bench::run(&mut engine, costs, a.chunk, plan, &mut |s| eprintln!("  {s}"))?)
 }
 
-fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: String, m: MachineFigures, phases: Vec<Phase>) -> Result<()> {
+fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: String, m: MachineFigures, phases: Vec<Phase>, notes: Vec<String>) -> Result<()> {
     let bw = Spread::of(&m.copy_bandwidth);
     let date = jiff::fmt::strtime::format("%Y-%m-%d %H:%M:%S %Z", &jiff::ZonedDateTime::now()).unwrap_or_default();
     let mut rows = Vec::new();
@@ -221,6 +278,7 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         decode_tokens: a.decode_tokens,
         repetitions: a.repeats,
         phases: rows,
+        notes,
         definitions: DEFINITIONS.to_vec(),
     };
     println!("tensorfold bench  {}  commit {}", r.date, r.commit);
@@ -231,6 +289,9 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         r.copy_bandwidth_gb_s.median, r.copy_bandwidth_gb_s.min, r.copy_bandwidth_gb_s.max, r.machine.copy_bandwidth_method
     );
     println!("         f32 FMA peak {:.1} GFLOP/s ({})", r.fma_peak_gflop_s, r.machine.fma_peak_method);
+    for n in &r.notes {
+        println!("         {n}");
+    }
     println!("{} repetitions per phase; median (min-max)", r.repetitions);
     println!();
     println!("{:<12} {:>22} {:>9} {:>13} {:>20} {:>8}", "phase", "tokens/s", "ms/tok", "bytes/tok", "GB/s | GFLOP/s", "% peak");

@@ -68,7 +68,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let describe = tensorfold::backend::Backend::describe(&backend);
     let model = Model::new(&host, backend)?;
     let mut engine = Engine::new(model, a.chunk)?.with_model_dir(&dir);
-    engine.set_snapshots(SnapshotConfig { every: a.snapshot_every, budget_bytes: a.snapshot_budget << 20 });
+    engine.set_snapshots(SnapshotConfig { every: a.snapshot_every, budget_bytes: a.snapshot_budget.saturating_mul(1 << 20) });
     let mut s = engine.new_session(params)?;
     let interactive = std::io::stdin().is_terminal();
     eprintln!("model: {} ({describe}); {HELP}", dir.display());

@@ -32,7 +32,12 @@ pub fn info(a: InfoArgs) -> Result<()> {
     let costs = Costs::of(c, w);
     let full: Vec<usize> = (0..c.num_hidden_layers).filter(|&i| c.layer_types[i] == LayerType::FullAttention).collect();
     println!("model            {}", dir.display());
-    println!("layout           {:?} (norms stored as {})", host.loaded.layout, if host.loaded.norm_offsets { "zero-centred offsets, used as 1 + w" } else { "1 + w" });
+    let layout = match host.loaded.layout {
+        tensorfold::model::weights::Layout::HfNested => "Hugging Face (model.language_model.*)",
+        tensorfold::model::weights::Layout::Mlx => "MLX (language_model.model.*)",
+        tensorfold::model::weights::Layout::Flat => "flat (model.*)",
+    };
+    println!("layout           {layout} (norms stored as {})", if host.loaded.norm_offsets { "zero-centred offsets, used as 1 + w" } else { "1 + w" });
     println!("layers           {} ({} Gated DeltaNet, {} full attention at {:?})", c.num_hidden_layers, c.num_linear_layers(), c.num_full_layers(), full);
     println!("hidden_size      {}   intermediate_size {}   vocab_size {}", c.hidden_size, c.intermediate_size, c.vocab_size);
     println!(
@@ -63,10 +68,10 @@ pub fn info(a: InfoArgs) -> Result<()> {
         mib(2 * (costs.conv_state_bytes + costs.recurrent_state_bytes)),
         mib(costs.kv_bytes_per_token));
     println!(
-        "session state    {} conv + {} recurrent (f32) + {} KV cache per token (f32) = {} at 4096 tokens",
+        "session state    {} conv + {} recurrent (f32) + {:.1} KiB KV cache per token (f32) = {} at 4096 tokens",
         mib(costs.conv_state_bytes),
         mib(costs.recurrent_state_bytes),
-        format!("{:.1} KiB", costs.kv_bytes_per_token as f64 / 1024.0),
+        costs.kv_bytes_per_token as f64 / 1024.0,
         mib(costs.state_bytes(4096))
     );
     println!(

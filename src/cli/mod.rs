@@ -5,6 +5,7 @@ mod chat;
 mod info;
 mod kernels;
 mod run;
+mod synth;
 mod verify;
 
 use std::path::{Path, PathBuf};
@@ -36,6 +37,8 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
     Verify(verify::VerifyArgs),
+    /// Write a random-weight checkpoint with the real config of a Qwen3.5 size.
+    Synth(synth::SynthArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
@@ -46,6 +49,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::bench(a),
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),
+        Command::Synth(a) => synth::synth(a),
     }
 }
 

@@ -22,7 +22,8 @@ pub struct RunArgs {
     /// The prompt text.
     #[arg(short = 'p', long = "prompt", conflicts_with_all = ["file", "prompt_ids"])]
     pub prompt: Option<String>,
-    /// Read the prompt from a file.
+    /// Read the prompt from a file (`-` for standard input; without -p, -f or --prompt-ids a
+    /// piped standard input is the prompt).
     #[arg(short = 'f', long = "file", conflicts_with = "prompt_ids")]
     pub file: Option<PathBuf>,
     /// The prompt as token ids, comma-separated (no tokenization, no template).
@@ -31,6 +32,10 @@ pub struct RunArgs {
     /// Wrap the prompt in the model's chat template as one user message.
     #[arg(long)]
     pub chat: bool,
+    /// Extra chat template variables as a JSON object, e.g. '{"enable_thinking": false}'
+    /// (llama.cpp's spelling).
+    #[arg(long = "chat-template-kwargs", value_name = "JSON", requires = "chat")]
+    pub chat_template_kwargs: Option<String>,
     /// Tokens to generate at most (-1: until an end-of-sequence token or the context is full).
     #[arg(short = 'n', long = "n-predict", default_value_t = 256, allow_hyphen_values = true)]
     pub n_predict: i64,
@@ -63,21 +68,27 @@ pub struct RunArgs {
 #[derive(Args, Debug, Clone)]
 pub struct SamplingArgs {
     /// Temperature; 0 is greedy. Default: the checkpoint's generation_config.json.
-    #[arg(long = "temp")]
+    #[arg(long = "temp", allow_hyphen_values = true)]
     pub temp: Option<f32>,
+    /// Keep the K most likely tokens (0: all).
     #[arg(long = "top-k")]
     pub top_k: Option<usize>,
-    #[arg(long = "top-p")]
+    /// Keep the smallest set of tokens whose probability reaches P (1: off).
+    #[arg(long = "top-p", allow_hyphen_values = true)]
     pub top_p: Option<f32>,
-    #[arg(long = "min-p")]
+    /// Drop tokens less likely than P times the most likely one (0: off).
+    #[arg(long = "min-p", allow_hyphen_values = true)]
     pub min_p: Option<f32>,
-    #[arg(long = "repeat-penalty")]
+    /// Divide positive (multiply negative) logits of recent tokens by this (1: off).
+    #[arg(long = "repeat-penalty", allow_hyphen_values = true)]
     pub repeat_penalty: Option<f32>,
     /// Tokens the penalties look back over (-1: all, 0: off).
     #[arg(long = "repeat-last-n", allow_hyphen_values = true)]
     pub repeat_last_n: Option<i64>,
+    /// Subtract this from the logit of every token in the penalty window (0: off).
     #[arg(long = "presence-penalty", allow_hyphen_values = true)]
     pub presence_penalty: Option<f32>,
+    /// Subtract this times a token's count in the penalty window (0: off).
     #[arg(long = "frequency-penalty", allow_hyphen_values = true)]
     pub frequency_penalty: Option<f32>,
     /// Random seed (a fixed default, so runs repeat).
@@ -146,11 +157,28 @@ pub fn run(a: RunArgs) -> Result<()> {
     for name in host.loaded.ignored.iter().take(3) {
         eprintln!("warning: {}: tensor `{name}` is not part of the text model; ignored", dir.display());
     }
-    let tokenizer = Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+    // Exact ids in and out need no tokenizer (a synthetic checkpoint written without one).
+    let ids_only = a.prompt_ids.is_some() && a.print_ids && !a.chat;
+    let tokenizer = match Tokenizer::from_dir(&dir) {
+        Ok(t) => Some(t),
+        Err(_) if ids_only && !dir.join("tokenizer.json").exists() => None,
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "loading the tokenizer in {} (a checkpoint from `tensorfold synth` needs --tokenizer FILE; --prompt-ids with --print-ids runs without one)",
+                dir.display()
+            )))
+        }
+    };
     let gc_path = dir.join("generation_config.json");
     let gc = GenerationConfig::from_dir(&dir)?;
     let params = a.sampling.apply(checkpoint_params(&gc, gc_path.exists()));
     params.validate()?;
+    if a.n_predict < -1 {
+        bail!("-n {} is invalid: give a number of tokens, or -1 for no limit", a.n_predict);
+    }
+    if a.chunk == 0 {
+        bail!("--chunk 0 is invalid: a prompt step holds at least one token");
+    }
     let loading = a.load_session.is_some();
 
     let prompt_ids: Vec<u32> = match (&a.prompt_ids, &a.prompt, &a.file) {
@@ -163,6 +191,11 @@ pub fn run(a: RunArgs) -> Result<()> {
         (None, p, f) => {
             let text = match (p, f) {
                 (Some(p), _) => p.clone(),
+                (None, Some(f)) if f.as_os_str() == "-" => {
+                    let mut s = String::new();
+                    std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
+                    s
+                }
                 (None, Some(f)) => std::fs::read_to_string(f).with_context(|| format!("reading the prompt file {}", f.display()))?,
                 // A loaded session continues by itself.
                 (None, None) if loading => String::new(),
@@ -175,12 +208,20 @@ pub fn run(a: RunArgs) -> Result<()> {
                     s
                 }
             };
+            let Some(tokenizer) = tokenizer.as_ref() else { unreachable!("text prompts need the tokenizer, loaded above") };
             if a.chat {
                 let Some(t) = tokenizer.chat_template() else {
                     bail!("--chat: the model in {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja)", dir.display());
                 };
                 // Templates write their own special tokens, so none are added (as transformers).
-                tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &Default::default())?, false)?
+                let kwargs = match &a.chat_template_kwargs {
+                    None => Default::default(),
+                    Some(j) => match serde_json::from_str::<serde_json::Value>(j) {
+                        Ok(serde_json::Value::Object(m)) => m,
+                        _ => bail!("--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"),
+                    },
+                };
+                tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &kwargs)?, false)?
             } else if text.is_empty() {
                 Vec::new()
             } else {
@@ -189,7 +230,7 @@ pub fn run(a: RunArgs) -> Result<()> {
         }
     };
     if prompt_ids.is_empty() && !loading {
-        bail!("the prompt is empty");
+        bail!("the prompt is empty (give one with -p PROMPT, -f FILE, -f - or a pipe for standard input, or --prompt-ids)");
     }
     let vocab = host.config.vocab_size;
     if let Some(bad) = prompt_ids.iter().find(|&&id| id as usize >= vocab) {
@@ -197,10 +238,10 @@ pub fn run(a: RunArgs) -> Result<()> {
     }
 
     match a.device {
-        super::Device::Cpu => generate(&a, &dir, &host, &tokenizer, &prompt_ids, params, Cpu::new(), t_load),
+        super::Device::Cpu => generate(&a, &dir, &host, tokenizer.as_ref(), &prompt_ids, params, Cpu::new(), t_load),
         super::Device::Cuda(n) => {
             let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-            generate(&a, &dir, &host, &tokenizer, &prompt_ids, params, backend, t_load)
+            generate(&a, &dir, &host, tokenizer.as_ref(), &prompt_ids, params, backend, t_load)
         }
     }
 }
@@ -211,7 +252,7 @@ fn generate<B: Backend>(
     a: &RunArgs,
     dir: &std::path::Path,
     host: &HostModel,
-    tokenizer: &Tokenizer,
+    tokenizer: Option<&Tokenizer>,
     prompt_ids: &[u32],
     params: SamplingParams,
     backend: B,
@@ -240,13 +281,23 @@ fn generate<B: Backend>(
 
     // Sampling only among ids the tokenizer can decode (the logits row is padded past them).
     let vocab = host.config.vocab_size;
-    let n_ids = tokenizer.vocab_size().min(vocab);
+    let n_ids = tokenizer.map_or(vocab, |t| t.vocab_size().min(vocab));
+    // End-of-sequence ids: the tokenizer's union, else config.json's and generation_config.json's.
+    let eos: Vec<u32> = match tokenizer {
+        Some(t) => t.eos_ids().to_vec(),
+        None => {
+            let mut v = host.config.eos_token_id.clone();
+            v.extend(GenerationConfig::from_dir(dir)?.eos_token_id);
+            v
+        }
+    };
+    let is_eos = |id: u32| eos.contains(&id);
     let dump = a.dump_logits.is_some();
     let mut dumped: Vec<f32> = Vec::new();
     let mut dumped_ids: Vec<u32> = Vec::new();
 
     // Prompt processing, with a progress bar when it is long.
-    let bar = if prompt_ids.len() > 4 * a.chunk.max(1) && std::io::stderr().is_terminal() {
+    let bar = if prompt_ids.len() > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new(prompt_ids.len() as u64);
         b.set_style(indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({per_sec}, eta {eta})").unwrap());
         Some(b)
@@ -299,7 +350,7 @@ fn generate<B: Backend>(
             }
         }
     }
-    let mut stream = tokenizer.stream();
+    let mut stream = tokenizer.map(Tokenizer::stream);
     let mut sampler = Sampler::new();
     let max_new = if a.n_predict < 0 { usize::MAX } else { a.n_predict as usize };
     let max_pos = host.config.max_position_embeddings;
@@ -318,13 +369,13 @@ fn generate<B: Backend>(
         generated += 1;
         if a.print_ids {
             writeln!(out, "{next}")?;
-        } else if !tokenizer.is_eos(next) {
-            if let Some(text) = stream.push(next)? {
+        } else if !is_eos(next) {
+            if let Some(text) = stream.as_mut().expect("text output has a tokenizer").push(next)? {
                 write!(out, "{text}")?;
             }
         }
         out.flush()?;
-        if tokenizer.is_eos(next) {
+        if is_eos(next) {
             stop_reason = "eos";
             gen_time += t.elapsed();
             break;
@@ -353,18 +404,18 @@ fn generate<B: Backend>(
         }
     }
     if !a.print_ids {
-        write!(out, "{}", stream.finish())?;
+        write!(out, "{}", stream.map(|s| s.finish()).unwrap_or_default())?;
         writeln!(out)?;
     }
     drop(out);
 
     let rate = |n: usize, d: Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { f64::INFINITY };
     eprintln!(
-        "prompt: {} tokens in {:.3} s ({:.1} tok/s) | generation: {} tokens in {:.3} s ({:.1} tok/s), stopped by {}",
-        processed,
+        "prompt: {} in {:.3} s ({:.1} tok/s) | generation: {} in {:.3} s ({:.1} tok/s), stopped by {}",
+        tokens(processed),
         prompt_time.as_secs_f64(),
         rate(processed, prompt_time),
-        generated,
+        tokens(generated),
         gen_time.as_secs_f64(),
         rate(generated, gen_time),
         stop_reason
@@ -378,6 +429,15 @@ fn generate<B: Backend>(
         eprintln!("logits: {} rows written to {}", dumped_ids.len(), path.display());
     }
     Ok(())
+}
+
+/// "1 token", "2 tokens".
+fn tokens(n: usize) -> String {
+    if n == 1 {
+        "1 token".into()
+    } else {
+        format!("{n} tokens")
+    }
 }
 
 /// Writes `logits` f32 `[T, V]` and `ids` i32 `[T]` to a safetensors file, atomically (a

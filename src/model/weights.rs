@@ -397,7 +397,7 @@ impl<'a> Loader<'a> {
                 },
             })?;
             let per_word = 32 / q.bits as usize;
-            if cols % q.group_size != 0 {
+            if !cols.is_multiple_of(q.group_size) {
                 return Err(WeightsError::Quantization {
                     file,
                     name: wname,

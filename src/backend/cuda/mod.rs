@@ -175,6 +175,8 @@ enum Chooser {
 /// A recorded step.
 struct Recorded {
     graph: cudarc::driver::CudaGraph,
+    /// Kernel launches recorded into it.
+    nodes: u64,
     /// The token-choosing kernel recorded with it, if any.
     chooser: Option<Chooser>,
 }
@@ -248,8 +250,18 @@ struct Step {
     sample_wlen: CudaSlice<u32>,
     sample_pos: CudaSlice<u64>,
     sample_work: Option<CudaSlice<f32>>,
+    /// Per-slice bests of the two-pass argmax: `[64 rows][64 slices]`.
+    argmax_v: CudaSlice<f32>,
+    argmax_i: CudaSlice<u32>,
     error: Option<BackendError>,
     launches: u64,
+    /// Host synchronisations (waits for the device).
+    waits: u64,
+    /// `launches` when the current capture began.
+    capture_start: u64,
+    /// Kernel timings while profiling: (name, start event, end event).
+    profile: Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+    event_pool: Vec<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
 }
 
 /// The CUDA backend on one device.
@@ -338,8 +350,14 @@ impl Cuda {
             sample_wlen: alloc(64)?,
             sample_pos: stream.alloc_zeros::<u64>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
             sample_work: None,
+            argmax_v: stream.alloc_zeros::<f32>(64 * 64).map_err(|e| dev_err("allocating argmax buffers", e))?,
+            argmax_i: alloc(64 * 64)?,
             error: None,
             launches: 0,
+            waits: 0,
+            capture_start: 0,
+            profile: None,
+            event_pool: Vec::new(),
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         Ok(Self {
@@ -376,6 +394,60 @@ impl Cuda {
         self.step.lock().unwrap().graphs.len()
     }
 
+    /// Kernel nodes of the recorded one-row decode graphs (the largest, if several).
+    pub fn decode_graph_nodes(&self) -> Option<u64> {
+        self.step.lock().unwrap().graphs.iter().filter(|(k, _)| k.rows == 1).map(|(_, r)| r.nodes).max()
+    }
+
+    /// Device copy bandwidth in bytes/s, counting bytes read plus bytes written: the median of
+    /// `reps` device-to-device copies of `bytes` (event-timed).
+    pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<Vec<f64>, BackendError> {
+        let n = bytes / 4;
+        let src = self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("alloc", e))?;
+        let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("alloc", e))?;
+        let ctx = self.stream.context();
+        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let mut out = Vec::new();
+        for i in 0..reps + 1 {
+            e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            self.stream.memcpy_dtod(&src, &mut dst).map_err(|e| dev_err("copy", e))?;
+            e1.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))? as f64;
+            if i > 0 {
+                out.push(2.0 * (n * 4) as f64 / (ms / 1e3));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Float32 FMA peak in FLOP/s (2 per FMA): every multiprocessor full of threads running
+    /// independent FMA chains, event-timed, best of 3.
+    pub fn fma_peak(&self) -> Result<f64, BackendError> {
+        let sms = self.stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("attribute", e))? as u32;
+        let (blocks, threads, iters) = (sms * 8, 256u32, 20_000u32);
+        let mut out = self.stream.alloc_zeros::<f32>((blocks * threads) as usize).map_err(|e| dev_err("alloc", e))?;
+        let ctx = self.stream.context();
+        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let f = &self.funcs["fma_peak"];
+        let (a, b) = (0.999_f32, 0.001_f32);
+        let mut best = 0.0f64;
+        for _ in 0..4 {
+            e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            // SAFETY: arguments match machine.cu; `out` holds blocks·threads floats.
+            unsafe { self.stream.launch_builder(f).arg(&mut out).arg(&iters).arg(&a).arg(&b).launch(Self::cfg1((blocks, 1, 1), threads, 0)) }.map_err(|e| dev_err("fma_peak", e))?;
+            e1.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))? as f64;
+            let flops = 2.0 * 8.0 * iters as f64 * (blocks * threads) as f64;
+            best = best.max(flops / (ms / 1e3));
+        }
+        Ok(best)
+    }
+
+    /// Host waits (synchronisations) issued so far.
+    pub fn host_waits(&self) -> u64 {
+        self.step.lock().unwrap().waits
+    }
+
     /// Evaluates the device's `exp, log, softplus, sigmoid, silu` on `x` (5 outputs per input),
     /// for comparison with [`crate::numerics`].
     pub fn numerics_check(&self, x: &[f32]) -> Result<Vec<f32>, BackendError> {
@@ -398,12 +470,59 @@ impl Cuda {
         if matches!(st.mode, Mode::Replaying(_)) {
             return;
         }
+        // Profiling (eager steps only): events around the launch, summed per kernel name.
+        let timed = st.profile.is_some() && st.mode == Mode::Eager;
+        let start = if timed { self.event_pair(&mut st).ok() } else { None };
+        if let Some((a, _)) = &start {
+            let _ = a.record(&self.stream);
+        }
         if let Err(e) = f(&mut st) {
             if st.error.is_none() {
                 st.error = Some(dev_err(what, e));
             }
         }
+        if let Some((a, b)) = start {
+            let _ = b.record(&self.stream);
+            if let Some(p) = st.profile.as_mut() {
+                p.push((what.to_string(), a, b));
+            }
+        }
         st.launches += 1;
+    }
+
+    fn event_pair(&self, st: &mut Step) -> Result<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent), cudarc::driver::DriverError> {
+        if let Some(pair) = st.event_pool.pop() {
+            return Ok(pair);
+        }
+        let ctx = self.stream.context();
+        Ok((ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))?))
+    }
+
+    /// Starts (`true`) or stops timing every eagerly launched kernel with CUDA events.
+    pub fn set_profile(&self, on: bool) {
+        let mut st = self.step.lock().unwrap();
+        st.profile = if on { Some(Vec::new()) } else { None };
+    }
+
+    /// Device time per kernel name (milliseconds, launches) since profiling started, sorted by
+    /// time; clears the record.
+    pub fn profile_report(&self) -> Result<Vec<(String, f64, usize)>, BackendError> {
+        let mut st = self.step.lock().unwrap();
+        let recs = match st.profile.as_mut() {
+            Some(p) => std::mem::take(p),
+            None => return Ok(Vec::new()),
+        };
+        let mut sums: HashMap<String, (f64, usize)> = HashMap::new();
+        for (name, a, b) in recs {
+            let ms = a.elapsed_ms(&b).map_err(|e| dev_err("profile", e))? as f64;
+            let e = sums.entry(name).or_insert((0.0, 0));
+            e.0 += ms;
+            e.1 += 1;
+            st.event_pool.push((a, b));
+        }
+        let mut v: Vec<(String, f64, usize)> = sums.into_iter().map(|(k, (t, n))| (k, t, n)).collect();
+        v.sort_by(|a, b| b.1.total_cmp(&a.1));
+        Ok(v)
     }
 
     /// Queues the kernel that picks each row's next id (recorded into a graph being captured;
@@ -425,7 +544,7 @@ impl Cuda {
         if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
             st.error.get_or_insert(dev_err("choosing tokens", e));
         }
-        st.launches += 1;
+        st.launches += if kind == Chooser::Argmax { 2 } else { 1 };
     }
 
     fn launch_chooser(&self, st: &mut Step, kind: Chooser, logits: u64, rows: u32, v_eff: u32, ld: u32) -> Result<(), cudarc::driver::DriverError> {
@@ -434,7 +553,17 @@ impl Cuda {
         // (`rows` rows of `ld` floats), the other buffers hold at least 64 rows.
         unsafe {
             match kind {
-                Chooser::Argmax => self.stream.launch_builder(self.func("argmax_rows")).arg(&logits).arg(&v_eff).arg(&ld).arg(&st.sampled).arg(&st.ids).launch(cfg).map(|_| ()),
+                Chooser::Argmax => {
+                    self.stream
+                        .launch_builder(self.func("argmax_part"))
+                        .arg(&logits)
+                        .arg(&v_eff)
+                        .arg(&ld)
+                        .arg(&st.argmax_v)
+                        .arg(&st.argmax_i)
+                        .launch(Self::cfg1((64, rows, 1), 256, 0))?;
+                    self.stream.launch_builder(self.func("argmax_rows")).arg(&st.argmax_v).arg(&st.argmax_i).arg(&st.sampled).arg(&st.ids).launch(Self::cfg1((rows, 1, 1), 64, 0)).map(|_| ())
+                }
                 Chooser::Sample => self
                     .stream
                     .launch_builder(self.func("sample_rows"))
@@ -512,6 +641,10 @@ impl Backend for Cuda {
         format!("cuda ({}, {})", self.name, self.arch)
     }
 
+    fn max_rows(&self) -> usize {
+        MAX_ROWS
+    }
+
     fn upload_matrix(&self, m: &Matrix) -> Result<CudaMatrix, BackendError> {
         let (fmt, group, sdtype) = fmt_codes(m);
         let up = |b: &[u8]| -> Result<CudaSlice<u8>, BackendError> {
@@ -545,6 +678,7 @@ impl Backend for Cuda {
         let view = t.buf.slice(0..rows * t.cols);
         self.stream.memcpy_dtoh(&view, out.as_mut_slice()).map_err(|e| dev_err("reading activations", e))?;
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        self.step.lock().unwrap().waits += 1;
         self.check()
     }
 
@@ -552,7 +686,16 @@ impl Backend for Cuda {
         if cfg.linear_conv_kernel_dim > 8 {
             return Err(BackendError::Device(format!("linear_conv_kernel_dim {} > 8 is not supported by the CUDA kernels", cfg.linear_conv_kernel_dim)));
         }
-        if cfg.head_dim > 256 || cfg.num_attention_heads % cfg.num_key_value_heads != 0 {
+        if cfg.linear_key_head_dim > 128 || cfg.linear_value_head_dim > 128 {
+            return Err(BackendError::Device(format!(
+                "GDN head dims dk {} / dv {} > 128 are not supported by the CUDA kernels",
+                cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            )));
+        }
+        if cfg.hidden_size > 8192 || cfg.intermediate_size > 65536 {
+            return Err(BackendError::Device(format!("hidden_size {} > 8192 is not supported by the CUDA RMSNorm kernel", cfg.hidden_size)));
+        }
+        if cfg.head_dim > 256 || !cfg.num_attention_heads.is_multiple_of(cfg.num_key_value_heads) {
             return Err(BackendError::Device(format!("head_dim {} > 256 is not supported by the CUDA kernels", cfg.head_dim)));
         }
         *self.cfg_cache.lock().unwrap() = Some(cfg.clone());
@@ -575,15 +718,12 @@ impl Backend for Cuda {
         let host_table = vec![0u64; (n_full * 2 * states.max_pages).max(1)];
         let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
         let mem = SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0 };
-        let idx = match states.slots.iter().position(Option::is_none) {
-            Some(i) => i,
-            None => {
-                states.slots.push(None);
-                states.slots.len() - 1
-            }
-        };
+        let idx = states.slots.iter().position(Option::is_none).unwrap_or(states.slots.len());
         if idx >= MAX_SLOTS {
             return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
+        }
+        if idx == states.slots.len() {
+            states.slots.push(None);
         }
         let mut st = self.step.lock().unwrap();
         st.host_slot_table[idx] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
@@ -786,13 +926,14 @@ impl Backend for Cuda {
                 graph.upload().map_err(|e| dev_err("uploading a graph", e))?;
                 graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 let chooser = st.captured_chooser.take();
-                st.graphs.insert(key, Recorded { graph, chooser });
+                let nodes = st.launches - st.capture_start;
+                st.graphs.insert(key, Recorded { graph, nodes, chooser });
             }
             Mode::Replaying(key) => {
                 st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 if let Some(p) = st.pending_chooser.take() {
                     self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
-                    st.launches += 1;
+                    st.launches += if p.kind == Chooser::Argmax { 2 } else { 1 };
                 }
             }
         }
@@ -838,7 +979,10 @@ impl Backend for Cuda {
                     return;
                 }
                 match self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) {
-                    Ok(()) => st.mode = Mode::Capturing(key),
+                    Ok(()) => {
+                        st.mode = Mode::Capturing(key);
+                        st.capture_start = st.launches;
+                    }
                     Err(e) => {
                         st.error.get_or_insert(dev_err("beginning graph capture", e));
                     }
@@ -867,7 +1011,7 @@ impl Backend for Cuda {
         let cols = x.cols as u32;
         let f = self.func("rms_norm_rows");
         self.launch("rms_norm_rows", |_| unsafe {
-            self.stream.launch_builder(f).arg(&x.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 256, 0))
+            self.stream.launch_builder(f).arg(&x.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 512, 0))
         });
     }
 
@@ -875,7 +1019,7 @@ impl Backend for Cuda {
         let cols = x.cols as u32;
         let f = self.func("add_rms_norm_rows");
         self.launch("add_rms_norm_rows", |_| unsafe {
-            self.stream.launch_builder(f).arg(&mut x.buf).arg(&y.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 256, 0))
+            self.stream.launch_builder(f).arg(&mut x.buf).arg(&y.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 512, 0))
         });
     }
 
@@ -1023,7 +1167,7 @@ impl Backend for Cuda {
                 .arg(&st.seqs)
                 .arg(&st.slot_table)
                 .arg(&mut out.buf)
-                .launch(Self::cfg1((hv, nseq, 1), 1024, dv * 4))
+                .launch(Self::cfg1((hv, nseq, 1), 1024, 0))
         });
     }
 
@@ -1174,6 +1318,7 @@ impl Backend for Cuda {
             self.stream.memcpy_dtoh(&view, out.as_mut_slice()).map_err(|e| dev_err("reading sampled ids", e))?;
         }
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
+        st.waits += 1;
         // The argmax kernel also wrote these ids where the next step reads its tokens.
         st.device_ids = out.clone();
         drop(st);

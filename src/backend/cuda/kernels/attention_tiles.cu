@@ -67,6 +67,7 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
         }
         for (u32 d = threadIdx.x; d < dh; d += blockDim.x) {
             float acc = 0.0f;
+#pragma unroll 8
             for (u32 i = 0; i < n; i++) acc = fmaf(e[i], vp[((u64)i * hkv + g) * dh + d], acc);
             out[2 + d] = acc;
         }

@@ -38,11 +38,22 @@ __device__ __forceinline__ float fold32(float v) {
 }
 
 // Twin of numerics::dot_f32 for one warp: lane l accumulates elements l, l+32, ... in order.
-// The result is in every lane.
+// The result is in every lane. Loads are issued eight at a time ahead of the (ordered) FMAs.
 __device__ __forceinline__ float warp_dot(const float* a, const float* b, u32 n) {
     u32 lane = threadIdx.x & 31;
     float acc = 0.0f;
-    for (u32 i = lane; i < n; i += 32) acc = fmaf(a[i], b[i], acc);
+    u32 i = lane;
+    for (; i + 7 * 32 < n; i += 8 * 32) {
+        float x[8], y[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) {
+            x[u] = a[i + 32 * u];
+            y[u] = b[i + 32 * u];
+        }
+#pragma unroll
+        for (int u = 0; u < 8; u++) acc = fmaf(x[u], y[u], acc);
+    }
+    for (; i < n; i += 32) acc = fmaf(a[i], b[i], acc);
     return __shfl_sync(FULL_MASK, fold32(acc), 0);
 }
 

@@ -1,20 +1,33 @@
 // Gated DeltaNet gates, delta rule and gated RMSNorm: one block per (value head, sequence),
-// tokens in order, state rows updated in place in the slot's recurrent state.
+// tokens in order. The head's state stays in registers for the whole step: warp w holds rows
+// w, w+32, ... (up to 4), lane l holds elements l, l+32, ... (up to 4) of each, which is the
+// canonical lane order of the row's dot products; the warp's rows are processed together.
 // CPU twin: backend::cpu::kernels::gdn_head with gdn_rows_ref (numerics §4 steps 3-5).
-// Grid: (Hv, n_seqs), block 1024 (32 warps; warp w takes state rows w, w+32, ...).
+// Grid: (Hv, n_seqs), block 1024 (32 warps). Needs dk <= 128 and dv <= 128 (checked on the host).
 
-extern "C" __global__ void gdn_heads(const float* y, const float* qn, const float* kn, const float* z,
-                                     const float* b, const float* a, const float* a_neg, const float* dt_bias,
-                                     const float* norm_w, float eps, u32 hk, u32 hv, u32 dk, u32 dv, u32 layer,
-                                     const SeqDesc* seqs, const SlotDesc* slots, float* out) {
-    extern __shared__ float o[];  // dv outputs of the current token
+#define MAXR 4
+#define MAXL 4
+
+extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, const float* qn, const float* kn, const float* z,
+                                                             const float* b, const float* a, const float* a_neg, const float* dt_bias,
+                                                             const float* norm_w, float eps, u32 hk, u32 hv, u32 dk, u32 dv, u32 layer,
+                                                             const SeqDesc* seqs, const SlotDesc* slots, float* out) {
+    __shared__ float o[MAXR * 32];
     __shared__ float inv_s;
     u32 h = blockIdx.x;
     SeqDesc sq = seqs[blockIdx.y];
     u32 key_dim = hk * dk, value_dim = hv * dv, cd = 2 * key_dim + value_dim;
     u32 kappa = h / (hv / hk);
     float* state = (float*)slots[sq.slot].rec + ((u64)layer * hv + h) * dv * dk;
-    u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nwarps = blockDim.x >> 5;
+    u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float S[MAXR][MAXL];
+#pragma unroll
+    for (int q = 0; q < MAXR; q++)
+#pragma unroll
+        for (int e = 0; e < MAXL; e++) {
+            u32 j = warp + 32 * q, i = lane + 32 * e;
+            S[q][e] = (j < dv && i < dk) ? state[(u64)j * dk + i] : 0.0f;
+        }
     for (u32 t = 0; t < sq.len; t++) {
         u64 row = sq.first_row + t;
         float beta = tf_sigmoid(b[row * hv + h]);
@@ -22,24 +35,50 @@ extern "C" __global__ void gdn_heads(const float* y, const float* qn, const floa
         const float* kh = kn + row * key_dim + (u64)kappa * dk;
         const float* qh = qn + row * key_dim + (u64)kappa * dk;
         const float* v = y + row * cd + 2 * key_dim + (u64)h * dv;
-        for (u32 j = warp; j < dv; j += nwarps) {
-            float* s = state + (u64)j * dk;
+        float kv[MAXL], qv[MAXL];
+#pragma unroll
+        for (int e = 0; e < MAXL; e++) {
+            u32 i = lane + 32 * e;
+            kv[e] = i < dk ? kh[i] : 0.0f;
+            qv[e] = i < dk ? qh[i] : 0.0f;
+        }
+        // Decay, then mem = S·k, per row (lanes past dk hold 0 and add nothing... they are
+        // skipped: each lane only accumulates its own elements i < dk, in order).
+        float mem[MAXR];
+#pragma unroll
+        for (int q = 0; q < MAXR; q++) {
             float acc = 0.0f;
-            for (u32 i = lane; i < dk; i += 32) {
-                float sv = s[i] * alpha;
-                s[i] = sv;
-                acc = fmaf(sv, kh[i], acc);
+#pragma unroll
+            for (int e = 0; e < MAXL; e++) {
+                if (lane + 32 * e < dk) {
+                    S[q][e] = S[q][e] * alpha;
+                    acc = fmaf(S[q][e], kv[e], acc);
+                }
             }
-            float mem = __shfl_sync(FULL_MASK, fold32(acc), 0);
-            float delta = (v[j] - mem) * beta;
-            acc = 0.0f;
-            for (u32 i = lane; i < dk; i += 32) {
-                float sv = fmaf(kh[i], delta, s[i]);
-                s[i] = sv;
-                acc = fmaf(sv, qh[i], acc);
+            mem[q] = acc;
+        }
+#pragma unroll
+        for (int q = 0; q < MAXR; q++) mem[q] = __shfl_sync(FULL_MASK, fold32(mem[q]), 0);
+        float oq[MAXR];
+#pragma unroll
+        for (int q = 0; q < MAXR; q++) {
+            u32 j = warp + 32 * q;
+            float delta = ((j < dv ? v[j] : 0.0f) - mem[q]) * beta;
+            float acc = 0.0f;
+#pragma unroll
+            for (int e = 0; e < MAXL; e++) {
+                if (lane + 32 * e < dk) {
+                    S[q][e] = fmaf(kv[e], delta, S[q][e]);
+                    acc = fmaf(S[q][e], qv[e], acc);
+                }
             }
-            float oj = fold32(acc);
-            if (lane == 0) o[j] = oj;
+            oq[q] = acc;
+        }
+#pragma unroll
+        for (int q = 0; q < MAXR; q++) {
+            float r = fold32(oq[q]);
+            u32 j = warp + 32 * q;
+            if (lane == 0 && j < dv) o[j] = r;
         }
         __syncthreads();
         if (warp == 0) {
@@ -54,4 +93,11 @@ extern "C" __global__ void gdn_heads(const float* y, const float* qn, const floa
         }
         __syncthreads();
     }
+#pragma unroll
+    for (int q = 0; q < MAXR; q++)
+#pragma unroll
+        for (int e = 0; e < MAXL; e++) {
+            u32 j = warp + 32 * q, i = lane + 32 * e;
+            if (j < dv && i < dk) state[(u64)j * dk + i] = S[q][e];
+        }
 }

@@ -32,10 +32,15 @@ template <> struct Fmt<1> { enum { E = 2 }; };
 template <> struct Fmt<0> { enum { E = 1 }; };
 
 // Element e of word `wd` of a row whose group scale/bias are s, b.
+// float(q) for a code q < 2^23 without an integer-to-float conversion (a quarter-rate
+// instruction that bounds decode): 2^23 + q is exact in the mantissa, and subtracting 2^23 is
+// exact. The value is bit-identical to (float)q.
+__device__ __forceinline__ float code_to_float(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+
 template <int FMT>
 __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
-    if (FMT == 4) return fmaf(s, (float)((wd >> (4 * e)) & 15u), b);
-    if (FMT == 8) return fmaf(s, (float)((wd >> (8 * e)) & 255u), b);
+    if (FMT == 4) return fmaf(s, code_to_float((wd >> (4 * e)) & 15u), b);
+    if (FMT == 8) return fmaf(s, code_to_float((wd >> (8 * e)) & 255u), b);
     if (FMT == 2) return bf16_to_f32(e == 0 ? (wd & 0xffffu) : (wd >> 16));
     if (FMT == 1) return f16_to_f32((u16)(e == 0 ? (wd & 0xffffu) : (wd >> 16)));
     return __uint_as_float(wd);
@@ -43,8 +48,8 @@ __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
 
 // Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
 // partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
-// of a word ascending. Words are loaded four at a time (independent loads in flight), which
-// keeps each lane's order: j, j+32, j+64, j+96.
+// of a word ascending. Words are loaded eight at a time (independent loads in flight), which
+// keeps each lane's order: j, j+32, j+64, ...
 template <int T, int R, int FMT>
 __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows, const float* x, u32 ldx, u32 t0, u32 nt,
                                            float (&acc)[T][R]) {
@@ -67,7 +72,7 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
     for (int t = 0; t < T; t++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
-    const int U = 4;
+    const int U = 8;
     for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
         u32 wd[U][R];
 #pragma unroll

@@ -1,29 +1,53 @@
 // RMSNorm of rows, optionally after a residual add.
 // CPU twins: backend::cpu::kernels::rms_norm_row (Cpu::rms_norm) and Cpu::add_rms_norm.
-// Grid: rows, block 256. Warp 0 computes the canonical sum of squares (numerics §2/§3).
+// Grid: rows, block 512. The block stages the row in shared memory (cols <= 8192), then warp 0
+// computes the canonical sum of squares (numerics §2/§3) from it.
 
-__device__ void norm_row(const float* xr, const float* w, float eps, u32 cols, float* outr) {
+#define MAX_COLS 8192
+
+// out = RMSNorm(row) with the row already in shared memory (`row`, `cols` values).
+__device__ void norm_staged(const float* row, const float* w, float eps, u32 cols, float* outr) {
     __shared__ float inv_s;
     if (threadIdx.x < 32) {
-        float ss = warp_dot(xr, xr, cols);
+        float acc = 0.0f;
+        u32 i = threadIdx.x;
+        // Eight loads ahead of the ordered FMAs.
+        for (; i + 7 * 32 < cols; i += 8 * 32) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = row[i + 32 * u];
+#pragma unroll
+            for (int u = 0; u < 8; u++) acc = fmaf(v[u], v[u], acc);
+        }
+        for (; i < cols; i += 32) acc = fmaf(row[i], row[i], acc);
+        float ss = fold32(acc);
         if (threadIdx.x == 0) inv_s = tf_rsqrt(ss / (float)cols + eps);
     }
     __syncthreads();
     float inv = inv_s;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) outr[i] = (xr[i] * inv) * w[i];
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) outr[i] = (row[i] * inv) * w[i];
 }
 
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float eps, u32 cols, float* out) {
+    __shared__ float row[MAX_COLS];
     u64 r = blockIdx.x;
-    norm_row(x + r * cols, w, eps, cols, out + r * cols);
+    const float* xr = x + r * cols;
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) row[i] = xr[i];
+    __syncthreads();
+    norm_staged(row, w, eps, cols, out + r * cols);
 }
 
-// x[r] += y[r]; out[r] = RMSNorm(x[r]).
+// x[r] += y[r]; out[r] = RMSNorm(x[r]), in one pass over x and y.
 extern "C" __global__ void add_rms_norm_rows(float* x, const float* y, const float* w, float eps, u32 cols, float* out) {
+    __shared__ float row[MAX_COLS];
     u64 r = blockIdx.x;
     float* xr = x + r * cols;
     const float* yr = y + r * cols;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) xr[i] = xr[i] + yr[i];
+    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = xr[i] + yr[i];
+        xr[i] = v;
+        row[i] = v;
+    }
     __syncthreads();
-    norm_row(xr, w, eps, cols, out + r * cols);
+    norm_staged(row, w, eps, cols, out + r * cols);
 }

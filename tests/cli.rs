@@ -1,0 +1,221 @@
+//! The program as a user runs it: text in, text out, exact ids, seeds, errors on bad input.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use tensorfold::testutil::{shared, Reference, TempDir};
+use tensorfold::tokenizer::Tokenizer;
+
+fn tensorfold(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+        .args(args)
+        .env("TENSORFOLD_SHARED", shared(""))
+        .output()
+        .expect("run tensorfold")
+}
+
+fn ok(args: &[&str]) -> String {
+    let o = tensorfold(args);
+    assert!(o.status.success(), "tensorfold {args:?} failed: {}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+fn err(args: &[&str]) -> String {
+    let o = tensorfold(args);
+    assert!(!o.status.success(), "tensorfold {args:?} should fail");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn ids(out: &str) -> Vec<u32> {
+    out.lines().map(|l| l.trim().parse().unwrap()).collect()
+}
+
+#[test]
+fn vocab_fixture_text_in_text_out_through_the_chat_template() {
+    // The fixture's prompt is its chat template applied to this message; mlx-lm's greedy
+    // continuation of it, decoded by the real Qwen3.5 tokenizer, is what the program must print.
+    let dir = shared("fixtures/vocab/mlx-q4");
+    let r = Reference::read(&shared("fixtures/vocab/reference.safetensors"));
+    let tok = Tokenizer::from_dir(&dir).unwrap();
+    let want = tok.decode(&r.ids[18..]).unwrap();
+    let d = dir.to_str().unwrap();
+    let out = ok(&["run", "-m", d, "--device", "cpu", "--chat", "-p", "Write a haiku about the sea, please.", "--temp", "0", "-n", "40"]);
+    assert_eq!(out.trim_end_matches('\n'), want);
+    // The same through exact ids.
+    let prompt: Vec<String> = r.ids[..18].iter().map(|i| i.to_string()).collect();
+    let out = ok(&["run", "-m", d, "--device", "cpu", "--prompt-ids", &prompt.join(","), "--print-ids", "--temp", "0", "-n", "40"]);
+    assert_eq!(ids(&out), r.ids[18..].to_vec());
+}
+
+#[test]
+fn a_seed_reproduces_sampled_tokens_and_another_seed_does_not() {
+    let d = shared("fixtures/tiny/mlx-q4");
+    let d = d.to_str().unwrap();
+    let run = |seed: &str| ids(&ok(&["run", "-m", d, "--device", "cpu", "--prompt-ids", "5,6,7", "--print-ids", "--temp", "1.0", "--top-k", "0", "--top-p", "1", "--min-p", "0", "-n", "30", "--seed", seed]));
+    let a = run("5");
+    assert_eq!(a.len(), 30);
+    assert_eq!(a, run("5"));
+    assert_ne!(a, run("6"));
+    // Without --seed the fixed default applies: two runs agree.
+    let default = |_: ()| ids(&ok(&["run", "-m", d, "--device", "cpu", "--prompt-ids", "5,6,7", "--print-ids", "--temp", "1.0", "-n", "30"]));
+    assert_eq!(default(()), default(()));
+}
+
+#[test]
+fn dump_logits_writes_every_processed_position() {
+    let tmp = TempDir::new("dump");
+    let path = tmp.path().join("l.safetensors");
+    let d = shared("fixtures/tiny/mlx-q4");
+    let r = Reference::read(&shared("fixtures/tiny/reference.safetensors"));
+    let prompt: Vec<String> = r.ids[..12].iter().map(|i| i.to_string()).collect();
+    ok(&["run", "-m", d.to_str().unwrap(), "--device", "cpu", "--prompt-ids", &prompt.join(","), "--temp", "0", "-n", "5", "--print-ids", "--dump-logits", path.to_str().unwrap()]);
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st.tensor("logits").unwrap();
+    let dumped: Vec<i32> = st.tensor("ids").unwrap().data().chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap())).collect();
+    // 12 prompt positions + the 4 generated tokens that were fed back (the 5th was not).
+    assert_eq!(logits.shape(), &[16, 2048]);
+    assert_eq!(dumped, r.ids[..16].iter().map(|&i| i as i32).collect::<Vec<_>>());
+    let got: Vec<f32> = logits.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    assert!(Reference::score(&got, &r.mlx_full[..16 * 2048]) < 1e-3);
+    assert!(!tmp.path().join("l.safetensors.tmp").exists());
+}
+
+#[test]
+fn the_demo_model_runs_without_m_and_info_reports_it() {
+    let out = ok(&["run", "--device", "cpu", "-p", "def fibonacci(n):", "-n", "8", "--temp", "0"]);
+    assert!(out.starts_with("def fibonacci(n):"), "{out}");
+    assert!(out.len() > "def fibonacci(n):".len());
+    let info = ok(&["info"]);
+    assert!(info.contains("layers           8 (6 Gated DeltaNet, 2 full attention at [3, 7])"), "{info}");
+    assert!(info.contains("parameters       28132576"), "{info}");
+}
+
+#[test]
+fn user_errors_are_clear() {
+    let tmp = TempDir::new("errors");
+    let e = err(&["run", "-m", tmp.path().join("missing").to_str().unwrap(), "-p", "x"]);
+    assert!(e.contains("missing") && e.contains("config.json"), "{e}");
+    let demo_hf = shared("models/tensorfold-demo-py28m/mlx-q4");
+    let e = err(&["run", "-m", demo_hf.to_str().unwrap(), "--device", "cpu", "--chat", "-p", "hi"]);
+    assert!(e.contains("has no chat template"), "{e}");
+    let e = err(&["run", "--device", "cpu", "--prompt-ids", "1,99999", "-n", "1"]);
+    assert!(e.contains("prompt id 99999 is outside the model's vocabulary (vocab_size 8192)"), "{e}");
+    let e = err(&["run", "--device", "cpu", "-p", "x", "--top-p", "1.5"]);
+    assert!(e.contains("--top-p"), "{e}");
+    let e = err(&["run", "--device", "quantum", "-p", "x"]);
+    assert!(e.contains("unknown device `quantum`"), "{e}");
+}
+
+/// Copies a fixture directory, then rewrites its model.safetensors with `edit` applied to the
+/// tensor list (name, dtype, shape, bytes).
+fn doctored(tag: &str, src: &Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) -> TempDir {
+    let tmp = TempDir::new(tag);
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name();
+        if name != "model.safetensors" && name != "model.safetensors.index.json" {
+            std::fs::copy(e.path(), tmp.path().join(&name)).unwrap();
+        }
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<_> = st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    edit(&mut tensors);
+    let views: Vec<(String, safetensors::tensor::TensorView)> =
+        tensors.iter().map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &tmp.path().join("model.safetensors")).unwrap();
+    tmp
+}
+
+#[test]
+fn bad_checkpoints_are_refused_with_the_file_and_tensor_named() {
+    let src = shared("fixtures/tiny/mlx-q4");
+    let q = "language_model.model.layers.3.self_attn.q_proj";
+    // A missing tensor.
+    let t = doctored("missing", &src, |v| v.retain(|x| x.0 != format!("{q}.weight")));
+    let e = err(&["info", "-m", t.path().to_str().unwrap()]);
+    assert!(e.contains(&format!("missing tensor `{q}.weight`")) && e.contains("layer 3 is full_attention"), "{e}");
+    // A misshapen tensor: q_proj with one row too few.
+    let t = doctored("shape", &src, |v| {
+        let w = v.iter_mut().find(|x| x.0 == format!("{q}.weight")).unwrap();
+        w.2[0] -= 1;
+        w.3.truncate(w.2.iter().product::<usize>() * 4);
+    });
+    let e = err(&["info", "-m", t.path().to_str().unwrap()]);
+    assert!(e.contains("model.safetensors") && e.contains(&format!("`{q}.weight` has shape [511, 32], expected [512, 32]")), "{e}");
+    // An integer tensor where floats belong.
+    let n = "language_model.model.layers.0.input_layernorm.weight";
+    let t = doctored("dtype", &src, |v| {
+        let w = v.iter_mut().find(|x| x.0 == n).unwrap();
+        w.1 = safetensors::Dtype::I16;
+    });
+    let e = err(&["info", "-m", t.path().to_str().unwrap()]);
+    assert!(e.contains(&format!("`{n}` has dtype I16, expected a float")), "{e}");
+    // Quantized tensors with no quantization block in config.json.
+    let t = doctored("noquant", &src, |_| {});
+    let cfg = std::fs::read_to_string(t.path().join("config.json")).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    v.as_object_mut().unwrap().remove("quantization");
+    v.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(t.path().join("config.json"), v.to_string()).unwrap();
+    let e = err(&["info", "-m", t.path().to_str().unwrap()]);
+    assert!(e.contains("is quantized, but config.json has no `quantization` block"), "{e}");
+    // A truncated download.
+    let t = doctored("trunc", &src, |_| {});
+    let f = t.path().join("model.safetensors");
+    let b = std::fs::read(&f).unwrap();
+    std::fs::write(&f, &b[..b.len() / 2]).unwrap();
+    let e = err(&["info", "-m", t.path().to_str().unwrap()]);
+    assert!(e.contains("model.safetensors") && e.contains("truncated"), "{e}");
+    // An unsupported model type.
+    let t = doctored("mtype", &src, |_| {});
+    let cfg = std::fs::read_to_string(t.path().join("config.json")).unwrap().replace("\"qwen3_5\"", "\"qwen3_next\"");
+    std::fs::write(t.path().join("config.json"), cfg).unwrap();
+    let e = err(&["info", "-m", t.path().to_str().unwrap()]);
+    assert!(e.contains("unsupported model_type `qwen3_next`"), "{e}");
+}
+
+/// `tensorfold chat ARGS` with `input` on stdin.
+fn chat(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    use std::process::Stdio;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+        .arg("chat")
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run tensorfold chat");
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn a_huge_snapshot_budget_is_huge_not_zero() {
+    // 2^44 MiB is 2^64 bytes: shifted by 20 bits it used to wrap to 0, which turns snapshots off.
+    let m = shared("fixtures/tiny/mlx-q4");
+    let o = chat(&["-m", m.to_str().unwrap(), "-n", "2", "--temp", "0", "--snapshot-budget", "17592186044416"], "hello\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert!(e.contains("| 1 snapshots,"), "{e}");
+}
+
+#[test]
+fn chat_with_a_tokenizer_wider_than_the_model_reports_the_id_and_goes_on() {
+    // The tiny model (2,048 ids) with the real Qwen3.5 tokenizer: the chat template's special
+    // tokens encode to ids past the embedding, which used to panic in the embedding lookup.
+    let tmp = TempDir::new("chat-wide-tokenizer");
+    let src = shared("fixtures/tiny/mlx-q4");
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), tmp.path().join(f.file_name())).unwrap();
+    }
+    std::fs::copy(shared("tokenizers/qwen3.5/tokenizer.json"), tmp.path().join("tokenizer.json")).unwrap();
+    let o = chat(&["-m", tmp.path().to_str().unwrap(), "-n", "2", "--temp", "0"], "hello\nagain\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && !e.contains("panicked"), "{e}");
+    assert_eq!(e.matches("is outside the model's vocabulary (vocab_size 2048)").count(), 2, "{e}");
+}
