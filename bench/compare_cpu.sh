@@ -51,6 +51,7 @@ TF=$ROOT/target/release/tensorfold
 # --- models ------------------------------------------------------------------------------
 MLX_DIR=${MLX_DIR:-$WORK/models/$PRESET-mlx}
 HF_DIR=${HF_DIR:-$WORK/models/$PRESET-hf}
+mkdir -p "$WORK/models"
 if [ ! -f "$MLX_DIR/config.json" ]; then
   log "synth $PRESET (MLX 4-bit) -> $MLX_DIR"
   "$TF" synth --preset "$PRESET" "$MLX_DIR" --tokenizer "$TOKENIZER"
