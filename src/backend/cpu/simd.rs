@@ -128,7 +128,7 @@ impl Transposed {
     /// lines so that rows (and the panel rows laid out alike) fall on different L1 sets instead
     /// of all 4 KiB apart.
     pub fn stride(&self) -> usize {
-        (2 * self.steps() | 1) * 16
+        ((2 * self.steps()) | 1) * 16
     }
 
     /// Offset within a row of lane `lane` (0..32) of step `step`.
@@ -207,7 +207,7 @@ macro_rules! dispatch {
 /// Canonical dot of two f32 vectors (numerics §2 with one element per word).
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    dispatch!(isa, a.len() % 32 == 0, dot(a, b), crate::numerics::dot_f32(a, b))
+    dispatch!(isa, a.len().is_multiple_of(32), dot(a, b), crate::numerics::dot_f32(a, b))
 }
 
 /// The delta rule of one value head (numerics §4 step 4): `s` is its `[dv, dk]` state (row `j`
@@ -217,7 +217,7 @@ pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 pub fn gdn_rows(isa: Isa, s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
     let dk = k.len();
     assert!(s.len() == dk * o.len() && q.len() == dk && v.len() == o.len());
-    dispatch!(isa, dk % 32 == 0, gdn(s, dk, k, q, alpha, beta, v, o), super::kernels::gdn_rows_ref(s, k, q, alpha, beta, v, o))
+    dispatch!(isa, dk.is_multiple_of(32), gdn(s, dk, k, q, alpha, beta, v, o), super::kernels::gdn_rows_ref(s, k, q, alpha, beta, v, o))
 }
 
 /// Attention of one query head at position `p` (numerics §6); the bits of
@@ -228,7 +228,7 @@ pub fn attend(isa: Isa, q: &[f32], keys: &[f32], values: &[f32], p: usize, strid
     assert!(out.len() == dh && head_off + dh <= stride && keys.len() >= (p + 1) * stride && values.len() >= (p + 1) * stride);
     dispatch!(
         isa,
-        dh % 32 == 0,
+        dh.is_multiple_of(32),
         attend(q, keys, values, p, stride, head_off, scores, tile_o, out),
         super::kernels::attend(q, keys, values, p, stride, head_off, scores, out)
     )
@@ -239,10 +239,10 @@ pub fn attend(isa: Isa, q: &[f32], keys: &[f32], values: &[f32], p: usize, strid
 /// paths read every key and value row once for the group. `buf` is scratch.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group(isa: Isa, g: usize, q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, buf: &mut Vec<f32>, out: &mut [f32]) {
-    assert!(g > 0 && q.len() % g == 0 && out.len() == q.len());
+    assert!(g > 0 && q.len().is_multiple_of(g) && out.len() == q.len());
     let dh = q.len() / g;
     assert!(head_off + dh <= stride && keys.len() >= (p + 1) * stride && values.len() >= (p + 1) * stride);
-    let done = dispatch!(isa, dh % 32 == 0, attend_group(g, q, keys, values, p, stride, head_off, buf, out), false);
+    let done = dispatch!(isa, dh.is_multiple_of(32), attend_group(g, q, keys, values, p, stride, head_off, buf, out), false);
     if !done {
         for h in 0..g {
             super::kernels::attend(&q[h * dh..(h + 1) * dh], keys, values, p, stride, head_off, buf, &mut out[h * dh..(h + 1) * dh]);
@@ -424,7 +424,7 @@ mod tests {
             (8, 64, FloatType::BF16),
         ];
         for (bits, gs, sdt) in formats {
-            if cols % gs != 0 {
+            if !cols.is_multiple_of(gs) {
                 continue;
             }
             let groups = cols / gs;

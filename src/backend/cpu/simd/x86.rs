@@ -6,6 +6,10 @@
 //! the same order, with correctly rounded vector instructions: the bits are the same (tested in
 //! `simd.rs`).
 
+// Register blocks are const-sized arrays indexed by the block's row and token: index loops
+// keep the blocking visible.
+#![allow(clippy::needless_range_loop)]
+
 use super::Transposed;
 use crate::model::weights::{FloatType, Matrix, MatrixData};
 use crate::numerics::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
@@ -445,7 +449,7 @@ unsafe fn exp_shifted<V: V16>(s: &[f32], m: f32, out: &mut [f32]) {
 #[inline(always)]
 unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = x.len();
-    let ss = if n % 32 == 0 { dot1::<V>(x.as_ptr(), x.as_ptr(), n) } else { crate::numerics::sum_squares(x) };
+    let ss = if n.is_multiple_of(32) { dot1::<V>(x.as_ptr(), x.as_ptr(), n) } else { crate::numerics::sum_squares(x) };
     let inv = crate::numerics::rsqrt(ss / n as f32 + eps);
     let iv = V::splat(inv);
     let n16 = n / 16 * 16;
