@@ -36,7 +36,7 @@ pub struct BenchArgs {
     /// Threads (default: `TENSORFOLD_THREADS`, else one per core).
     #[arg(short = 't', long = "threads")]
     pub threads: Option<usize>,
-    /// Where to run (`cpu`; `cuda` needs the device's own bandwidth and peak measurements).
+    /// Where to run: `cpu`, `cuda` or `cuda:N` (each measures its own bandwidth and peak).
     #[arg(long = "device", default_value = "cpu")]
     pub device: super::Device,
     /// GPU: also time every kernel of 32 decode tokens run without graphs (CUDA events) and print
