@@ -107,8 +107,8 @@ ncu_profile() {
 }
 
 quick_verify() {
-  synth_models
-  for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/2b; do
+  PRESETS="${PRESETS:-0.8b 2b}" synth_models
+  for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/tiny/hf $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/0.8b /tmp/tf/models/2b; do
     log "verify $m (300-token prompt, 200 steps)"
     $TF verify -m $m --steps 200 --random-prompt 300 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
   done
