@@ -4,6 +4,7 @@
 
 use tensorfold::backend::{cpu::Cpu, Backend, Batch, SeqRows};
 use tensorfold::model::{HostModel, Model};
+use tensorfold::sampling::argmax;
 use tensorfold::testutil::{shared, Reference};
 
 /// The bound of ../shared/fixtures/README.md: "above 1e-3 is a bug, not rounding".
@@ -50,16 +51,6 @@ fn logits_in_chunks(model: &Model<Cpu>, ids: &[u32], chunk: usize, rows: &[usize
         }
     }
     out
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]

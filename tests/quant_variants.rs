@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use tensorfold::backend::{cpu::Cpu, Backend, Batch};
 use tensorfold::model::weights::{Matrix, MatrixData, Mixer, Weights};
 use tensorfold::model::{HostModel, Model};
+use tensorfold::sampling::argmax;
 use tensorfold::testutil::{shared, Reference};
 
 /// The bound of ../shared/fixtures/README.md: "above 1e-3 is a bug, not rounding".
@@ -76,16 +77,6 @@ fn open(v: &Variant) -> (HostModel, Model<Cpu>, Reference) {
     let model = Model::new(&host, Cpu::new()).unwrap();
     let r = Reference::read(&d.join("reference.safetensors"));
     (host, model, r)
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]
