@@ -89,6 +89,25 @@ struct MatDesc {
     row0: u32,
     pad: u32,
 }
+impl MatDesc {
+    /// The descriptor of product `y = m·x`, whose rows start at block row `row0` of the launch.
+    fn new(m: &CudaMatrix, y: &CudaTensor, row0: u32, stream: &CudaStream) -> Self {
+        Self {
+            w: ptr(&m.w, stream),
+            s: ptr(&m.s, stream),
+            b: ptr(&m.b, stream),
+            y: ptr(&y.buf, stream),
+            rows: m.rows as u32,
+            cols: m.cols as u32,
+            fmt: m.fmt,
+            group: m.group,
+            sdtype: m.sdtype,
+            ldy: y.cols as u32,
+            row0,
+            pad: 0,
+        }
+    }
+}
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
 struct MatDescs {
@@ -1038,20 +1057,7 @@ impl Backend for Cuda {
             let mut d = MatDescs::default();
             let mut row0 = 0u32;
             for (i, (m, y)) in group.iter_mut().enumerate() {
-                d.m[i] = MatDesc {
-                    w: ptr(&m.w, &self.stream),
-                    s: ptr(&m.s, &self.stream),
-                    b: ptr(&m.b, &self.stream),
-                    y: ptr(&y.buf, &self.stream),
-                    rows: m.rows as u32,
-                    cols: m.cols as u32,
-                    fmt: m.fmt,
-                    group: m.group,
-                    sdtype: m.sdtype,
-                    ldy: y.cols as u32,
-                    row0,
-                    pad: 0,
-                };
+                d.m[i] = MatDesc::new(m, y, row0, &self.stream);
                 debug_assert_eq!(m.per_word, 32 / if m.fmt >= 4 { m.fmt as usize } else { 32 / [1, 2, 2][m.fmt as usize] });
                 row0 += (m.rows as u32).div_ceil(r) * r;
             }
@@ -1079,20 +1085,7 @@ impl Backend for Cuda {
         };
         let mut d = MatDescs::default();
         for (i, (m, y)) in [(gate_w, &*gate), (up_w, &*up)].into_iter().enumerate() {
-            d.m[i] = MatDesc {
-                w: ptr(&m.w, &self.stream),
-                s: ptr(&m.s, &self.stream),
-                b: ptr(&m.b, &self.stream),
-                y: ptr(&y.buf, &self.stream),
-                rows: m.rows as u32,
-                cols: m.cols as u32,
-                fmt: m.fmt,
-                group: m.group,
-                sdtype: m.sdtype,
-                ldy: y.cols as u32,
-                row0: 0,
-                pad: 0,
-            };
+            d.m[i] = MatDesc::new(m, y, 0, &self.stream);
         }
         d.count = 2;
         let (ldx, n_tok) = (x.cols as u32, rows as u32);
