@@ -3,6 +3,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::backend::{Backend, Batch};
+use crate::model::Model;
+use crate::sampling::argmax;
+
 /// `../shared/<rel>` beside the repository (`$TENSORFOLD_SHARED/<rel>` when set): the fixtures,
 /// tokenizers and reference outputs every test reads.
 pub fn shared(rel: &str) -> PathBuf {
@@ -81,4 +85,24 @@ impl Reference {
         let max = got.iter().zip(want).map(|(&a, &b)| (a as f64 - b as f64).abs()).fold(0.0, f64::max);
         max / var.sqrt()
     }
+}
+
+/// Greedy continuation of `prompt` on one fresh sequence until `len` ids: the prompt as one chunk,
+/// then one token per step, each the host [`argmax`] of the previous step's logits (kept on the
+/// host so the reference comparison does not depend on a backend's own argmax).
+pub fn greedy_ids<B: Backend>(model: &Model<B>, prompt: &[u32], len: usize) -> Vec<u32> {
+    let mut states = model.backend.new_states(&model.config).unwrap();
+    let slot = model.backend.alloc_slot(&mut states).unwrap();
+    let mut scratch = model.scratch(prompt.len(), 1).unwrap();
+    let mut ids = prompt.to_vec();
+    let mut logits = Vec::new();
+    model.step(&Batch::single(slot, 0, &ids, false), &mut states, &mut scratch).unwrap();
+    while ids.len() < len {
+        model.backend.read_tensor(&scratch.logits, 1, &mut logits).unwrap();
+        let next = argmax(&logits);
+        ids.push(next);
+        let pos = ids.len() as u32 - 1;
+        model.step(&Batch::single(slot, pos, &[next], false), &mut states, &mut scratch).unwrap();
+    }
+    ids
 }

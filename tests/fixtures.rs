@@ -4,8 +4,7 @@
 
 use tensorfold::backend::{cpu::Cpu, Backend, Batch, SeqRows};
 use tensorfold::model::{HostModel, Model};
-use tensorfold::sampling::argmax;
-use tensorfold::testutil::{shared, Reference};
+use tensorfold::testutil::{greedy_ids, shared, Reference};
 
 /// The bound of ../shared/fixtures/README.md: "above 1e-3 is a bug, not rounding".
 const BOUND: f64 = 1e-3;
@@ -84,19 +83,7 @@ fn greedy_decoding_reproduces_mlx_lm_ids() {
     for f in MLX {
         let model = load(&format!("{}/mlx-q4", f.root));
         let r = Reference::read(&shared(&format!("{}/reference.safetensors", f.root)));
-        let mut states = model.backend.new_states(&model.config).unwrap();
-        let slot = model.backend.alloc_slot(&mut states).unwrap();
-        let mut scratch = model.scratch(f.prompt_len, 1).unwrap();
-        let mut ids: Vec<u32> = r.ids[..f.prompt_len].to_vec();
-        let mut logits = Vec::new();
-        model.step(&Batch::single(slot, 0, &ids, false), &mut states, &mut scratch).unwrap();
-        while ids.len() < r.ids.len() {
-            model.backend.read_tensor(&scratch.logits, 1, &mut logits).unwrap();
-            let next = argmax(&logits);
-            ids.push(next);
-            let pos = ids.len() as u32 - 1;
-            model.step(&Batch::single(slot, pos, &[next], false), &mut states, &mut scratch).unwrap();
-        }
+        let ids = greedy_ids(&model, &r.ids[..f.prompt_len], r.ids.len());
         assert_eq!(ids, r.ids, "{}", f.root);
     }
 }

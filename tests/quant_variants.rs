@@ -8,8 +8,7 @@ use std::path::PathBuf;
 use tensorfold::backend::{cpu::Cpu, Backend, Batch};
 use tensorfold::model::weights::{Matrix, MatrixData, Mixer, Weights};
 use tensorfold::model::{HostModel, Model};
-use tensorfold::sampling::argmax;
-use tensorfold::testutil::{shared, Reference};
+use tensorfold::testutil::{greedy_ids, shared, Reference};
 
 /// The bound of ../shared/fixtures/README.md: "above 1e-3 is a bug, not rounding".
 const BOUND: f64 = 1e-3;
@@ -119,19 +118,7 @@ fn variants_match_mlx_lm_teacher_forced() {
 fn variants_greedy_decoding_reproduces_mlx_lm_ids() {
     for v in VARIANTS {
         let (_, model, r) = open(v);
-        let mut states = model.backend.new_states(&model.config).unwrap();
-        let slot = model.backend.alloc_slot(&mut states).unwrap();
-        let mut scratch = model.scratch(PROMPT_LEN, 1).unwrap();
-        let mut ids: Vec<u32> = r.ids[..PROMPT_LEN].to_vec();
-        let mut logits = Vec::new();
-        model.step(&Batch::single(slot, 0, &ids, false), &mut states, &mut scratch).unwrap();
-        while ids.len() < r.ids.len() {
-            model.backend.read_tensor(&scratch.logits, 1, &mut logits).unwrap();
-            let next = argmax(&logits);
-            ids.push(next);
-            let pos = ids.len() as u32 - 1;
-            model.step(&Batch::single(slot, pos, &[next], false), &mut states, &mut scratch).unwrap();
-        }
+        let ids = greedy_ids(&model, &r.ids[..PROMPT_LEN], r.ids.len());
         assert_eq!(ids, r.ids, "{}", v.dir);
     }
 }
