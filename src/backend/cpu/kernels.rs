@@ -311,10 +311,10 @@ pub fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, 
 }
 
 /// The query heads `g·G .. (g+1)·G` of KV group `g` (`G = Hq / Hkv`) of one token through
-/// attention at position `p`, as [`attention_query`] does for each: RMS-normalise and rotate
-/// each q, attend over the cache (every cache row read once for the group), gate. `row` is the
-/// token's q|gate projection, `out` the group's `[G·Dh]` outputs; `scratch` is (queries,
-/// attention scratch, unused).
+/// attention at position `p` (spec A1, A3, A4, A6, A7): for each head RMS-normalise and rotate
+/// q, attend over the cache as [`attend`] does (every cache row read once for the group), multiply
+/// by `sigmoid(gate)`. `row` is the token's q|gate projection, `out` the group's `[G·Dh]` outputs;
+/// `scratch` is (queries, attention scratch).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_group(
     isa: Isa,
@@ -326,12 +326,12 @@ pub fn attention_group(
     row: &[f32],
     keys: &[f32],
     values: &[f32],
-    scratch: &mut (Vec<f32>, Vec<f32>, Vec<f32>),
+    scratch: &mut (Vec<f32>, Vec<f32>),
     out: &mut [f32],
 ) {
     let (hq, hkv, dh, rd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim());
     let gs = hq / hkv;
-    let (q, buf, _) = scratch;
+    let (q, buf) = scratch;
     q.resize(gs * dh, 0.0);
     let (cos, sin) = rope.row(p);
     for i in 0..gs {
@@ -345,33 +345,4 @@ pub fn attention_group(
         let h = g * gs + i;
         simd::sigmoid_mul(isa, &mut out[i * dh..(i + 1) * dh], &row[h * 2 * dh + dh..(h + 1) * 2 * dh]);
     }
-}
-
-/// Query head `h` of token `t` of one sequence through attention (spec A1, A3, A4, A6, A7):
-/// RMS-normalise and rotate q, attend over the cache up to position `p`, multiply by
-/// `sigmoid(gate)`. `row` is the token's `[Hq·2·Dh]` q|gate projection (per head: q then gate),
-/// `out` receives `Dh` values.
-#[allow(clippy::too_many_arguments)]
-pub fn attention_query(
-    isa: Isa,
-    cfg: &ModelConfig,
-    w: &AttentionWeights,
-    rope: &RopeTable,
-    p: usize,
-    h: usize,
-    row: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    scratch: &mut (Vec<f32>, Vec<f32>, Vec<f32>),
-    out: &mut [f32],
-) {
-    let (hq, hkv, dh, rd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim());
-    let (q, scores, tile_o) = scratch;
-    q.resize(dh, 0.0);
-    let (cos, sin) = rope.row(p);
-    let head = &row[h * 2 * dh..(h + 1) * 2 * dh];
-    simd::rms_norm_row(isa, &head[..dh], &w.q_norm, cfg.rms_norm_eps, q);
-    rope_row(&mut q[..rd], cos, sin);
-    simd::attend(isa, q, keys, values, p, hkv * dh, (h / (hq / hkv)) * dh, scores, tile_o, out);
-    simd::sigmoid_mul(isa, out, &head[dh..2 * dh]);
 }

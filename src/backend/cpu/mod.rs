@@ -41,10 +41,10 @@ struct Scratch {
 }
 
 thread_local! {
-    /// Per-thread scratch of the kernels: the decoded panel of a product; attention's q,
-    /// scores and tile partials.
+    /// Per-thread scratch of the kernels: the decoded panel of a product; attention's queries
+    /// and scores.
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    static ATTN: RefCell<(Vec<f32>, Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new(), Vec::new())) };
+    static ATTN: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
 impl Default for Cpu {

@@ -550,70 +550,10 @@ unsafe fn gdn_rows<V: V16>(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha
     }
 }
 
-/// Attention of one head over positions `0..=p` with the tile order of numerics §6.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn attend<V: V16>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
-    use crate::backend::cpu::kernels::ATTENTION_TILE;
-    use crate::numerics::exp;
-    let dh = q.len();
-    let scale = crate::numerics::rsqrt(dh as f32);
-    scores.clear();
-    for tau in 0..=p {
-        scores.push(dot1::<V>(q.as_ptr(), keys.as_ptr().add(tau * stride + head_off), dh) * scale);
-    }
-    let n_tiles = p / ATTENTION_TILE + 1;
-    // Per tile: (m, l) and o[dh]; then the tile's weights e_τ.
-    tile_o.clear();
-    tile_o.resize(n_tiles * (dh + 2) + ATTENTION_TILE, 0.0);
-    let ebuf = tile_o.as_mut_ptr().add(n_tiles * (dh + 2));
-    for t in 0..n_tiles {
-        let lo = t * ATTENTION_TILE;
-        let hi = ((t + 1) * ATTENTION_TILE).min(p + 1);
-        let m = scores[lo..hi].iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let e = std::slice::from_raw_parts_mut(ebuf, hi - lo);
-        exp_shifted::<V>(&scores[lo..hi], m, e);
-        let mut l = 0.0f32;
-        let o = tile_o.as_mut_ptr().add(t * (dh + 2) + 2);
-        for (i, tau) in (lo..hi).enumerate() {
-            let ev = *ebuf.add(i);
-            l += ev;
-            let ev = V::splat(ev);
-            let vrow = values.as_ptr().add(tau * stride + head_off);
-            let mut d = 0;
-            while d < dh {
-                V::fma(ev, V::load(vrow.add(d)), V::load(o.add(d))).store(o.add(d));
-                d += 16;
-            }
-        }
-        *tile_o.as_mut_ptr().add(t * (dh + 2)) = m;
-        *tile_o.as_mut_ptr().add(t * (dh + 2) + 1) = l;
-    }
-    let big_m = (0..n_tiles).map(|t| tile_o[t * (dh + 2)]).fold(f32::NEG_INFINITY, f32::max);
-    let mut big_l = 0.0f32;
-    out.fill(0.0);
-    for t in 0..n_tiles {
-        let c = exp(tile_o[t * (dh + 2)] - big_m);
-        big_l = crate::numerics::fma(tile_o[t * (dh + 2) + 1], c, big_l);
-        let cv = V::splat(c);
-        let o = tile_o.as_ptr().add(t * (dh + 2) + 2);
-        let mut d = 0;
-        while d < dh {
-            V::fma(V::load(o.add(d)), cv, V::load(out.as_ptr().add(d))).store(out.as_mut_ptr().add(d));
-            d += 16;
-        }
-    }
-    let lv = V::splat(big_l);
-    let mut d = 0;
-    while d < dh {
-        V::div(V::load(out.as_ptr().add(d)), lv).store(out.as_mut_ptr().add(d));
-        d += 16;
-    }
-}
-
 /// Attention of the `G` query heads of one KV group over positions `0..=p` (numerics §6 for
-/// each head, as [`attend`]): every key and value row is read once for the group. `q` holds the
-/// `G` normalised, rotated queries (`[G][dh]`), `out` receives `[G][dh]`; `buf` is scratch.
+/// each head, the bits of [`crate::backend::cpu::kernels::attend`]): every key and value row is
+/// read once for the group. `q` holds the `G` normalised, rotated queries (`[G][dh]`), `out`
+/// receives `[G][dh]`; `buf` is scratch.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn attend_group<V: V16, const G: usize>(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, buf: &mut Vec<f32>, out: &mut [f32]) {
@@ -1146,11 +1086,6 @@ macro_rules! isa_module {
             #[allow(clippy::too_many_arguments)]
             pub(crate) unsafe fn gdn(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
                 gdn_rows::<$v>(s, dk, k, q, alpha, beta, v, o)
-            }
-            #[target_feature(enable = $feat)]
-            #[allow(clippy::too_many_arguments)]
-            pub(crate) unsafe fn attend(q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, scores: &mut Vec<f32>, tile_o: &mut Vec<f32>, out: &mut [f32]) {
-                super::attend::<$v>(q, keys, values, p, stride, head_off, scores, tile_o, out)
             }
             /// `g` heads (1, 2, 4 or 8) of one KV group; false when `g` has no instance.
             #[target_feature(enable = $feat)]

@@ -1,5 +1,5 @@
 // Gated attention, part 2: combine a query's tiles in increasing order and apply the sigmoid
-// gate (numerics §6). CPU twin: backend::cpu::kernels::attend (combine) and attention_query.
+// gate (numerics §6). CPU twin: backend::cpu::kernels::attend (combine) and attention_group (gate).
 // Grid: rows · Hq, block Dh threads.
 
 extern "C" __global__ void attn_combine(const float* part, const float* q_gate, u32 hq, u32 dh, u32 max_tiles,

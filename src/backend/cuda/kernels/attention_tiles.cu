@@ -1,7 +1,7 @@
 // Gated attention, part 1: per (query row, head, tile of 256 positions) the tile's max score m,
 // sum of exponentials l and weighted values o[Dh] (numerics §6). Blocks stride over the tiles,
 // so any grid size gives the same partials.
-// CPU twin: backend::cpu::kernels::attend (tile loop) after attention_query's q norm and RoPE.
+// CPU twin: backend::cpu::kernels::attend (tile loop) after attention_group's q norm and RoPE.
 // Grid: (rows · Hq, blocks per query), block 256 (8 warps).
 
 extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, float eps, const float* rope,
@@ -19,7 +19,7 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
     if (blockIdx.y >= n_tiles) return;
     u32 g = h / (hq / hkv);
     const u64* pages = (const u64*)slots[row.slot].pages + (u64)layer * 2 * max_pages;
-    // q: RMSNorm with q_norm, then RoPE (attention_query).
+    // q: RMSNorm with q_norm, then RoPE (attention_group).
     const float* qr = q_gate + (u64)r * hq * 2 * dh + (u64)h * 2 * dh;
     if (warp == 0) {
         float ss = warp_dot(qr, qr, dh);
