@@ -6,6 +6,8 @@
 #   bash bench/device.sh verify            # bit-exactness of every fixture, CPU vs GPU
 #   bash bench/device.sh synth-verify      # synthetic 0.8b/2b checkpoints, CPU vs GPU
 #   bash bench/device.sh bench             # GPU decode/prefill figures
+#   bash bench/device.sh iterate           # quick exactness checks + 2b decode, PDL on/off
+#   bash bench/device.sh checkpoint        # exactness, 32k context, every bench, sanitizer
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -99,11 +101,16 @@ clocks() {
 
 ncu_profile() {
   PRESETS=2b synth_models
-  log "ncu: decode kernels of 2b (eager)"
-  TENSORFOLD_CUDA_GRAPHS=0 ncu --clock-control none -k regex:"matmul_t1r1|add_rms_norm_rows|gdn_heads|gdn_conv|attn_tiles|matmul_swiglu_t1" -s 40 -c 12 \
-    --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats \
-    $TF run --device cuda -m /tmp/tf/models/2b --prompt-ids 1,2,3 -n 3 --temp 0 > "$OUT/ncu.txt" 2>&1
-  grep -E "^  [a-z_]+|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Size|Grid Size|Stall|Warp Cycles Per Issued|Issue Slots|Waves Per SM" "$OUT/ncu.txt" | head -150
+  local secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats"
+  # 2b after a 3-token prompt, eager: the prompt's LM head (the first one-row product), the
+  # first decode token's gate/up and in_proj, its first GDN and attention kernels.
+  for k in "matmul_t1r1 0" "matmul_swiglu_t1 0" "matmul_t1r1 1" "gdn_heads 18" "attn_tiles 6"; do
+    set -- $k
+    log "ncu: $1 (launch $2 of the first decode token)"
+    TENSORFOLD_CUDA_GRAPHS=0 ncu --clock-control none -k regex:"^$1\$" -s $2 -c 1 $secs \
+      $TF run --device cuda -m /tmp/tf/models/2b --prompt-ids 1,2,3 -n 2 --temp 0 > "$OUT/ncu-$1-$2.txt" 2>&1
+    grep -E "^  [a-z_]+ |Duration|DRAM Throughput|Issued Warp|Eligible Warps|Active Warps Per|Achieved Active|Warp Cycles Per Issued|Grid Size|Registers Per|Dynamic Shared|Block Limit|Executed Ipc A|stalled|Stall" "$OUT/ncu-$1-$2.txt" | head -40 | tee -a "$OUT/summary.txt"
+  done
 }
 
 quick_verify() {
@@ -114,6 +121,28 @@ quick_verify() {
   done
   log "verify demo"
   $TF verify --steps 200 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
+}
+
+# One call while optimising: the exactness checks of quick-verify, then 2b decode with
+# programmatic dependent launch on and off, then the eager per-kernel profile.
+iterate() {
+  quick_verify
+  for pdl in 1 0; do
+    log "bench 2b, TENSORFOLD_CUDA_PDL=$pdl"
+    TENSORFOLD_CUDA_PDL=$pdl $TF bench --device cuda -m /tmp/tf/models/2b -p 512 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)|kernels" | tee -a "$OUT/summary.txt"
+  done
+  PRESETS=2b profile
+}
+
+# The figures of a stopping point in one call: exactness (quick-verify, 32k context), every
+# preset's bench, 2b without programmatic dependent launch, compute-sanitizer.
+checkpoint() {
+  quick_verify
+  long_context
+  gpu_bench
+  log "bench 2b, TENSORFOLD_CUDA_PDL=0"
+  TENSORFOLD_CUDA_PDL=0 $TF bench --device cuda -m /tmp/tf/models/2b -p 512 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)|kernels" | tee -a "$OUT/summary.txt"
+  sanitizer
 }
 
 sanitizer() {
@@ -134,6 +163,8 @@ case "${1:-all}" in
   ncu) ncu_profile ;;
   clocks) clocks ;;
   quick-verify) quick_verify ;;
+  iterate) iterate ;;
+  checkpoint) checkpoint ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;

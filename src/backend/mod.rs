@@ -205,17 +205,39 @@ pub trait Backend {
     fn embed(&self, table: &Self::Matrix, batch: &Batch, x: &mut Self::Tensor);
     /// `out[r] = RMSNorm(x[r]; w)` with `w` the effective scale (numerics §3).
     fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, rows: usize, out: &mut Self::Tensor);
-    /// `x[r] += y[r]; out[r] = RMSNorm(x[r]; w)`: a residual add fused with the next norm.
-    fn add_rms_norm(&self, x: &mut Self::Tensor, y: &Self::Tensor, w: &Self::Vector, eps: f32, rows: usize, out: &mut Self::Tensor);
     /// `out_i[r] = W_i · x[r]` for every pair, all reading the same input (fused projections).
     fn matmul(&self, x: &Self::Tensor, rows: usize, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]);
+    /// `u[r] = RMSNorm(x[r]; w)` (numerics §3), then `out_i[r] = W_i · u[r]`: a layer's norm
+    /// and the projections that read it. Writes `u` too. The default is [`Backend::rms_norm`]
+    /// then [`Backend::matmul`]; a device may compute the norm inside the product.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, rows: usize, u: &mut Self::Tensor, outs: &mut [(&Self::Matrix, &mut Self::Tensor)]) {
+        self.rms_norm(x, w, eps, rows, u);
+        self.matmul(u, rows, outs);
+    }
+    /// `y[r] = W · x[r]`, then the residual add `h[r] = h[r] + y[r]` (numerics §3): the
+    /// product that ends a mixer or an MLP. Writes `y` and `h`.
+    fn matmul_residual(&self, x: &Self::Tensor, rows: usize, w: &Self::Matrix, y: &mut Self::Tensor, h: &mut Self::Tensor);
     /// `out[r] = silu(gate[r]) ⊙ up[r]` (spec M1).
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, rows: usize, out: &mut Self::Tensor);
-    /// The MLP's first half: `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up`, as
-    /// [`Backend::matmul`] then [`Backend::swiglu`] (the default); a device may fuse them.
+    /// The MLP's first half after its norm: `u = RMSNorm(x; w)`, `gate = W_gate·u`,
+    /// `up = W_up·u`, `act = silu(gate) ⊙ up`, as [`Backend::rms_norm_matmul`] then
+    /// [`Backend::swiglu`] (the default); a device may fuse them.
     #[allow(clippy::too_many_arguments)]
-    fn matmul_swiglu(&self, x: &Self::Tensor, rows: usize, gate_w: &Self::Matrix, up_w: &Self::Matrix, gate: &mut Self::Tensor, up: &mut Self::Tensor, act: &mut Self::Tensor) {
-        self.matmul(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
+    fn rms_norm_matmul_swiglu(
+        &self,
+        x: &Self::Tensor,
+        w: &Self::Vector,
+        eps: f32,
+        rows: usize,
+        u: &mut Self::Tensor,
+        gate_w: &Self::Matrix,
+        up_w: &Self::Matrix,
+        gate: &mut Self::Tensor,
+        up: &mut Self::Tensor,
+        act: &mut Self::Tensor,
+    ) {
+        self.rms_norm_matmul(x, w, eps, rows, u, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
         self.swiglu(gate, up, rows, act);
     }
     /// The Gated DeltaNet mixer after its input projections, spec (G2)–(G12): causal conv,

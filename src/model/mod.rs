@@ -2,7 +2,9 @@
 //!
 //! [`forward`] reads like qwen35-spec.md §3, top to bottom: embedding, then per layer an RMSNorm,
 //! the token mixer (Gated DeltaNet or gated attention), a residual add, an RMSNorm, the SwiGLU
-//! MLP and a residual add; then the final norm and the LM head. Each line is one [`Backend`]
+//! MLP and a residual add; then the final norm and the LM head. Each norm is one operation with
+//! the projections that read it, each residual add one with the product that ends its block, so
+//! a device can fuse them. Each line is one [`Backend`]
 //! operation; the arithmetic inside them is fixed by docs/numerics.md.
 
 pub mod cost;
@@ -98,6 +100,7 @@ impl<B: Backend> Model<B> {
             up: b.tensor(n, c.intermediate_size)?,
             act: b.tensor(n, c.intermediate_size)?,
             last: b.tensor(max_logit_rows, d)?,
+            last_norm: b.tensor(max_logit_rows, d)?,
             logits: b.tensor(max_logit_rows, c.vocab_size)?,
         })
     }
@@ -168,8 +171,10 @@ pub struct Scratch<B: Backend> {
     pub gate: B::Tensor,
     pub up: B::Tensor,
     pub act: B::Tensor,
-    /// Final-normed rows whose logits are wanted `[logit rows, D]`.
+    /// Residual rows whose logits are wanted `[logit rows, D]`.
     pub last: B::Tensor,
+    /// Those rows after the final norm `[logit rows, D]`.
+    pub last_norm: B::Tensor,
     /// `[logit rows, V]`.
     pub logits: B::Tensor,
 }
@@ -191,58 +196,54 @@ pub fn forward_probed<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::S
     // (E1) x = E[token]
     b.embed(&w.embed_tokens, batch, &mut s.x);
     probe(NONE, "embed", &s.x);
-    // (E2) for layer 0: u = RMSNorm(x; input_layernorm)
-    b.rms_norm(&s.x, &w.layers[0].input_layernorm, eps, n, &mut s.u);
-    probe(0, "input_layernorm", &s.u);
 
     for (l, layer) in w.layers.iter().enumerate() {
-        // (E3) y = Mixer(u)
+        // (E2) u = RMSNorm(x; input_layernorm), (E3) h = x + Mixer(u)
         match &layer.mixer {
             Mixer::GatedDeltaNet(g) => {
                 // (G1) m = W_qkv·u, z = W_z·u, b = W_b·u, a = W_a·u
-                b.matmul(&s.u, n, &mut [(&g.in_proj_qkv, &mut s.qkv), (&g.in_proj_z, &mut s.z), (&g.in_proj_b, &mut s.beta), (&g.in_proj_a, &mut s.alpha)]);
+                b.rms_norm_matmul(&s.x, &layer.input_layernorm, eps, n, &mut s.u, &mut [(&g.in_proj_qkv, &mut s.qkv), (&g.in_proj_z, &mut s.z), (&g.in_proj_b, &mut s.beta), (&g.in_proj_a, &mut s.alpha)]);
+                probe(l, "input_layernorm", &s.u);
                 probe(l, "linear_attn.in_proj_qkv", &s.qkv);
                 probe(l, "linear_attn.in_proj_z", &s.z);
                 // (G2)–(G12) conv, SiLU, q/k L2 norm, gates, delta rule, gated RMSNorm
                 b.gated_delta_net(g, m.kind_index[l], cfg, batch, states, &s.qkv, &s.z, &s.beta, &s.alpha, &mut s.gdn_out);
                 probe(l, "linear_attn (conv, delta rule, gated norm)", &s.gdn_out);
-                // (G13) y = W_out · o
-                b.matmul(&s.gdn_out, n, &mut [(&g.out_proj, &mut s.y)]);
+                // (G13) y = W_out · o; h = x + y
+                b.matmul_residual(&s.gdn_out, n, &g.out_proj, &mut s.y, &mut s.x);
                 probe(l, "linear_attn.out_proj", &s.y);
             }
             Mixer::Attention(a) => {
                 // (A1)/(A2) q|gate, k, v projections
-                b.matmul(&s.u, n, &mut [(&a.q_proj, &mut s.q_gate), (&a.k_proj, &mut s.k), (&a.v_proj, &mut s.v)]);
+                b.rms_norm_matmul(&s.x, &layer.input_layernorm, eps, n, &mut s.u, &mut [(&a.q_proj, &mut s.q_gate), (&a.k_proj, &mut s.k), (&a.v_proj, &mut s.v)]);
+                probe(l, "input_layernorm", &s.u);
                 probe(l, "self_attn.q_proj", &s.q_gate);
                 probe(l, "self_attn.k_proj", &s.k);
                 // (A3)–(A7) q/k norm, RoPE, KV cache, causal attention, sigmoid gate
                 b.gated_attention(a, m.kind_index[l], cfg, batch, states, &s.q_gate, &s.k, &s.v, &mut s.attn_out);
                 probe(l, "self_attn (norms, RoPE, attention, gate)", &s.attn_out);
-                // (A8) y = W_o · o
-                b.matmul(&s.attn_out, n, &mut [(&a.o_proj, &mut s.y)]);
+                // (A8) y = W_o · o; h = x + y
+                b.matmul_residual(&s.attn_out, n, &a.o_proj, &mut s.y, &mut s.x);
                 probe(l, "self_attn.o_proj", &s.y);
             }
         }
-        // (E3)/(E4) h = x + y; u = RMSNorm(h; post_attention_layernorm)
-        b.add_rms_norm(&mut s.x, &s.y, &layer.post_attention_layernorm, eps, n, &mut s.u);
+        probe(l, "residual (mixer)", &s.x);
+        // (E4) u = RMSNorm(h; post_attention_layernorm); (M1) act = silu(W_gate·u) ⊙ (W_up·u)
+        b.rms_norm_matmul_swiglu(&s.x, &layer.post_attention_layernorm, eps, n, &mut s.u, &layer.mlp.gate_proj, &layer.mlp.up_proj, &mut s.gate, &mut s.up, &mut s.act);
         probe(l, "post_attention_layernorm", &s.u);
-        // (M1) y = W_down · (silu(W_gate·u) ⊙ W_up·u)
-        b.matmul_swiglu(&s.u, n, &layer.mlp.gate_proj, &layer.mlp.up_proj, &mut s.gate, &mut s.up, &mut s.act);
         probe(l, "mlp.gate_proj", &s.gate);
         probe(l, "mlp (swiglu)", &s.act);
-        b.matmul(&s.act, n, &mut [(&layer.mlp.down_proj, &mut s.y)]);
+        // (M1) y = W_down · act; (E4) x = h + y
+        b.matmul_residual(&s.act, n, &layer.mlp.down_proj, &mut s.y, &mut s.x);
         probe(l, "mlp.down_proj", &s.y);
-        // (E4) x = h + y; u = RMSNorm(x) with the next layer's input norm, or (E5) the final norm
-        let next_norm = match w.layers.get(l + 1) {
-            Some(next) => &next.input_layernorm,
-            None => &w.norm,
-        };
-        b.add_rms_norm(&mut s.x, &s.y, next_norm, eps, n, &mut s.u);
-        probe(l, if l + 1 < w.layers.len() { "residual + next input_layernorm" } else { "residual + final norm" }, &s.u);
+        probe(l, "residual (mlp)", &s.x);
     }
 
-    // (E6) logits = W_lm · x̄ for the rows that want them
-    b.gather_rows(&s.u, batch, &mut s.last);
-    b.matmul(&s.last, batch.logit_rows.len(), &mut [(w.lm_head(), &mut s.logits)]);
+    // (E5) x̄ = RMSNorm(x; norm) and (E6) logits = W_lm · x̄, for the rows that want them (the
+    // norm is per row, so gathering first gives the same bits)
+    let k = batch.logit_rows.len();
+    b.gather_rows(&s.x, batch, &mut s.last);
+    b.rms_norm_matmul(&s.last, &w.norm, eps, k, &mut s.last_norm, &mut [(w.lm_head(), &mut s.logits)]);
+    probe(NONE, "final norm", &s.last_norm);
     probe(NONE, "lm_head", &s.logits);
 }

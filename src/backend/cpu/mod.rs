@@ -258,14 +258,11 @@ impl Backend for Cpu {
         }
     }
 
-    fn add_rms_norm(&self, x: &mut Tensor, y: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
-        let c = x.cols;
-        for r in 0..rows {
-            let xr = &mut x.data[r * c..(r + 1) * c];
-            for (a, &b) in xr.iter_mut().zip(y.row(r)) {
-                *a += b;
-            }
-            simd::rms_norm_row(self.isa, xr, w, eps, &mut out.data[r * c..(r + 1) * c]);
+    fn matmul_residual(&self, x: &Tensor, rows: usize, w: &Matrix, y: &mut Tensor, h: &mut Tensor) {
+        self.matmul(x, rows, &mut [(w, &mut *y)]);
+        let n = rows * h.cols;
+        for (a, &b) in h.data[..n].iter_mut().zip(&y.data[..n]) {
+            *a += b;
         }
     }
 

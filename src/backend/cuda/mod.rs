@@ -17,6 +17,7 @@
 pub mod compile;
 
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -80,6 +81,8 @@ struct MatDesc {
     s: u64,
     b: u64,
     y: u64,
+    /// Residual stream to add the output to (0: none).
+    res: u64,
     rows: u32,
     cols: u32,
     fmt: u32,
@@ -97,6 +100,7 @@ impl MatDesc {
             s: ptr(&m.s, stream),
             b: ptr(&m.b, stream),
             y: ptr(&y.buf, stream),
+            res: 0,
             rows: m.rows as u32,
             cols: m.cols as u32,
             fmt: m.fmt,
@@ -114,6 +118,28 @@ struct MatDescs {
     m: [MatDesc; 4],
     count: u32,
     pad: [u32; 3],
+}
+/// Kernel arguments by value, in the kernel's parameter order, for `cuLaunchKernelEx` (which
+/// reads each through a pointer). Each value sits in its own 8-byte-aligned heap buffer, so the
+/// pointers stay valid while the list grows.
+struct Args<'a> {
+    stream: &'a CudaStream,
+    vals: Vec<Vec<u64>>,
+}
+impl Args<'_> {
+    /// A plain value (an integer, a float, a `#[repr(C)]` descriptor).
+    fn val<T: Copy>(mut self, v: T) -> Self {
+        let mut words = vec![0u64; std::mem::size_of::<T>().div_ceil(8).max(1)];
+        // SAFETY: `words` holds at least size_of::<T>() bytes; T is Copy (plain data).
+        unsafe { std::ptr::copy_nonoverlapping(&v as *const T as *const u8, words.as_mut_ptr() as *mut u8, std::mem::size_of::<T>()) };
+        self.vals.push(words);
+        self
+    }
+    /// A device buffer's address.
+    fn buf<T>(self, b: &CudaSlice<T>) -> Self {
+        let p = ptr(b, self.stream);
+        self.val(p)
+    }
 }
 // SAFETY: plain-old-data structs with the layout of the C structs in kernels/*.cu.
 unsafe impl DeviceRepr for SeqDesc {}
@@ -245,10 +271,8 @@ struct Step {
     rope: Option<CudaSlice<f32>>,
     rope_host: Option<RopeTable>,
     rope_rows_on_device: usize,
-    /// GDN temporaries: silu(conv) `[rows, conv_dim]`, normalised q and k `[rows, key_dim]`.
+    /// GDN temporary: silu(conv) `[rows, conv_dim]`.
     gdn_y: Option<CudaSlice<f32>>,
-    gdn_q: Option<CudaSlice<f32>>,
-    gdn_k: Option<CudaSlice<f32>>,
     /// Attention tile partials for eager steps (grown) and for graphs (fixed once captured).
     part_eager: Option<CudaSlice<f32>>,
     part_graph: Option<CudaSlice<f32>>,
@@ -296,6 +320,10 @@ pub struct Cuda {
     cfg_cache: Mutex<Option<ModelConfig>>,
     /// Capture decode steps as graphs (`TENSORFOLD_CUDA_GRAPHS=0` turns it off, for comparison).
     use_graphs: std::sync::atomic::AtomicBool,
+    /// Launch kernels with programmatic dependent launch (sm_90+; `TENSORFOLD_CUDA_PDL=0` turns
+    /// it off): a kernel's blocks are scheduled while the previous kernel ends, hiding the
+    /// launch gap between the nodes of a decode graph.
+    pdl: bool,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -351,8 +379,6 @@ impl Cuda {
             rope_host: None,
             rope_rows_on_device: 0,
             gdn_y: None,
-            gdn_q: None,
-            gdn_k: None,
             part_eager: None,
             part_graph: None,
             part_graph_tiles: 0,
@@ -379,6 +405,7 @@ impl Cuda {
             event_pool: Vec::new(),
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
+        let pdl = maj >= 9 && std::env::var("TENSORFOLD_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
         Ok(Self {
             _ctx: ctx,
             stream,
@@ -389,6 +416,7 @@ impl Cuda {
             next_id: std::sync::atomic::AtomicU64::new(1),
             cfg_cache: Mutex::new(None),
             use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
+            pdl,
         })
     }
 
@@ -567,37 +595,31 @@ impl Cuda {
     }
 
     fn launch_chooser(&self, st: &mut Step, kind: Chooser, logits: u64, rows: u32, v_eff: u32, ld: u32) -> Result<(), cudarc::driver::DriverError> {
-        let cfg = Self::cfg1((rows, 1, 1), 1024, 0);
         // SAFETY: arguments match argmax.cu / sample.cu; `logits` is the step's logits tensor
         // (`rows` rows of `ld` floats), the other buffers hold at least 64 rows.
         unsafe {
             match kind {
                 Chooser::Argmax => {
-                    self.stream
-                        .launch_builder(self.func("argmax_part"))
-                        .arg(&logits)
-                        .arg(&v_eff)
-                        .arg(&ld)
-                        .arg(&st.argmax_v)
-                        .arg(&st.argmax_i)
-                        .launch(Self::cfg1((64, rows, 1), 256, 0))?;
-                    self.stream.launch_builder(self.func("argmax_rows")).arg(&st.argmax_v).arg(&st.argmax_i).arg(&st.sampled).arg(&st.ids).launch(Self::cfg1((rows, 1, 1), 64, 0)).map(|_| ())
+                    self.kernel("argmax_part", (64, rows, 1), 256, 0, self.args().val(logits).val(v_eff).val(ld).buf(&st.argmax_v).buf(&st.argmax_i))?;
+                    self.kernel("argmax_rows", (rows, 1, 1), 64, 0, self.args().buf(&st.argmax_v).buf(&st.argmax_i).buf(&st.sampled).buf(&st.ids))
                 }
-                Chooser::Sample => self
-                    .stream
-                    .launch_builder(self.func("sample_rows"))
-                    .arg(&logits)
-                    .arg(&v_eff)
-                    .arg(&ld)
-                    .arg(&st.sample_params)
-                    .arg(&st.sample_win)
-                    .arg(&st.sample_wlen)
-                    .arg(&st.sample_pos)
-                    .arg(st.sample_work.as_ref().expect("set_sampling ran"))
-                    .arg(&st.sampled)
-                    .arg(&st.ids)
-                    .launch(cfg)
-                    .map(|_| ()),
+                Chooser::Sample => self.kernel(
+                    "sample_rows",
+                    (rows, 1, 1),
+                    1024,
+                    0,
+                    self.args()
+                        .val(logits)
+                        .val(v_eff)
+                        .val(ld)
+                        .buf(&st.sample_params)
+                        .buf(&st.sample_win)
+                        .buf(&st.sample_wlen)
+                        .buf(&st.sample_pos)
+                        .buf(st.sample_work.as_ref().expect("set_sampling ran"))
+                        .buf(&st.sampled)
+                        .buf(&st.ids),
+                ),
             }
         }
     }
@@ -611,6 +633,41 @@ impl Cuda {
 
     fn func(&self, name: &str) -> &CudaFunction {
         &self.funcs[name]
+    }
+
+    fn args(&self) -> Args<'_> {
+        Args { stream: &self.stream, vals: Vec::new() }
+    }
+
+    /// Launches kernel `name` on the stream (`block` threads, `smem` bytes of dynamic shared
+    /// memory), with programmatic dependent launch when [`Cuda::pdl`] is on: every step kernel
+    /// calls `pdl_enter()` (common.cuh) before it touches anything but weights.
+    ///
+    /// # Safety
+    /// `args` must match the kernel's parameters, and the buffers it names must outlive the
+    /// kernel (they do: buffers are freed in stream order).
+    unsafe fn kernel(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: Args) -> Result<(), cudarc::driver::DriverError> {
+        self._ctx.bind_to_thread()?;
+        let mut vals = args.vals;
+        let mut params: Vec<*mut c_void> = vals.iter_mut().map(|w| w.as_mut_ptr().cast()).collect();
+        // SAFETY: an all-zero launch attribute is valid; we set the one field we use.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        // SAFETY: `params` points at one value per kernel parameter (the caller's contract).
+        unsafe { sys::cuLaunchKernelEx(&cfg, self.func(name).cu_function(), params.as_mut_ptr(), std::ptr::null_mut()).result() }
     }
 
     fn cfg1(grid: (u32, u32, u32), block: u32, shared: u32) -> LaunchConfig {
@@ -630,11 +687,70 @@ impl Cuda {
         let cap = rows.max(256);
         if need(&st.gdn_y, rows * cfg.conv_dim()) {
             st.gdn_y = Some(a(cap * cfg.conv_dim())?);
-            st.gdn_q = Some(a(cap * cfg.key_dim())?);
-            st.gdn_k = Some(a(cap * cfg.key_dim())?);
             st.graphs.clear();
         }
         Ok(())
+    }
+
+    /// Whether two matrices store their weights alike (format, group size, scale dtype).
+    fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
+        (a.fmt, a.group, a.sdtype, a.cols) == (b.fmt, b.group, b.sdtype, b.cols)
+    }
+
+    /// `y_i = W_i · x` over `rows` tokens (prompt steps, batched decode), adding each output to
+    /// `res` when given.
+    fn matmul_rows(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)], res: Option<&CudaTensor>) {
+        if rows == 0 {
+            return;
+        }
+        let res = res.map_or(0, |h| ptr(&h.buf, &self.stream));
+        let (name, t, r) = if rows == 1 {
+            ("matmul_t1r1", 1u32, 1u32)
+        } else if rows <= 4 {
+            ("matmul_t4r2", 4, 2)
+        } else {
+            ("matmul_t8r4", 8, 4)
+        };
+        for group in outs.chunks_mut(4) {
+            let mut d = MatDescs::default();
+            let mut row0 = 0u32;
+            for (i, (m, y)) in group.iter_mut().enumerate() {
+                d.m[i] = MatDesc::new(m, y, row0, &self.stream);
+                d.m[i].res = res;
+                debug_assert_eq!(m.per_word, 32 / if m.fmt >= 4 { m.fmt as usize } else { 32 / [1, 2, 2][m.fmt as usize] });
+                row0 += (m.rows as u32).div_ceil(r) * r;
+            }
+            d.count = group.len() as u32;
+            let (ldx, n_tok) = (x.cols as u32, rows as u32);
+            let grid = (row0.div_ceil(r * 8), n_tok.div_ceil(t), 1);
+            self.launch(name, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok)) });
+        }
+    }
+
+    /// `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up` over `rows` tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_swiglu_rows(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
+        let pair = Self::same_format(gate_w, up_w) && gate_w.rows == up_w.rows && gate.cols == up.cols && gate.cols == act.cols;
+        if rows == 0 || !pair {
+            self.matmul_rows(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)], None);
+            self.swiglu(gate, up, rows, act);
+            return;
+        }
+        let (name, t) = if rows == 1 {
+            ("matmul_swiglu_t1", 1u32)
+        } else if rows <= 4 {
+            ("matmul_swiglu_t4", 4)
+        } else {
+            ("matmul_swiglu_t8", 8)
+        };
+        let mut d = MatDescs::default();
+        for (i, (m, y)) in [(gate_w, &*gate), (up_w, &*up)].into_iter().enumerate() {
+            d.m[i] = MatDesc::new(m, y, 0, &self.stream);
+        }
+        d.count = 2;
+        let (ldx, n_tok) = (x.cols as u32, rows as u32);
+        let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
+        self.launch(name, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok).buf(&act.buf)) });
     }
 }
 
@@ -1009,95 +1125,45 @@ impl Backend for Cuda {
             }
         }
         let (cols, n) = (table.cols as u32, batch.rows() as u32);
-        let f = self.func("embed_rows");
         self.launch("embed_rows", |st| unsafe {
-            self.stream
-                .launch_builder(f)
-                .arg(&table.w)
-                .arg(&table.s)
-                .arg(&table.b)
-                .arg(&table.fmt)
-                .arg(&table.group)
-                .arg(&table.sdtype)
-                .arg(&cols)
-                .arg(&st.ids)
-                .arg(&mut x.buf)
-                .launch(Self::cfg1((cols.div_ceil(256), n, 1), 256, 0))
+            let a = self.args().buf(&table.w).buf(&table.s).buf(&table.b).val(table.fmt).val(table.group).val(table.sdtype).val(cols).buf(&st.ids).buf(&x.buf);
+            self.kernel("embed_rows", (cols.div_ceil(256), n, 1), 256, 0, a)
         });
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32, rows: usize, out: &mut CudaTensor) {
         let cols = x.cols as u32;
-        let f = self.func("rms_norm_rows");
-        self.launch("rms_norm_rows", |_| unsafe {
-            self.stream.launch_builder(f).arg(&x.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 512, 0))
-        });
-    }
-
-    fn add_rms_norm(&self, x: &mut CudaTensor, y: &CudaTensor, w: &CudaSlice<f32>, eps: f32, rows: usize, out: &mut CudaTensor) {
-        let cols = x.cols as u32;
-        let f = self.func("add_rms_norm_rows");
-        self.launch("add_rms_norm_rows", |_| unsafe {
-            self.stream.launch_builder(f).arg(&mut x.buf).arg(&y.buf).arg(w).arg(&eps).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((rows as u32, 1, 1), 512, 0))
-        });
+        self.launch("rms_norm_rows", |_| unsafe { self.kernel("rms_norm_rows", (rows as u32, 1, 1), 512, 0, self.args().buf(&x.buf).buf(w).val(eps).val(cols).buf(&out.buf)) });
     }
 
     fn matmul(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)]) {
-        if rows == 0 {
-            return;
-        }
-        let (name, t, r) = if rows == 1 {
-            ("matmul_t1r1", 1u32, 1u32)
-        } else if rows <= 4 {
-            ("matmul_t4r2", 4, 2)
-        } else {
-            ("matmul_t8r4", 8, 4)
-        };
-        for group in outs.chunks_mut(4) {
-            let mut d = MatDescs::default();
-            let mut row0 = 0u32;
-            for (i, (m, y)) in group.iter_mut().enumerate() {
-                d.m[i] = MatDesc::new(m, y, row0, &self.stream);
-                debug_assert_eq!(m.per_word, 32 / if m.fmt >= 4 { m.fmt as usize } else { 32 / [1, 2, 2][m.fmt as usize] });
-                row0 += (m.rows as u32).div_ceil(r) * r;
-            }
-            d.count = group.len() as u32;
-            let (ldx, n_tok) = (x.cols as u32, rows as u32);
-            let grid = (row0.div_ceil(r * 8), n_tok.div_ceil(t), 1);
-            let f = self.func(name);
-            self.launch(name, |_| unsafe { self.stream.launch_builder(f).arg(&d).arg(&x.buf).arg(&ldx).arg(&n_tok).launch(Self::cfg1(grid, 256, 0)) });
-        }
+        self.matmul_rows(x, rows, outs, None);
     }
 
-    fn matmul_swiglu(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
-        let same = gate_w.fmt == up_w.fmt && gate_w.group == up_w.group && gate_w.sdtype == up_w.sdtype && gate_w.rows == up_w.rows && gate_w.cols == up_w.cols;
-        if rows == 0 || !same || gate.cols != up.cols || gate.cols != act.cols {
-            self.matmul(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
-            self.swiglu(gate, up, rows, act);
-            return;
-        }
-        let (name, t) = if rows == 1 {
-            ("matmul_swiglu_t1", 1u32)
-        } else if rows <= 4 {
-            ("matmul_swiglu_t4", 4)
-        } else {
-            ("matmul_swiglu_t8", 8)
-        };
-        let mut d = MatDescs::default();
-        for (i, (m, y)) in [(gate_w, &*gate), (up_w, &*up)].into_iter().enumerate() {
-            d.m[i] = MatDesc::new(m, y, 0, &self.stream);
-        }
-        d.count = 2;
-        let (ldx, n_tok) = (x.cols as u32, rows as u32);
-        let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
-        let f = self.func(name);
-        self.launch(name, |_| unsafe { self.stream.launch_builder(f).arg(&d).arg(&x.buf).arg(&ldx).arg(&n_tok).arg(&mut act.buf).launch(Self::cfg1(grid, 256, 0)) });
+    fn matmul_residual(&self, x: &CudaTensor, rows: usize, w: &CudaMatrix, y: &mut CudaTensor, h: &mut CudaTensor) {
+        self.matmul_rows(x, rows, &mut [(w, y)], Some(h));
+    }
+
+    fn rms_norm_matmul_swiglu(
+        &self,
+        x: &CudaTensor,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        rows: usize,
+        u: &mut CudaTensor,
+        gate_w: &CudaMatrix,
+        up_w: &CudaMatrix,
+        gate: &mut CudaTensor,
+        up: &mut CudaTensor,
+        act: &mut CudaTensor,
+    ) {
+        self.rms_norm(x, w, eps, rows, u);
+        self.matmul_swiglu_rows(u, rows, gate_w, up_w, gate, up, act);
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor, rows: usize, out: &mut CudaTensor) {
         let n = (rows * gate.cols) as u32;
-        let f = self.func("swiglu");
-        self.launch("swiglu", |_| unsafe { self.stream.launch_builder(f).arg(&gate.buf).arg(&up.buf).arg(&n).arg(&mut out.buf).launch(Self::cfg1((n.div_ceil(256), 1, 1), 256, 0)) });
+        self.launch("swiglu", |_| unsafe { self.kernel("swiglu", (n.div_ceil(256), 1, 1), 256, 0, self.args().buf(&gate.buf).buf(&up.buf).val(n).buf(&out.buf)) });
     }
 
     fn gated_delta_net(
@@ -1115,52 +1181,32 @@ impl Backend for Cuda {
     ) {
         let (kc, cd, l) = (cfg.linear_conv_kernel_dim as u32, cfg.conv_dim() as u32, layer as u32);
         let (hk, hv, dk, dv) = (cfg.linear_num_key_heads as u32, cfg.linear_num_value_heads as u32, cfg.linear_key_head_dim as u32, cfg.linear_value_head_dim as u32);
-        let key_dim = hk * dk;
-        let (nseq, rows) = (batch.seqs.len() as u32, batch.rows() as u32);
+        let nseq = batch.seqs.len() as u32;
         let eps = cfg.rms_norm_eps;
-        let f = self.func("gdn_conv");
         self.launch("gdn_conv", |st| unsafe {
-            self.stream
-                .launch_builder(f)
-                .arg(&qkv.buf)
-                .arg(&w.conv1d)
-                .arg(&kc)
-                .arg(&cd)
-                .arg(&l)
-                .arg(&st.seqs)
-                .arg(&st.slot_table)
-                .arg(st.gdn_y.as_mut().unwrap())
-                .launch(Self::cfg1((cd.div_ceil(256), nseq, 1), 256, 0))
+            let a = self.args().buf(&qkv.buf).buf(&w.conv1d).val(kc).val(cd).val(l).buf(&st.seqs).buf(&st.slot_table).buf(st.gdn_y.as_ref().unwrap());
+            self.kernel("gdn_conv", (cd.div_ceil(256), nseq, 1), 256, 0, a)
         });
-        let f = self.func("gdn_qk_norm");
-        self.launch("gdn_qk_norm", |st| unsafe {
-            let (y, q, k) = (st.gdn_y.as_ref().unwrap(), st.gdn_q.as_ref().unwrap(), st.gdn_k.as_ref().unwrap());
-            self.stream.launch_builder(f).arg(y).arg(&cd).arg(&key_dim).arg(&dk).arg(q).arg(k).launch(Self::cfg1((rows, hk, 1), 32, 0))
-        });
-        let f = self.func("gdn_heads");
         self.launch("gdn_heads", |st| unsafe {
-            let (y, q, k) = (st.gdn_y.as_ref().unwrap(), st.gdn_q.as_ref().unwrap(), st.gdn_k.as_ref().unwrap());
-            self.stream
-                .launch_builder(f)
-                .arg(y)
-                .arg(q)
-                .arg(k)
-                .arg(&z.buf)
-                .arg(&b.buf)
-                .arg(&a.buf)
-                .arg(&w.a)
-                .arg(&w.dt_bias)
-                .arg(&w.norm)
-                .arg(&eps)
-                .arg(&hk)
-                .arg(&hv)
-                .arg(&dk)
-                .arg(&dv)
-                .arg(&l)
-                .arg(&st.seqs)
-                .arg(&st.slot_table)
-                .arg(&mut out.buf)
-                .launch(Self::cfg1((hv, nseq, 1), 1024, 0))
+            let a = self
+                .args()
+                .buf(st.gdn_y.as_ref().unwrap())
+                .buf(&z.buf)
+                .buf(&b.buf)
+                .buf(&a.buf)
+                .buf(&w.a)
+                .buf(&w.dt_bias)
+                .buf(&w.norm)
+                .val(eps)
+                .val(hk)
+                .val(hv)
+                .val(dk)
+                .val(dv)
+                .val(l)
+                .buf(&st.seqs)
+                .buf(&st.slot_table)
+                .buf(&out.buf);
+            self.kernel("gdn_heads", (hv, nseq, 1), 1024, 0, a)
         });
     }
 
@@ -1178,53 +1224,37 @@ impl Backend for Cuda {
     ) {
         let (hq, hkv, dh, rd) = (cfg.num_attention_heads as u32, cfg.num_key_value_heads as u32, cfg.head_dim as u32, cfg.rotary_dim() as u32);
         let (l, rows, eps, max_pages) = (layer as u32, batch.rows() as u32, cfg.rms_norm_eps, states.max_pages as u32);
-        let f = self.func("attn_write_kv");
         self.launch("attn_write_kv", |st| unsafe {
-            self.stream
-                .launch_builder(f)
-                .arg(&k.buf)
-                .arg(&v.buf)
-                .arg(&w.k_norm)
-                .arg(&eps)
-                .arg(st.rope.as_ref().unwrap())
-                .arg(&rd)
-                .arg(&hkv)
-                .arg(&dh)
-                .arg(&l)
-                .arg(&max_pages)
-                .arg(&st.rows)
-                .arg(&st.slot_table)
-                .launch(Self::cfg1((rows, hkv, 1), 32, 0))
+            let a = self.args().buf(&k.buf).buf(&v.buf).buf(&w.k_norm).val(eps).buf(st.rope.as_ref().unwrap()).val(rd).val(hkv).val(dh).val(l).val(max_pages).buf(&st.rows).buf(&st.slot_table);
+            self.kernel("attn_write_kv", (rows, hkv, 1), 32, 0, a)
         });
-        let f = self.func("attn_tiles");
         self.launch("attn_tiles", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));
             let max_tiles = st.max_tiles as u32;
             let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
-            self.stream
-                .launch_builder(f)
-                .arg(&q_gate.buf)
-                .arg(&w.q_norm)
-                .arg(&eps)
-                .arg(st.rope.as_ref().unwrap())
-                .arg(&rd)
-                .arg(&hq)
-                .arg(&hkv)
-                .arg(&dh)
-                .arg(&l)
-                .arg(&max_pages)
-                .arg(&max_tiles)
-                .arg(&st.rows)
-                .arg(&st.slot_table)
-                .arg(part)
-                .launch(Self::cfg1((rows * hq, ATTN_BLOCKS, 1), 256, 0))
+            let a = self
+                .args()
+                .buf(&q_gate.buf)
+                .buf(&w.q_norm)
+                .val(eps)
+                .buf(st.rope.as_ref().unwrap())
+                .val(rd)
+                .val(hq)
+                .val(hkv)
+                .val(dh)
+                .val(l)
+                .val(max_pages)
+                .val(max_tiles)
+                .buf(&st.rows)
+                .buf(&st.slot_table)
+                .buf(part);
+            self.kernel("attn_tiles", (rows * hq, ATTN_BLOCKS, 1), 256, 0, a)
         });
-        let f = self.func("attn_combine");
         self.launch("attn_combine", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));
             let max_tiles = st.max_tiles as u32;
             let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
-            self.stream.launch_builder(f).arg(part).arg(&q_gate.buf).arg(&hq).arg(&dh).arg(&max_tiles).arg(&st.rows).arg(&mut out.buf).launch(Self::cfg1((rows * hq, 1, 1), dh, 0))
+            self.kernel("attn_combine", (rows * hq, 1, 1), dh, 0, self.args().buf(part).buf(&q_gate.buf).val(hq).val(dh).val(max_tiles).buf(&st.rows).buf(&out.buf))
         });
     }
 
@@ -1233,8 +1263,7 @@ impl Backend for Cuda {
         if n == 0 {
             return;
         }
-        let f = self.func("gather_rows");
-        self.launch("gather_rows", |st| unsafe { self.stream.launch_builder(f).arg(&x.buf).arg(&st.logit_rows).arg(&cols).arg(&mut out.buf).launch(Self::cfg1((cols.div_ceil(256), n, 1), 256, 0)) });
+        self.launch("gather_rows", |st| unsafe { self.kernel("gather_rows", (cols.div_ceil(256), n, 1), 256, 0, self.args().buf(&x.buf).buf(&st.logit_rows).val(cols).buf(&out.buf)) });
     }
 
     fn argmax_enqueue(&self, logits: &CudaTensor, rows: usize, v_eff: usize) {

@@ -30,6 +30,7 @@ __device__ void block_best(float& bv, u32& bi, float* sv, u32* si) {
 }
 
 extern "C" __global__ void argmax_part(const float* logits, u32 v_eff, u32 ldv, float* part_v, u32* part_i) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ u32 si[32];
     u64 r = blockIdx.y;
@@ -51,6 +52,7 @@ extern "C" __global__ void argmax_part(const float* logits, u32 v_eff, u32 ldv, 
 }
 
 extern "C" __global__ void argmax_rows(const float* part_v, const u32* part_i, u32* out, u32* next_ids) {
+    pdl_enter();
     __shared__ float sv[32];
     __shared__ u32 si[32];
     u64 r = blockIdx.x;

@@ -4,6 +4,7 @@
 
 extern "C" __global__ void attn_combine(const float* part, const float* q_gate, u32 hq, u32 dh, u32 max_tiles,
                                         const RowDesc* rows, float* out) {
+    pdl_enter();
     u32 r = blockIdx.x / hq, h = blockIdx.x % hq, d = threadIdx.x;
     u32 n_tiles = rows[r].pos / TILE + 1;
     const float* pt = part + ((u64)r * hq + h) * max_tiles * (dh + 2);

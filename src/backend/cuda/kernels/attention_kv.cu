@@ -5,6 +5,7 @@
 extern "C" __global__ void attn_write_kv(const float* k, const float* v, const float* k_norm, float eps,
                                          const float* rope, u32 rd, u32 hkv, u32 dh, u32 layer, u32 max_pages,
                                          const RowDesc* rows, const SlotDesc* slots) {
+    pdl_enter();
     u64 r = blockIdx.x;
     u32 g = blockIdx.y, lane = threadIdx.x;
     RowDesc row = rows[r];

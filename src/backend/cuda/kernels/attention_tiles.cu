@@ -7,6 +7,7 @@
 extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, float eps, const float* rope,
                                       u32 rd, u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles,
                                       const RowDesc* rows, const SlotDesc* slots, float* part) {
+    pdl_enter();
     __shared__ float q[256];
     __shared__ float e[TILE];
     __shared__ float red[8];

@@ -4,6 +4,7 @@
 
 extern "C" __global__ void embed_rows(const u8* words, const u8* scales, const u8* biases, u32 fmt, u32 group,
                                       u32 sdtype, u32 cols, const u32* ids, float* x) {
+    pdl_enter();
     u32 r = blockIdx.y;
     u32 k = blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= cols) return;

@@ -1,17 +1,20 @@
-// Gated DeltaNet gates, delta rule and gated RMSNorm: one block per (value head, sequence),
-// tokens in order. The head's state stays in registers for the whole step: warp w holds rows
+// Gated DeltaNet q/k L2 norms, gates, delta rule and gated RMSNorm: one block per (value head,
+// sequence), tokens in order. Every warp normalises the head's q and k itself (the same
+// arithmetic in each, no block barrier). The head's state stays in registers for the whole step: warp w holds rows
 // w, w+32, ... (up to 4), lane l holds elements l, l+32, ... (up to 4) of each, which is the
 // canonical lane order of the row's dot products; the warp's rows are processed together.
-// CPU twin: backend::cpu::kernels::gdn_head with gdn_rows_ref (numerics §4 steps 3-5).
+// CPU twin: backend::cpu::kernels::gdn_qk_norm, then gdn_head with gdn_rows_ref (numerics §4
+// steps 2-5).
 // Grid: (Hv, n_seqs), block 1024 (32 warps). Needs dk <= 128 and dv <= 128 (checked on the host).
 
 #define MAXR 4
 #define MAXL 4
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, const float* qn, const float* kn, const float* z,
+extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, const float* z,
                                                              const float* b, const float* a, const float* a_neg, const float* dt_bias,
                                                              const float* norm_w, float eps, u32 hk, u32 hv, u32 dk, u32 dv, u32 layer,
                                                              const SeqDesc* seqs, const SlotDesc* slots, float* out) {
+    pdl_enter();
     __shared__ float o[MAXR * 32];
     __shared__ float inv_s;
     u32 h = blockIdx.x;
@@ -32,15 +35,19 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, con
         u64 row = sq.first_row + t;
         float beta = tf_sigmoid(b[row * hv + h]);
         float alpha = tf_exp(a_neg[h] * tf_softplus(a[row * hv + h] + dt_bias[h]));
-        const float* kh = kn + row * key_dim + (u64)kappa * dk;
-        const float* qh = qn + row * key_dim + (u64)kappa * dk;
+        // q/k L2 norm of key head kappa (gdn_qk_norm's arithmetic)
+        const float* qh = y + row * cd + (u64)kappa * dk;
+        const float* kh = y + row * cd + key_dim + (u64)kappa * dk;
         const float* v = y + row * cd + 2 * key_dim + (u64)h * dv;
+        float q_scale = tf_rsqrt((float)dk);
+        float inv_q = tf_rsqrt(warp_dot(qh, qh, dk) + 1e-6f);
+        float inv_k = tf_rsqrt(warp_dot(kh, kh, dk) + 1e-6f);
         float kv[MAXL], qv[MAXL];
 #pragma unroll
         for (int e = 0; e < MAXL; e++) {
             u32 i = lane + 32 * e;
-            kv[e] = i < dk ? kh[i] : 0.0f;
-            qv[e] = i < dk ? qh[i] : 0.0f;
+            kv[e] = i < dk ? kh[i] * inv_k : 0.0f;
+            qv[e] = i < dk ? (qh[i] * inv_q) * q_scale : 0.0f;
         }
         // Decay, then mem = S·k, per row (lanes past dk hold 0 and add nothing... they are
         // skipped: each lane only accumulates its own elements i < dk, in order).

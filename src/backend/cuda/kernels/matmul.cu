@@ -1,4 +1,5 @@
-// y = W·x for up to four weight matrices that read the same input (fused projections).
+// y = W·x for up to four weight matrices that read the same input (fused projections), with
+// an optional residual add (res += y) per matrix.
 // CPU twin: backend::cpu::kernels::dot_decoded through simd::matmul (numerics §2): lane l of a
 // warp owns the stored 32-bit words l, l+32, ... of a row, accumulates their decoded elements in
 // order with fmaf, and the warp folds its lanes by halves.
@@ -12,6 +13,7 @@ struct Mat {
     const u8* s;   // scales [rows, cols/group] (affine)
     const u8* b;   // biases [rows, cols/group] (affine)
     float* y;      // output [tokens, ldy]
+    float* res;    // if set, the residual stream [tokens, ldy]: res += y (Cpu::matmul_residual)
     u32 rows, cols, fmt, group, sdtype, ldy, row0, pad;
 };
 // fmt: 0 f32, 1 f16, 2 bf16 weights; 4 or 8: affine codes of that many bits.
@@ -34,23 +36,61 @@ template <> struct Fmt<0> { enum { E = 1 }; };
 // Element e of word `wd` of a row whose group scale/bias are s, b.
 // float(q) for a code q < 2^23 without an integer-to-float conversion (a quarter-rate
 // instruction that bounds decode): 2^23 + q is exact in the mantissa, and subtracting 2^23 is
-// exact. The value is bit-identical to (float)q.
-__device__ __forceinline__ float code_to_float(u32 q) { return __uint_as_float(0x4B000000u | q) - 8388608.0f; }
+// exact. The value is bit-identical to (float)q. The code's byte is moved under the exponent
+// 0x4B with one byte permute (PRMT); 4-bit codes are first split into the low and high nibbles
+// of each byte (shared by the word's eight elements once inlined).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+// 0x4B0000|byte k of v: selector bytes (from low) k, 4 (b.byte0 = 0), 5 (0), 7 (0x4B).
+__device__ __forceinline__ float byte_to_float(u32 v, int k) { return __uint_as_float(prmt(v, 0x4B000000u, 0x7540u | (u32)k)) - 8388608.0f; }
 
 template <int FMT>
 __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
-    if (FMT == 4) return fmaf(s, code_to_float((wd >> (4 * e)) & 15u), b);
-    if (FMT == 8) return fmaf(s, code_to_float((wd >> (8 * e)) & 255u), b);
+    if (FMT == 4) return fmaf(s, byte_to_float(((e & 1) ? (wd >> 4) : wd) & 0x0F0F0F0Fu, e >> 1), b);
+    if (FMT == 8) return fmaf(s, byte_to_float(wd, e), b);
     if (FMT == 2) return bf16_to_f32(e == 0 ? (wd & 0xffffu) : (wd >> 16));
     if (FMT == 1) return f16_to_f32((u16)(e == 0 ? (wd & 0xffffu) : (wd >> 16)));
     return __uint_as_float(wd);
+}
+
+// Scale or bias i of a row, of dtype SDT (0 f32, 1 f16, 2 bf16): a template parameter, so the
+// inner loops carry no dtype branch.
+template <int SDT>
+__device__ __forceinline__ float load_scale(const u8* p, u32 i) {
+    if (SDT == 2) return bf16_to_f32(((const u16*)p)[i]);
+    if (SDT == 1) return f16_to_f32(((const u16*)p)[i]);
+    return ((const float*)p)[i];
+}
+
+// log2 of a group size (a power of two, checked at load), so a word's group is a shift away.
+__device__ __forceinline__ u32 group_shift(u32 group) { return (u32)(__ffs((int)group) - 1); }
+
+// The E input values of word j for token row xp (vector loads where E allows).
+template <int E>
+__device__ __forceinline__ void load_x(const float* xp, float (&xv)[E]) {
+    if (E >= 4) {
+#pragma unroll
+        for (int q = 0; q < E / 4; q++) {
+            float4 v = ((const float4*)xp)[q];
+            xv[4 * q] = v.x;
+            xv[4 * q + 1] = v.y;
+            xv[4 * q + 2] = v.z;
+            xv[4 * q + 3] = v.w;
+        }
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++) xv[e] = xp[e];
+    }
 }
 
 // Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
 // partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
 // of a word ascending. Words are loaded eight at a time (independent loads in flight), which
 // keeps each lane's order: j, j+32, j+64, ...
-template <int T, int R, int FMT>
+template <int T, int R, int FMT, int SDT>
 __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows, const float* x, u32 ldx, u32 t0, u32 nt,
                                            float (&acc)[T][R]) {
     const int E = Fmt<FMT>::E;
@@ -60,7 +100,7 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
     const u32* wrow[R];
     const u8* srow[R];
     const u8* brow[R];
-    u32 group = affine ? ms[0]->group : 1, sdt = ms[0]->sdtype;
+    u32 group = affine ? ms[0]->group : 1, sdt = ms[0]->sdtype, gshift = group_shift(group);
     u32 ssize = sdt == 0 ? 4 : 2;
 #pragma unroll
     for (int r = 0; r < R; r++) {
@@ -73,56 +113,69 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
     const int U = 8;
+    // One word of every row for every token: scales, biases, inputs, then the ordered FMAs.
+    auto word = [&](const u32 (&wd)[R], u32 j) {
+        float s[R], b[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            u32 g = affine ? (j * E) >> gshift : 0;
+            s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
+            b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            // Tokens past the tile's end read the last row and accumulate into outputs that are
+            // never written: no branch here either.
+            u32 tt = (u32)t < nt ? (u32)t : nt - 1;
+            float xv[E];
+            load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
+#pragma unroll
+            for (int e = 0; e < E; e++)
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[t][r]);
+        }
+    };
     for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
         u32 wd[U][R];
 #pragma unroll
         for (int u = 0; u < U; u++)
 #pragma unroll
             for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
+        if (j0 + 32 * (U - 1) < words) {
+            // Every word of the batch exists: no branch between them, so the compiler can
+            // issue the input loads ahead of the FMAs.
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            u32 j = j0 + 32 * u;
-            if (j >= words) break;
-            float s[R], b[R];
+            for (int u = 0; u < U; u++) word(wd[u], j0 + 32 * u);
+        } else {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if (affine) {
-                    u32 g = j * E / group;
-                    s[r] = load_float(srow[r], g, sdt);
-                    b[r] = load_float(brow[r], g, sdt);
-                } else {
-                    s[r] = 0.0f;
-                    b[r] = 0.0f;
-                }
-            }
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                if ((u32)t >= nt) break;
-                const float* xp = x + (u64)(t0 + t) * ldx + (u64)j * E;
-                float xv[E];
-                if (E >= 4) {
-#pragma unroll
-                    for (int q = 0; q < E / 4; q++) {
-                        float4 v = ((const float4*)xp)[q];
-                        xv[4 * q] = v.x;
-                        xv[4 * q + 1] = v.y;
-                        xv[4 * q + 2] = v.z;
-                        xv[4 * q + 3] = v.w;
-                    }
-                } else {
-#pragma unroll
-                    for (int e = 0; e < E; e++) xv[e] = xp[e];
-                }
-#pragma unroll
-                for (int e = 0; e < E; e++)
-#pragma unroll
-                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[u][r], e, s[r], b[r]), xv[e], acc[t][r]);
+            for (int u = 0; u < U; u++) {
+                if (j0 + 32 * u >= words) break;
+                word(wd[u], j0 + 32 * u);
             }
         }
     }
 }
 
-template <int T, int R, int FMT>
+// Calls call(FMT, SDT) for the weight format `fmt` and scale dtype `sdt` (both uniform over a
+// launch): affine codes with each scale dtype, or float weights.
+#define LAYOUT_SWITCH(call)                    \
+    switch (fmt) {                             \
+        case 4:                                \
+            if (sdt == 2) call(4, 2);          \
+            else if (sdt == 1) call(4, 1);     \
+            else call(4, 0);                   \
+            break;                             \
+        case 8:                                \
+            if (sdt == 2) call(8, 2);          \
+            else if (sdt == 1) call(8, 1);     \
+            else call(8, 0);                   \
+            break;                             \
+        case 2: call(2, 0); break;             \
+        case 1: call(1, 0); break;             \
+        default: call(0, 0); break;            \
+    }
+
+template <int T, int R, int FMT, int SDT>
 __device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 ldx, u32 t0, u32 nt) {
     const u32 lane = threadIdx.x & 31;
     u32 nr = m.rows - n0 < (u32)R ? m.rows - n0 : (u32)R;
@@ -134,18 +187,23 @@ __device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 l
         rows[r] = n0 + ((u32)r < nr ? r : 0);
     }
     float acc[T][R];
-    accumulate<T, R, FMT>(ms, rows, x, ldx, t0, nt, acc);
+    accumulate<T, R, FMT, SDT>(ms, rows, x, ldx, t0, nt, acc);
 #pragma unroll
     for (int t = 0; t < T; t++)
 #pragma unroll
         for (int r = 0; r < R; r++) {
             float v = fold32(acc[t][r]);
-            if (lane == 0 && (u32)t < nt && (u32)r < nr) m.y[(u64)(t0 + t) * m.ldy + n0 + r] = v;
+            if (lane == 0 && (u32)t < nt && (u32)r < nr) {
+                u64 o = (u64)(t0 + t) * m.ldy + n0 + r;
+                m.y[o] = v;
+                if (m.res) m.res[o] = m.res[o] + v;
+            }
         }
 }
 
 template <int T, int R>
 __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, u32 n_tok) {
+    pdl_enter();
     u32 g = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;  // first padded row of this warp
     u32 i = 0;
     while (i + 1 < ms.count && g >= ms.m[i + 1].row0) i++;
@@ -156,13 +214,10 @@ __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, 
     u32 t0 = blockIdx.y * T;
     if (t0 >= n_tok) return;
     u32 nt = n_tok - t0 < (u32)T ? n_tok - t0 : (u32)T;
-    switch (m.fmt) {
-        case 4: body<T, R, 4>(m, n0, x, ldx, t0, nt); break;
-        case 8: body<T, R, 8>(m, n0, x, ldx, t0, nt); break;
-        case 2: body<T, R, 2>(m, n0, x, ldx, t0, nt); break;
-        case 1: body<T, R, 1>(m, n0, x, ldx, t0, nt); break;
-        default: body<T, R, 0>(m, n0, x, ldx, t0, nt); break;
-    }
+    u32 fmt = m.fmt, sdt = m.sdtype;
+#define CALL(F, S) body<T, R, F, S>(m, n0, x, ldx, t0, nt)
+    LAYOUT_SWITCH(CALL)
+#undef CALL
 }
 
 extern "C" __global__ void __launch_bounds__(256) matmul_t1r1(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<1, 1>(ms, x, ldx, n_tok); }
@@ -173,13 +228,13 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 // arithmetic as two matmul outputs) and writes gate[n], up[n] and act[n] = silu(gate)·up
 // (CPU twin of the pair: Cpu::matmul then Cpu::swiglu). ms.m[0] is gate_proj, ms.m[1] up_proj,
 // both with the same format; `act` has the layout of their outputs.
-template <int T, int FMT>
+template <int T, int FMT, int SDT>
 __device__ __forceinline__ void pair_body(const Mats& ms, u32 n, const float* x, u32 ldx, u32 t0, u32 nt, float* act) {
     const u32 lane = threadIdx.x & 31;
     const Mat* mp[2] = {&ms.m[0], &ms.m[1]};
     u32 rows[2] = {n, n};
     float acc[T][2];
-    accumulate<T, 2, FMT>(mp, rows, x, ldx, t0, nt, acc);
+    accumulate<T, 2, FMT, SDT>(mp, rows, x, ldx, t0, nt, acc);
 #pragma unroll
     for (int t = 0; t < T; t++) {
         float g = fold32(acc[t][0]);
@@ -195,18 +250,16 @@ __device__ __forceinline__ void pair_body(const Mats& ms, u32 n, const float* x,
 
 template <int T>
 __device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u32 ldx, u32 n_tok, float* act) {
+    pdl_enter();
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= ms.m[0].rows) return;
     u32 t0 = blockIdx.y * T;
     if (t0 >= n_tok) return;
     u32 nt = n_tok - t0 < (u32)T ? n_tok - t0 : (u32)T;
-    switch (ms.m[0].fmt) {
-        case 4: pair_body<T, 4>(ms, n, x, ldx, t0, nt, act); break;
-        case 8: pair_body<T, 8>(ms, n, x, ldx, t0, nt, act); break;
-        case 2: pair_body<T, 2>(ms, n, x, ldx, t0, nt, act); break;
-        case 1: pair_body<T, 1>(ms, n, x, ldx, t0, nt, act); break;
-        default: pair_body<T, 0>(ms, n, x, ldx, t0, nt, act); break;
-    }
+    u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
+#define CALL(F, S) pair_body<T, F, S>(ms, n, x, ldx, t0, nt, act)
+    LAYOUT_SWITCH(CALL)
+#undef CALL
 }
 
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t1(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<1>(ms, x, ldx, n_tok, act); }

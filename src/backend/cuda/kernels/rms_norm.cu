@@ -1,5 +1,5 @@
-// RMSNorm of rows, optionally after a residual add.
-// CPU twins: backend::cpu::kernels::rms_norm_row (Cpu::rms_norm) and Cpu::add_rms_norm.
+// RMSNorm of rows (the norm of Backend::rms_norm_matmul and rms_norm_matmul_swiglu).
+// CPU twin: backend::cpu::kernels::rms_norm_row (Cpu::rms_norm).
 // Grid: rows, block 512. The block stages the row in shared memory (cols <= 8192), then warp 0
 // computes the canonical sum of squares (numerics §2/§3) from it.
 
@@ -29,25 +29,11 @@ __device__ void norm_staged(const float* row, const float* w, float eps, u32 col
 }
 
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float eps, u32 cols, float* out) {
+    pdl_enter();
     __shared__ float row[MAX_COLS];
     u64 r = blockIdx.x;
     const float* xr = x + r * cols;
     for (u32 i = threadIdx.x; i < cols; i += blockDim.x) row[i] = xr[i];
-    __syncthreads();
-    norm_staged(row, w, eps, cols, out + r * cols);
-}
-
-// x[r] += y[r]; out[r] = RMSNorm(x[r]), in one pass over x and y.
-extern "C" __global__ void add_rms_norm_rows(float* x, const float* y, const float* w, float eps, u32 cols, float* out) {
-    __shared__ float row[MAX_COLS];
-    u64 r = blockIdx.x;
-    float* xr = x + r * cols;
-    const float* yr = y + r * cols;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = xr[i] + yr[i];
-        xr[i] = v;
-        row[i] = v;
-    }
     __syncthreads();
     norm_staged(row, w, eps, cols, out + r * cols);
 }

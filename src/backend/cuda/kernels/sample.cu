@@ -48,6 +48,7 @@ __device__ __forceinline__ bool before(float va, u32 ia, float vb, u32 ib) { ret
 extern "C" __global__ void __launch_bounds__(BLOCK) sample_rows(const float* logits, u32 v_eff, u32 ldv, const SampleParams* params,
                                                                 const u32* win, const u32* wlen, const u64* positions, float* work,
                                                                 u32* out, u32* next_ids) {
+    pdl_enter();
     __shared__ u32 hist[256];
     __shared__ float cv[MAXK];
     __shared__ u32 ci[MAXK];
