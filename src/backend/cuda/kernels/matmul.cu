@@ -113,44 +113,114 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
     const int U = 8;
-    // One word of every row for every token: scales, biases, inputs, then the ordered FMAs.
-    auto word = [&](const u32 (&wd)[R], u32 j) {
-        float s[R], b[R];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            u32 g = affine ? (j * E) >> gshift : 0;
-            s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
-            b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
-        }
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            // Tokens past the tile's end read the last row and accumulate into outputs that are
-            // never written: no branch here either.
-            u32 tt = (u32)t < nt ? (u32)t : nt - 1;
-            float xv[E];
-            load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
-#pragma unroll
-            for (int e = 0; e < E; e++)
-#pragma unroll
-                for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[t][r]);
-        }
-    };
-    for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
+    if constexpr (T == 1) {
+        // One token (decode): latency matters most.
+        // A batch: words j0 + 32u (u < U) of each row; with one row also their scales and biases
+        // (with two, per word, to save registers). The first batch is loaded before
+        // pdl_enter(): weights only, so they arrive while the previous kernel ends.
+        constexpr bool ahead = R == 1;
         u32 wd[U][R];
+        float sa[ahead ? U : 1][R], ba[ahead ? U : 1][R];
+        auto load_batch = [&](u32 j0) {
 #pragma unroll
-        for (int u = 0; u < U; u++)
+            for (int u = 0; u < U; u++)
 #pragma unroll
-            for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
-        if (j0 + 32 * (U - 1) < words) {
-            // Every word of the batch exists: no branch between them, so the compiler can
-            // issue the input loads ahead of the FMAs.
+                for (int r = 0; r < R; r++) {
+                    bool in = j0 + 32 * u < words;
+                    wd[u][r] = in ? wrow[r][j0 + 32 * u] : 0u;
+                    if constexpr (ahead) {
+                        u32 g = affine ? ((j0 + 32 * u) * E) >> gshift : 0;
+                        sa[u][r] = affine && in ? load_scale<SDT>(srow[r], g) : 0.0f;
+                        ba[u][r] = affine && in ? load_scale<SDT>(brow[r], g) : 0.0f;
+                    }
+                }
+        };
+        // Word u of the batch (index j) of every row for every token: inputs, then the ordered FMAs.
+        auto word = [&](int u, u32 j) {
+            float s[R], b[R];
 #pragma unroll
-            for (int u = 0; u < U; u++) word(wd[u], j0 + 32 * u);
-        } else {
+            for (int r = 0; r < R; r++) {
+                if constexpr (ahead) {
+                    s[r] = sa[u][r];
+                    b[r] = ba[u][r];
+                } else {
+                    u32 g = affine ? (j * E) >> gshift : 0;
+                    s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
+                    b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
+                }
+            }
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                if (j0 + 32 * u >= words) break;
-                word(wd[u], j0 + 32 * u);
+            for (int t = 0; t < T; t++) {
+                // Tokens past the tile's end read the last row and accumulate into outputs that are
+                // never written: no branch here either.
+                u32 tt = (u32)t < nt ? (u32)t : nt - 1;
+                float xv[E];
+                load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
+#pragma unroll
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[u][r], e, s[r], b[r]), xv[e], acc[t][r]);
+            }
+        };
+        load_batch(lane);
+        pdl_enter();
+        for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
+            if (j0 != lane) load_batch(j0);
+            if (j0 + 32 * (U - 1) < words) {
+                // Every word of the batch exists: no branch between them, so the compiler can
+                // issue the input loads ahead of the FMAs.
+#pragma unroll
+                for (int u = 0; u < U; u++) word(u, j0 + 32 * u);
+            } else {
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (j0 + 32 * u >= words) break;
+                    word(u, j0 + 32 * u);
+                }
+            }
+        }
+    } else {
+        // Many tokens (prompt): registers matter most; scales and biases are loaded per word.
+        // (pdl_enter() ran at the kernel's start.)
+        // One word of every row for every token: scales, biases, inputs, then the ordered FMAs.
+        auto word = [&](const u32 (&wd)[R], u32 j) {
+            float s[R], b[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                u32 g = affine ? (j * E) >> gshift : 0;
+                s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
+                b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
+            }
+#pragma unroll
+            for (int t = 0; t < T; t++) {
+                // Tokens past the tile's end read the last row and accumulate into outputs that are
+                // never written: no branch here either.
+                u32 tt = (u32)t < nt ? (u32)t : nt - 1;
+                float xv[E];
+                load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
+#pragma unroll
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[t][r]);
+            }
+        };
+        for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
+            u32 wd[U][R];
+#pragma unroll
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
+            if (j0 + 32 * (U - 1) < words) {
+                // Every word of the batch exists: no branch between them, so the compiler can
+                // issue the input loads ahead of the FMAs.
+#pragma unroll
+                for (int u = 0; u < U; u++) word(wd[u], j0 + 32 * u);
+            } else {
+#pragma unroll
+                for (int u = 0; u < U; u++) {
+                    if (j0 + 32 * u >= words) break;
+                    word(wd[u], j0 + 32 * u);
+                }
             }
         }
     }
@@ -203,7 +273,9 @@ __device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 l
 
 template <int T, int R>
 __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, u32 n_tok) {
-    pdl_enter();
+    // With one token pdl_enter() is in accumulate(), after the first weights are requested (a
+    // warp without rows returns having read nothing); with many, here.
+    if constexpr (T > 1) pdl_enter();
     u32 g = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;  // first padded row of this warp
     u32 i = 0;
     while (i + 1 < ms.count && g >= ms.m[i + 1].row0) i++;
@@ -250,7 +322,8 @@ __device__ __forceinline__ void pair_body(const Mats& ms, u32 n, const float* x,
 
 template <int T>
 __device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u32 ldx, u32 n_tok, float* act) {
-    pdl_enter();
+    // pdl_enter() as in matmul().
+    if constexpr (T > 1) pdl_enter();
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= ms.m[0].rows) return;
     u32 t0 = blockIdx.y * T;
