@@ -634,7 +634,7 @@ mod tests {
 }
 
 /// Timing of the prompt-sized product on 0.8B shapes, one thread (`cargo test --release --lib
-/// gemm_speed -- --ignored --nocapture`): best GFLOP/s of several runs.
+/// gemm_speed -- --ignored --nocapture`; `TF_TOKENS`, `TF_TASK` change the tokens and rows per task).
 #[cfg(test)]
 mod speed {
     use super::*;
@@ -678,32 +678,30 @@ mod speed {
     fn gemm_speed() {
         let isa = Isa::detect();
         let tokens: usize = std::env::var("TF_TOKENS").ok().and_then(|s| s.parse().ok()).unwrap_or(256);
+        let pool = crate::backend::cpu::pool::ThreadPool::new(1);
+        let peak = (0..20).map(|_| crate::backend::cpu::machine::fma_peak(isa, &pool, 2_000_000)).fold(0.0, f64::max);
+        println!("one-thread FMA peak {:.1} GFLOP/s", peak * 1e-9);
         let task: usize = std::env::var("TF_TASK").ok().and_then(|s| s.parse().ok()).unwrap_or(24);
-        for (rows, cols) in [(2048usize, 1024usize), (7168, 1024), (1024, 3584), (2048, 1024)] {
+        for (rows, cols) in [(2048usize, 1024usize), (7168, 1024), (1024, 3584)] {
             let w = q4(rows, cols);
             let x: Vec<f32> = (0..tokens * cols).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
             let xt = Transposed::new(&x, tokens, cols, 8);
             let mut y = vec![0.0f32; tokens * rows];
             let mut panel = Vec::new();
-            // Pieces of 10 tasks, each timed alone; the sum of each piece's best time (short
-            // pieces dodge the preemptions of a shared machine).
+            // Pieces of 4 tasks, each timed alone in thread CPU time, best of 40 (short pieces
+            // dodge the preemptions of a shared machine); the sum of the pieces' best times.
             let mut best = 0.0;
-            let mut p0 = 0;
-            while p0 < rows {
-                let p1 = (p0 + 10 * task).min(rows);
+            for p0 in (0..rows).step_by(4 * task) {
+                let p1 = (p0 + 4 * task).min(rows);
                 let mut b = f64::MAX;
-                for _ in 0..25 {
+                for _ in 0..40 {
                     let t0 = cpu_time();
-                    let mut n = p0;
-                    while n < p1 {
-                        let c = task.min(p1 - n);
-                        unsafe { matmul(isa, &w, &xt, y.as_mut_ptr(), rows, n, c, &mut panel) };
-                        n += c;
+                    for n in (p0..p1).step_by(task) {
+                        unsafe { matmul(isa, &w, &xt, y.as_mut_ptr(), rows, n, task.min(p1 - n), &mut panel) };
                     }
-                    b = b.min(cpu_time() - t0);
+                    b = f64::min(b, cpu_time() - t0);
                 }
                 best += b;
-                p0 = p1;
             }
             let flops = 2.0 * (tokens * rows * cols) as f64;
             println!("{isa:?} {rows}x{cols} tokens {tokens} task {task}: {:.2} ms, {:.1} GFLOP/s", best * 1e3, flops / best * 1e-9);
