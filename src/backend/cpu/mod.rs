@@ -288,7 +288,15 @@ impl Backend for Cpu {
             xts.resize(widths.len(), Transposed::default());
         }
         for (xt, &pw) in xts.iter_mut().zip(&widths) {
-            xt.fill(&x.data, rows, x.cols, pw);
+            xt.shape(rows, x.cols, pw);
+            // Rows in parallel for prompts (a serial transpose left the other threads idle).
+            let blocks = if rows <= 4 { 1 } else { (2 * self.threads()).min(rows) };
+            let base = SendPtr(xt.base_mut());
+            let (xt, cols) = (&*xt, x.cols);
+            self.pool.run(blocks, &|b| {
+                // SAFETY: block b writes only its rows; `base` is this buffer's after `shape`.
+                unsafe { xt.fill_rows(base.get(), &x.data, cols, rows * b / blocks, rows * (b + 1) / blocks) };
+            });
         }
         // Tasks: runs of output rows of each matrix, about TASK_BYTES of weights each (scaled
         // down when many tokens share the panel, so prefill splits finer), in whole row blocks
@@ -331,7 +339,15 @@ impl Backend for Cpu {
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor, rows: usize, out: &mut Tensor) {
         let n = rows * gate.cols;
-        simd::swiglu(self.isa, &gate.data[..n], &up.data[..n], &mut out.data[..n]);
+        // Element-wise: prompt-sized calls split across the threads in 16-float blocks.
+        let blocks = if n < 64 * 1024 { 1 } else { 2 * self.threads() };
+        let (isa, out_p) = (self.isa, SendPtr(out.data.as_mut_ptr()));
+        self.pool.run(blocks, &|b| {
+            let (i0, i1) = ((n * b / blocks) & !15, if b + 1 == blocks { n } else { (n * (b + 1) / blocks) & !15 });
+            // SAFETY: block b writes only out[i0..i1], inside the buffer's first n floats.
+            let o = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(i0), i1 - i0) };
+            simd::swiglu(isa, &gate.data[i0..i1], &up.data[i0..i1], o);
+        });
     }
 
     fn gated_delta_net(
