@@ -986,6 +986,8 @@ const TOKEN_BLOCK: usize = 16;
 /// in L1 while every token of the token block passes over them. The lane sums are parked
 /// between K blocks (2 memory accesses per output per 64 FMAs).
 const K_STEPS: usize = 64;
+/// The largest row block of the panel kernel (`NR`).
+const MAX_NR: usize = 16;
 
 /// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
 /// in the lane order of `xt`; then per token block, half and K block, `NR` rows × `MR` tokens at
@@ -997,6 +999,7 @@ const K_STEPS: usize = 64;
 /// outputs.
 #[inline(always)]
 unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
+    const { assert!(NR <= MAX_NR) };
     let (plen, half, steps) = (xt.stride(), xt.half(), xt.steps());
     let rows_pad = count.div_ceil(NR) * NR;
     // Panel rows, then the lane sums of each half, [TOKEN_BLOCK + MR][rows_pad][16] each.
@@ -1053,18 +1056,23 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
                     if h == 1 && last {
                         // The rest of the fold of this row block's outputs in the token block,
                         // 16 at a time, from the first-level sums `micro` left in `acc[1]`.
-                        let n = (t_end - tb) * nr;
-                        for o0 in (0..n).step_by(16) {
-                            let kn = (n - o0).min(16);
-                            let mut v = [V::zero(); 16];
-                            for k in 0..kn {
-                                let (i, j) = ((o0 + k) / nr, (o0 + k) % nr);
-                                v[k] = V::load(acc[1].add(i * ld + (r + j) * 16));
+                        // Offsets of output k (token-major) in `acc[1]` and in `y`.
+                        let mut src = [0usize; TOKEN_BLOCK * MAX_NR];
+                        let mut dst = [0usize; TOKEN_BLOCK * MAX_NR];
+                        let mut n = 0;
+                        for i in 0..t_end - tb {
+                            for j in 0..nr {
+                                src[n] = i * ld + (r + j) * 16;
+                                dst[n] = (tb + i) * ldy + n0 + r + j;
+                                n += 1;
                             }
+                        }
+                        for o0 in (0..n).step_by(16) {
+                            // A short last group repeats its last output (folded, not stored).
+                            let v: [V; 16] = std::array::from_fn(|k| V::load(acc[1].add(src[(o0 + k).min(n - 1)])));
                             let f = V::fold16_halved(&v);
-                            for k in 0..kn {
-                                let (i, j) = ((o0 + k) / nr, (o0 + k) % nr);
-                                *y.add((tb + i) * ldy + n0 + r + j) = f[k];
+                            for k in 0..(n - o0).min(16) {
+                                *y.add(dst[o0 + k]) = f[k];
                             }
                         }
                     }
