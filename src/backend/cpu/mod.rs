@@ -99,6 +99,15 @@ impl Cpu {
     }
 }
 
+impl Cpu {
+    /// `f(r0, r1)` over blocks of `rows` rows: on every thread for a prompt, in one call on
+    /// this thread for decode (row-wise work: the split changes no bit).
+    fn row_blocks(&self, rows: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let blocks = if rows <= 4 { 1 } else { (2 * self.threads()).min(rows) };
+        self.pool.run(blocks, &|b| f(rows * b / blocks, rows * (b + 1) / blocks));
+    }
+}
+
 /// A raw pointer that tasks on other threads may write through (each task its own outputs).
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -252,21 +261,31 @@ impl Backend for Cpu {
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
-        let c = x.cols;
-        for r in 0..rows {
-            simd::rms_norm_row(self.isa, &x.data[r * c..(r + 1) * c], w, eps, &mut out.data[r * c..(r + 1) * c]);
-        }
+        let (c, isa) = (x.cols, self.isa);
+        let out_p = SendPtr(out.data.as_mut_ptr());
+        self.row_blocks(rows, &|r0, r1| {
+            // SAFETY: this block writes only rows r0..r1 of `out`.
+            let o = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(r0 * c), (r1 - r0) * c) };
+            for r in r0..r1 {
+                simd::rms_norm_row(isa, &x.data[r * c..(r + 1) * c], w, eps, &mut o[(r - r0) * c..(r - r0 + 1) * c]);
+            }
+        });
     }
 
     fn add_rms_norm(&self, x: &mut Tensor, y: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
-        let c = x.cols;
-        for r in 0..rows {
-            let xr = &mut x.data[r * c..(r + 1) * c];
-            for (a, &b) in xr.iter_mut().zip(y.row(r)) {
-                *a += b;
+        let (c, isa) = (x.cols, self.isa);
+        let (x_p, out_p) = (SendPtr(x.data.as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
+        self.row_blocks(rows, &|r0, r1| {
+            // SAFETY: this block reads and writes only rows r0..r1 of `x` and `out`.
+            let (xb, o) = unsafe { (std::slice::from_raw_parts_mut(x_p.get().add(r0 * c), (r1 - r0) * c), std::slice::from_raw_parts_mut(out_p.get().add(r0 * c), (r1 - r0) * c)) };
+            for r in r0..r1 {
+                let xr = &mut xb[(r - r0) * c..(r - r0 + 1) * c];
+                for (a, &b) in xr.iter_mut().zip(y.row(r)) {
+                    *a += b;
+                }
+                simd::rms_norm_row(isa, xr, w, eps, &mut o[(r - r0) * c..(r - r0 + 1) * c]);
             }
-            simd::rms_norm_row(self.isa, xr, w, eps, &mut out.data[r * c..(r + 1) * c]);
-        }
+        });
     }
 
     fn matmul(&self, x: &Tensor, rows: usize, outs: &mut [(&Matrix, &mut Tensor)]) {
