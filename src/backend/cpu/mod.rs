@@ -99,6 +99,15 @@ impl Cpu {
     }
 }
 
+impl Cpu {
+    /// `f(r0, r1)` over blocks of `rows` rows: on every thread for a prompt, in one call on
+    /// this thread for decode (row-wise work: the split changes no bit).
+    fn row_blocks(&self, rows: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let blocks = if rows <= 4 { 1 } else { (2 * self.threads()).min(rows) };
+        self.pool.run(blocks, &|b| f(rows * b / blocks, rows * (b + 1) / blocks));
+    }
+}
+
 /// A raw pointer that tasks on other threads may write through (each task its own outputs).
 #[derive(Clone, Copy)]
 struct SendPtr(*mut f32);
@@ -252,10 +261,15 @@ impl Backend for Cpu {
     }
 
     fn rms_norm(&self, x: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
-        let c = x.cols;
-        for r in 0..rows {
-            simd::rms_norm_row(self.isa, &x.data[r * c..(r + 1) * c], w, eps, &mut out.data[r * c..(r + 1) * c]);
-        }
+        let (c, isa) = (x.cols, self.isa);
+        let out_p = SendPtr(out.data.as_mut_ptr());
+        self.row_blocks(rows, &|r0, r1| {
+            // SAFETY: this block writes only rows r0..r1 of `out`.
+            let o = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(r0 * c), (r1 - r0) * c) };
+            for r in r0..r1 {
+                simd::rms_norm_row(isa, &x.data[r * c..(r + 1) * c], w, eps, &mut o[(r - r0) * c..(r - r0 + 1) * c]);
+            }
+        });
     }
 
     fn matmul_residual(&self, x: &Tensor, rows: usize, w: &Matrix, y: &mut Tensor, h: &mut Tensor) {
@@ -285,7 +299,15 @@ impl Backend for Cpu {
             xts.resize(widths.len(), Transposed::default());
         }
         for (xt, &pw) in xts.iter_mut().zip(&widths) {
-            xt.fill(&x.data, rows, x.cols, pw);
+            xt.shape(rows, x.cols, pw);
+            // Rows in parallel for prompts (a serial transpose left the other threads idle).
+            let blocks = if rows <= 4 { 1 } else { (2 * self.threads()).min(rows) };
+            let base = SendPtr(xt.base_mut());
+            let (xt, cols) = (&*xt, x.cols);
+            self.pool.run(blocks, &|b| {
+                // SAFETY: block b writes only its rows; `base` is this buffer's after `shape`.
+                unsafe { xt.fill_rows(base.get(), &x.data, cols, rows * b / blocks, rows * (b + 1) / blocks) };
+            });
         }
         // Tasks: runs of output rows of each matrix, about TASK_BYTES of weights each (scaled
         // down when many tokens share the panel, so prefill splits finer), in whole row blocks
@@ -328,7 +350,15 @@ impl Backend for Cpu {
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor, rows: usize, out: &mut Tensor) {
         let n = rows * gate.cols;
-        simd::swiglu(self.isa, &gate.data[..n], &up.data[..n], &mut out.data[..n]);
+        // Element-wise: prompt-sized calls split across the threads in 16-float blocks.
+        let blocks = if n < 64 * 1024 { 1 } else { 2 * self.threads() };
+        let (isa, out_p) = (self.isa, SendPtr(out.data.as_mut_ptr()));
+        self.pool.run(blocks, &|b| {
+            let (i0, i1) = ((n * b / blocks) & !15, if b + 1 == blocks { n } else { (n * (b + 1) / blocks) & !15 });
+            // SAFETY: block b writes only out[i0..i1], inside the buffer's first n floats.
+            let o = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(i0), i1 - i0) };
+            simd::swiglu(isa, &gate.data[i0..i1], &up.data[i0..i1], o);
+        });
     }
 
     fn gated_delta_net(

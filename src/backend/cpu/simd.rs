@@ -80,8 +80,11 @@ pub struct Transposed {
     /// 32-word chunks per row (the last may be partial).
     pub chunks: usize,
     pub rows: usize,
-    /// `[rows][stride]`, each row `[2][steps][16]` then padding.
-    pub data: Vec<f32>,
+    /// `[rows][stride]` from `data[off]`, each row `[2][steps][16]` then padding; `off` puts
+    /// the rows on 64-byte boundaries (whole-line vector loads; a load split across two lines
+    /// costs two).
+    data: Vec<f32>,
+    off: usize,
 }
 
 impl Transposed {
@@ -94,21 +97,54 @@ impl Transposed {
 
     /// [`Transposed::new`] into this buffer (no allocation once it is large enough).
     pub fn fill(&mut self, x: &[f32], rows: usize, cols: usize, per_word: usize) {
+        self.shape(rows, cols, per_word);
+        let (stride, off, half) = (self.stride(), self.off, self.half());
+        for t in 0..rows {
+            Self::write_row(&mut self.data[off + t * stride..off + (t + 1) * stride], &x[t * cols..(t + 1) * cols], per_word, half);
+        }
+    }
+
+    /// Sets the shape for `rows` rows of `cols` columns and `per_word` elements per word, with
+    /// room for the rows (their contents are left for [`Transposed::fill_rows`]).
+    pub fn shape(&mut self, rows: usize, cols: usize, per_word: usize) {
         let words = cols / per_word;
         let chunks = words.div_ceil(32);
-        *self = Self { per_word, words, chunks, rows, data: std::mem::take(&mut self.data) };
-        let (stride, half) = (self.stride(), self.half());
-        self.data.clear();
-        self.data.resize(rows * stride, 0.0);
-        for t in 0..rows {
-            let xr = &x[t * cols..(t + 1) * cols];
-            let dst = &mut self.data[t * stride..(t + 1) * stride];
-            for (c, block) in xr.chunks(32 * per_word).enumerate() {
-                for (lane, word) in block.chunks_exact(per_word).enumerate() {
-                    let base = (lane / 16) * half + c * per_word * 16 + lane % 16;
-                    for (e, &v) in word.iter().enumerate() {
-                        dst[base + e * 16] = v;
-                    }
+        *self = Self { per_word, words, chunks, rows, data: std::mem::take(&mut self.data), off: 0 };
+        let need = rows * self.stride() + 16;
+        if self.data.len() < need {
+            self.data.resize(need, 0.0);
+        }
+        self.off = self.data.as_ptr().align_offset(64).min(16);
+    }
+
+    /// Writes rows `t0..t1` from `x` (`[rows, cols]`) into a buffer [`Transposed::shape`]d for
+    /// them, through `base` = [`Transposed::base_mut`].
+    ///
+    /// # Safety
+    /// `base` must come from this buffer after its last `shape`, and no other thread may
+    /// access rows `t0..t1` meanwhile (other rows may be written concurrently).
+    pub unsafe fn fill_rows(&self, base: *mut f32, x: &[f32], cols: usize, t0: usize, t1: usize) {
+        let stride = self.stride();
+        for t in t0..t1 {
+            // SAFETY: row t lies inside the buffer (`shape`) and is this caller's alone.
+            let dst = unsafe { std::slice::from_raw_parts_mut(base.add(t * stride), stride) };
+            Self::write_row(dst, &x[t * cols..(t + 1) * cols], self.per_word, self.half());
+        }
+    }
+
+    /// The first row's first float, for [`Transposed::fill_rows`].
+    pub fn base_mut(&mut self) -> *mut f32 {
+        self.data[self.off..].as_mut_ptr()
+    }
+
+    /// One row `xr` into lane order in `dst` (one row's stride): lanes past the last word 0.
+    fn write_row(dst: &mut [f32], xr: &[f32], per_word: usize, half: usize) {
+        dst.fill(0.0);
+        for (c, block) in xr.chunks(32 * per_word).enumerate() {
+            for (lane, word) in block.chunks_exact(per_word).enumerate() {
+                let base = (lane / 16) * half + c * per_word * 16 + lane % 16;
+                for (e, &v) in word.iter().enumerate() {
+                    dst[base + e * 16] = v;
                 }
             }
         }
@@ -139,7 +175,12 @@ impl Transposed {
 
     fn row(&self, t: usize) -> &[f32] {
         let stride = self.stride();
-        &self.data[t * stride..(t + 1) * stride]
+        &self.data[self.off + t * stride..self.off + (t + 1) * stride]
+    }
+
+    /// The first row's first float (64-byte aligned when the allocation allows).
+    pub fn ptr(&self) -> *const f32 {
+        self.data[self.off..].as_ptr()
     }
 }
 
@@ -623,3 +664,4 @@ mod tests {
         }
     }
 }
+

@@ -48,12 +48,22 @@ pub(super) trait V16: Copy {
     unsafe fn exp(a: Self) -> Self;
     /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
     unsafe fn fold(a: Self, b: Self) -> f32;
-    /// [`V16::fold`] of 16 pairs at once: `out[k] = fold(a[k], b[k])`, the same additions.
+    /// The rest of the fold of 16 outputs whose first level (`p[i] + p[i + 16]`) is done:
+    /// `v[k]` holds output `k`'s 16 lanes; then `p[i] + p[i + h]` for `h = 8, 4, 2, 1`.
     #[inline(always)]
-    unsafe fn fold16(a: &[Self; 16], b: &[Self; 16]) -> [f32; 16] {
+    unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
         let mut out = [0.0f32; 16];
         for k in 0..16 {
-            out[k] = Self::fold(a[k], b[k]);
+            let mut p = [0.0f32; 16];
+            v[k].store(p.as_mut_ptr());
+            let mut h = 8;
+            while h > 0 {
+                for i in 0..h {
+                    p[i] += p[i + h];
+                }
+                h /= 2;
+            }
+            out[k] = p[0];
         }
         out
     }
@@ -189,14 +199,8 @@ impl V16 for Z {
         _mm_cvtss_f32(s1)
     }
     #[inline(always)]
-    unsafe fn fold16(a: &[Self; 16], b: &[Self; 16]) -> [f32; 16] {
-        // Each level adds lane i and lane i + h of every output (h = 16, 8, 4, 2, 1), packing
-        // two outputs' halves into one register with shuffles; the additions are those of
-        // `fold` (IEEE addition commutes).
-        let mut v16 = [_mm512_setzero_ps(); 16];
-        for k in 0..16 {
-            v16[k] = _mm512_add_ps(a[k].0, b[k].0);
-        }
+    unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
+        let v16: [__m512; 16] = std::array::from_fn(|k| v[k].0);
         // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
         let mut c = [_mm512_setzero_ps(); 8];
         for k in 0..8 {
@@ -769,7 +773,7 @@ unsafe fn q4_half<V: V16, const MR: usize, const RB: usize>(q: &Q4, rows: [*cons
         for r in 0..RB {
             _mm_prefetch::<_MM_HINT_T0>(rows[r].add(first_word * 4 + PREFETCH_BYTES) as *const i8);
         }
-        let xb = xt.data.as_ptr().add(h * half + c * 8 * 16);
+        let xb = xt.ptr().add(h * half + c * 8 * 16);
         q4_step::<V, MR, RB, 0>(xb, xstride, &wd, &sv, &bv, acc);
         q4_step::<V, MR, RB, 1>(xb, xstride, &wd, &sv, &bv, acc);
         q4_step::<V, MR, RB, 2>(xb, xstride, &wd, &sv, &bv, acc);
@@ -929,9 +933,10 @@ unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &m
 
 /// One half of `MR` tokens × `NR` decoded rows over `steps` steps: `xs[i]`, `ws[r]` point at
 /// the half's first step (16 lanes, contiguous), each output has one accumulator. The partial
-/// lane sums start at +0.0 (`first`) or come from `acc` (`[MR][NR][16]` at `acc[i·ld + r·16]`);
-/// they go back to `acc` unless `fold_with` is given, which holds the other half's finished
-/// lane sums (same layout): then the 32 lanes fold (numerics §2) and the outputs return.
+/// lane sums start at +0.0 (`first`) or come from `acc` (`[MR][NR][16]` at `acc[i·ld + r·16]`)
+/// and go back there. With `half0` (the other half's finished lane sums, same layout) the
+/// first level of the fold is added on the way out, `half0[l] + acc[l]` (numerics §2: lane
+/// `l` plus lane `l + 16`); the rest of the fold runs later over many outputs at once.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
@@ -941,8 +946,8 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
     acc_p: *mut f32,
     ld: usize,
     first: bool,
-    fold_with: Option<*const f32>,
-) -> [[f32; NR]; MR] {
+    half0: Option<*const f32>,
+) {
     let mut acc = [[V::zero(); NR]; MR];
     if !first {
         for i in 0..MR {
@@ -963,36 +968,15 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
             }
         }
     }
-    let mut out = [[0.0f32; NR]; MR];
-    match fold_with {
-        None => {
-            for i in 0..MR {
-                for r in 0..NR {
-                    acc[i][r].store(acc_p.add(i * ld + r * 16));
-                }
-            }
-        }
-        Some(h0) => {
-            // Fold in groups of 16 outputs (the last group padded with zeros).
-            let n = MR * NR;
-            let mut k0 = 0;
-            while k0 < n {
-                let mut a = [V::zero(); 16];
-                let mut b = [V::zero(); 16];
-                for k in k0..(k0 + 16).min(n) {
-                    let (i, r) = (k / NR, k % NR);
-                    a[k - k0] = V::load(h0.add(i * ld + r * 16));
-                    b[k - k0] = acc[i][r];
-                }
-                let f = V::fold16(&a, &b);
-                for k in k0..(k0 + 16).min(n) {
-                    out[k / NR][k % NR] = f[k - k0];
-                }
-                k0 += 16;
-            }
+    for i in 0..MR {
+        for r in 0..NR {
+            let v = match half0 {
+                None => acc[i][r],
+                Some(h0) => V::add(V::load(h0.add(i * ld + r * 16)), acc[i][r]),
+            };
+            v.store(acc_p.add(i * ld + r * 16));
         }
     }
-    out
 }
 
 /// Tokens per block of the panel path: the block's inputs (one K block of one half, 64 KiB)
@@ -1002,29 +986,46 @@ const TOKEN_BLOCK: usize = 16;
 /// in L1 while every token of the token block passes over them. The lane sums are parked
 /// between K blocks (2 memory accesses per output per 64 FMAs).
 const K_STEPS: usize = 64;
+/// The largest row block of the panel kernel (`NR`).
+const MAX_NR: usize = 16;
 
 /// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
 /// in the lane order of `xt`; then per token block, half and K block, `NR` rows × `MR` tokens at
 /// a time run [`micro`], the partial lane sums parked in a buffer between K blocks (stored and
 /// reloaded f32 values: the per-lane order of numerics §2 is unchanged), the first half's
-/// finished sums kept until the second half folds them. Partial blocks repeat the last valid
-/// token or row and store only valid outputs.
+/// finished sums kept until the second half adds them (the fold's first level); each row block
+/// then folds its token block's outputs 16 at a time (a batch keeps the shuffle tree's latency
+/// off the FMA loop). Partial blocks repeat the last valid token or row and store only valid
+/// outputs.
 #[inline(always)]
 unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
+    const { assert!(NR <= MAX_NR) };
     let (plen, half, steps) = (xt.stride(), xt.half(), xt.steps());
     let rows_pad = count.div_ceil(NR) * NR;
     // Panel rows, then the lane sums of each half, [TOKEN_BLOCK + MR][rows_pad][16] each.
     let ld = rows_pad * 16;
     let acc_len = (TOKEN_BLOCK + MR) * ld;
-    if scratch.len() < count * plen + 2 * acc_len {
-        scratch.resize(count * plen + 2 * acc_len, 0.0);
+    if scratch.len() < count * plen + 2 * acc_len + 16 {
+        scratch.resize(count * plen + 2 * acc_len + 16, 0.0);
+    }
+    let base = scratch.as_mut_ptr();
+    let base = base.add(base.align_offset(64));
+    // The task's weights come from memory (each is read once per product): ask for all their
+    // lines at once rather than one miss after another as the decode walks them.
+    for r in 0..count {
+        let rb = super::row_bytes(w, n0 + r);
+        for b in [rb.words, rb.scales, rb.biases] {
+            for o in (0..b.len()).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(b.as_ptr().add(o) as *const i8);
+            }
+        }
     }
     let mut rs = RowScales::new(w);
     for r in 0..count {
-        decode_row_lanes::<V>(w, n0 + r, xt, &mut rs, scratch.as_mut_ptr().add(r * plen));
+        decode_row_lanes::<V>(w, n0 + r, xt, &mut rs, base.add(r * plen));
     }
-    let panel = scratch.as_ptr();
-    let acc = [scratch.as_mut_ptr().add(count * plen), scratch.as_mut_ptr().add(count * plen + acc_len)];
+    let panel = base as *const f32;
+    let acc = [base.add(count * plen), base.add(count * plen + acc_len)];
     let mut tb = 0;
     while tb < xt.rows {
         let t_end = (tb + TOKEN_BLOCK).min(xt.rows);
@@ -1045,19 +1046,35 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
                         let mr = MR.min(t_end - t);
                         let mut xs = [std::ptr::null::<f32>(); MR];
                         for (i, xp) in xs.iter_mut().enumerate() {
-                            *xp = xt.data.as_ptr().add((t + i.min(mr - 1)) * plen + h * half + k0 * 16);
+                            *xp = xt.ptr().add((t + i.min(mr - 1)) * plen + h * half + k0 * 16);
                         }
                         let at = (t - tb) * ld + r * 16;
                         let fold = if h == 1 && last { Some(acc[0].add(at) as *const f32) } else { None };
-                        let out = micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, fold);
-                        if fold.is_some() {
-                            for (i, row) in out.iter().enumerate().take(mr) {
-                                for (j, &v) in row.iter().enumerate().take(nr) {
-                                    *y.add((t + i) * ldy + n0 + r + j) = v;
-                                }
+                        micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, fold);
+                        t += mr;
+                    }
+                    if h == 1 && last {
+                        // The rest of the fold of this row block's outputs in the token block,
+                        // 16 at a time, from the first-level sums `micro` left in `acc[1]`.
+                        // Offsets of output k (token-major) in `acc[1]` and in `y`.
+                        let mut src = [0usize; TOKEN_BLOCK * MAX_NR];
+                        let mut dst = [0usize; TOKEN_BLOCK * MAX_NR];
+                        let mut n = 0;
+                        for i in 0..t_end - tb {
+                            for j in 0..nr {
+                                src[n] = i * ld + (r + j) * 16;
+                                dst[n] = (tb + i) * ldy + n0 + r + j;
+                                n += 1;
                             }
                         }
-                        t += mr;
+                        for o0 in (0..n).step_by(16) {
+                            // A short last group repeats its last output (folded, not stored).
+                            let v: [V; 16] = std::array::from_fn(|k| V::load(acc[1].add(src[(o0 + k).min(n - 1)])));
+                            let f = V::fold16_halved(&v);
+                            for k in 0..(n - o0).min(16) {
+                                *y.add(dst[o0 + k]) = f[k];
+                            }
+                        }
                     }
                     r += nr;
                 }
@@ -1159,15 +1176,12 @@ isa_module!(avx2, "avx2,fma,f16c", Y2, 1, 2, 2);
 mod tests {
     use super::*;
 
-    /// `fold16` against the scalar halving fold, on lanes spanning 60 binary orders of magnitude
-    /// with both signs (where a different pairing or order of the additions rounds differently).
+    /// `add` then `fold16_halved` (as the panel kernel folds) against the scalar halving fold,
+    /// on lanes spanning 60 binary orders of magnitude with both signs (where a different
+    /// pairing or order of the additions rounds differently), for both vector types.
     #[test]
     fn fold16_is_the_halving_fold() {
-        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq")) {
-            return;
-        }
-        #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
-        unsafe fn check(seed: u64) {
+        unsafe fn check<V: V16>(seed: u64) {
             let mut s = seed;
             let mut next = || {
                 s = s.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
@@ -1175,17 +1189,32 @@ mod tests {
                 m * f32::from_bits((((s >> 20) % 60) as u32 + 97) << 23)
             };
             let lanes: Vec<[f32; 32]> = (0..16).map(|_| std::array::from_fn(|_| next())).collect();
-            let a: [Z; 16] = std::array::from_fn(|k| Z::load(lanes[k].as_ptr()));
-            let b: [Z; 16] = std::array::from_fn(|k| Z::load(lanes[k].as_ptr().add(16)));
-            let got = Z::fold16(&a, &b);
+            let a: [V; 16] = std::array::from_fn(|k| V::load(lanes[k].as_ptr()));
+            let b: [V; 16] = std::array::from_fn(|k| V::load(lanes[k].as_ptr().add(16)));
+            let got = V::fold16_halved(&std::array::from_fn(|k| V::add(a[k], b[k])));
             for k in 0..16 {
                 let want = crate::numerics::fold_lanes(lanes[k]);
                 assert_eq!(got[k].to_bits(), want.to_bits(), "output {k}");
-                assert_eq!(Z::fold(a[k], b[k]).to_bits(), want.to_bits(), "fold {k}");
+                assert_eq!(V::fold(a[k], b[k]).to_bits(), want.to_bits(), "fold {k}");
             }
         }
+        #[target_feature(enable = "avx512f,avx512dq,avx2,fma,f16c")]
+        unsafe fn check_z(seed: u64) {
+            check::<Z>(seed)
+        }
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn check_y2(seed: u64) {
+            check::<Y2>(seed)
+        }
+        let z = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512dq");
+        let y = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
         for seed in 0..200 {
-            unsafe { check(seed) };
+            if z {
+                unsafe { check_z(seed) };
+            }
+            if y {
+                unsafe { check_y2(seed) };
+            }
         }
     }
 }
