@@ -8,6 +8,8 @@
 #   bash bench/device.sh bench             # GPU decode/prefill figures
 #   bash bench/device.sh iterate           # quick exactness checks + 2b decode, PDL on/off
 #   bash bench/device.sh checkpoint        # exactness, 32k context, every bench, sanitizer
+#   bash bench/device.sh verify-bench      # every fixture and synthetic 0.8b/2b, then 2b decode
+#   bash bench/device.sh verify-all-bench  # every fixture and synthetic 0.8b/2b, then every bench
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -127,11 +129,16 @@ quick_verify() {
 # programmatic dependent launch on and off, then the eager per-kernel profile.
 iterate() {
   quick_verify
+  iterate_bench
+  PRESETS=2b profile
+}
+
+iterate_bench() {
+  PRESETS="${PRESETS:-0.8b 2b}" synth_models
   for pdl in 1 0; do
     log "bench 2b, TENSORFOLD_CUDA_PDL=$pdl"
     TENSORFOLD_CUDA_PDL=$pdl $TF bench --device cuda -m /tmp/tf/models/2b -p 512 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)|kernels" | tee -a "$OUT/summary.txt"
   done
-  PRESETS=2b profile
 }
 
 # The figures of a stopping point in one call: exactness (quick-verify, 32k context), every
@@ -165,6 +172,8 @@ case "${1:-all}" in
   quick-verify) quick_verify ;;
   iterate) iterate ;;
   checkpoint) checkpoint ;;
+  verify-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; iterate_bench ;;
+  verify-all-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; gpu_bench ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;
