@@ -440,7 +440,7 @@ impl<B: Backend> Engine<B> {
         let mut err = None;
         crate::model::forward_probed(&self.model, &batch, &mut self.states, scratch, &mut |l, op, t| {
             // The final norm and the LM head run on the gathered logit rows only.
-            let rows = if l == usize::MAX && op != "embed" { batch.logit_rows.len() } else { batch.rows() };
+            let rows = if matches!(op, "final norm" | "lm_head") { batch.logit_rows.len() } else { batch.rows() };
             let mut v = Vec::new();
             match backend.read_tensor(t, rows, &mut v) {
                 Ok(()) => probe(l, op, v),

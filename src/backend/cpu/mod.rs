@@ -262,6 +262,8 @@ impl Backend for Cpu {
 
     fn rms_norm(&self, x: &Tensor, w: &Vec<f32>, eps: f32, rows: usize, out: &mut Tensor) {
         let (c, isa) = (x.cols, self.isa);
+        // The threads write through a raw pointer: check the shapes once, here.
+        assert!(out.cols == c && rows * c <= out.data.len() && rows * c <= x.data.len(), "rms_norm: {rows} rows of {c} into a [{}, {}] tensor", out.rows, out.cols);
         let out_p = SendPtr(out.data.as_mut_ptr());
         self.row_blocks(rows, &|r0, r1| {
             // SAFETY: this block writes only rows r0..r1 of `out`.
@@ -273,6 +275,7 @@ impl Backend for Cpu {
     }
 
     fn matmul_residual(&self, x: &Tensor, rows: usize, w: &Matrix, y: &mut Tensor, h: &mut Tensor) {
+        debug_assert_eq!(h.cols, y.cols);
         self.matmul(x, rows, &mut [(w, &mut *y)]);
         let n = rows * h.cols;
         for (a, &b) in h.data[..n].iter_mut().zip(&y.data[..n]) {
@@ -350,6 +353,8 @@ impl Backend for Cpu {
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor, rows: usize, out: &mut Tensor) {
         let n = rows * gate.cols;
+        // The threads write through a raw pointer: check the sizes once, here.
+        assert!(n <= out.data.len() && n <= gate.data.len() && n <= up.data.len(), "swiglu: {n} values into {}", out.data.len());
         // Element-wise: prompt-sized calls split across the threads in 16-float blocks.
         let blocks = if n < 64 * 1024 { 1 } else { 2 * self.threads() };
         let (isa, out_p) = (self.isa, SendPtr(out.data.as_mut_ptr()));

@@ -128,7 +128,7 @@ struct Args<'a> {
 }
 impl Args<'_> {
     /// A plain value (an integer, a float, a `#[repr(C)]` descriptor).
-    fn val<T: Copy>(mut self, v: T) -> Self {
+    fn val<T: DeviceRepr + Copy>(mut self, v: T) -> Self {
         let mut words = vec![0u64; std::mem::size_of::<T>().div_ceil(8).max(1)];
         // SAFETY: `words` holds at least size_of::<T>() bytes; T is Copy (plain data).
         unsafe { std::ptr::copy_nonoverlapping(&v as *const T as *const u8, words.as_mut_ptr() as *mut u8, std::mem::size_of::<T>()) };
@@ -405,7 +405,11 @@ impl Cuda {
             event_pool: Vec::new(),
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
-        let pdl = maj >= 9 && std::env::var("TENSORFOLD_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
+        // Programmatic launches inside captured graphs need sm_90 and a CUDA 12.3 driver.
+        let mut driver = 0;
+        // SAFETY: writes one integer.
+        let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) } == sys::CUresult::CUDA_SUCCESS && driver >= 12030;
+        let pdl = maj >= 9 && driver_ok && std::env::var("TENSORFOLD_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
         Ok(Self {
             _ctx: ctx,
             stream,
@@ -1132,6 +1136,10 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32, rows: usize, out: &mut CudaTensor) {
+        // A step may want no logits rows: an empty grid is a launch error.
+        if rows == 0 {
+            return;
+        }
         let cols = x.cols as u32;
         self.launch("rms_norm_rows", |_| unsafe { self.kernel("rms_norm_rows", (rows as u32, 1, 1), 512, 0, self.args().buf(&x.buf).buf(w).val(eps).val(cols).buf(&out.buf)) });
     }
@@ -1141,6 +1149,8 @@ impl Backend for Cuda {
     }
 
     fn matmul_residual(&self, x: &CudaTensor, rows: usize, w: &CudaMatrix, y: &mut CudaTensor, h: &mut CudaTensor) {
+        // The epilogue indexes `h` with `y`'s row length.
+        debug_assert_eq!(h.cols, y.cols);
         self.matmul_rows(x, rows, &mut [(w, y)], Some(h));
     }
 
@@ -1163,6 +1173,9 @@ impl Backend for Cuda {
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor, rows: usize, out: &mut CudaTensor) {
         let n = (rows * gate.cols) as u32;
+        if n == 0 {
+            return;
+        }
         self.launch("swiglu", |_| unsafe { self.kernel("swiglu", (n.div_ceil(256), 1, 1), 256, 0, self.args().buf(&gate.buf).buf(&up.buf).val(n).buf(&out.buf)) });
     }
 

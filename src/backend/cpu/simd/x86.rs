@@ -1009,7 +1009,8 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
         scratch.resize(count * plen + 2 * acc_len + 16, 0.0);
     }
     let base = scratch.as_mut_ptr();
-    let base = base.add(base.align_offset(64));
+    // align_offset may answer usize::MAX (never for f32 on x86): the 16 spare floats cap it.
+    let base = base.add(base.align_offset(64).min(16));
     // The task's weights come from memory (each is read once per product): ask for all their
     // lines at once rather than one miss after another as the decode walks them.
     for r in 0..count {

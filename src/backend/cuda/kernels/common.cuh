@@ -139,8 +139,8 @@ __device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }
 // Programmatic dependent launch (sm_90 and later; elsewhere these compile to nothing and the
 // host launches without it). A kernel launched with it may start while the previous kernel of
 // the stream is still running: pdl_enter() waits until that kernel has completed and its writes
-// are visible, then lets the next kernel start. Before pdl_enter() a kernel may only read
-// weights (never written during a step); every kernel calls it before anything else.
+// are visible, then lets the next kernel start. Every step kernel calls it before it reads
+// anything but weights (never written during a step) and before it writes anything.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -226,8 +226,9 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
     }
 }
 
-// Calls call(FMT, SDT) for the weight format `fmt` and scale dtype `sdt` (both uniform over a
-// launch): affine codes with each scale dtype, or float weights.
+// Calls call(FMT, SDT) for the weight format `fmt` and scale dtype `sdt` of the warp's matrix
+// (a fused launch may mix formats; each warp works on one matrix): affine codes with each scale
+// dtype, or float weights.
 #define LAYOUT_SWITCH(call)                    \
     switch (fmt) {                             \
         case 4:                                \
