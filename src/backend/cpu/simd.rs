@@ -70,7 +70,7 @@ impl Isa {
 /// Lane `l` of the canonical order (numerics §2) is lane `l mod 16` of half `l / 16`; a row is
 /// stored half-major, `[half][step][16]`, where step `c·E + e` holds element `e` of the words
 /// `32c + 16·half + (0..16)`. A kernel that runs one half at a time (one accumulator per
-/// output) then streams contiguous memory. Lanes past the last word are 0.
+/// output) then streams contiguous memory. Lanes past the last word are -0.0 (see `write_row`).
 #[derive(Clone, Debug, Default)]
 pub struct Transposed {
     /// Elements per word of the weights this was made for.
@@ -137,9 +137,13 @@ impl Transposed {
         self.data[self.off..].as_mut_ptr()
     }
 
-    /// One row `xr` into lane order in `dst` (one row's stride): lanes past the last word 0.
+    /// One row `xr` into lane order in `dst` (one row's stride): lanes past the last word -0.0.
+    /// A kernel that runs every lane multiplies them by its padding weights, which are +0.0
+    /// (masked loads, the panel's zeros): the product is -0.0, and `a + (-0.0) = a` for every
+    /// `a` (a +0.0 product would turn a -0.0 lane into +0.0). So those lanes stay exactly as
+    /// the reference, which never touches them, leaves them.
     fn write_row(dst: &mut [f32], xr: &[f32], per_word: usize, half: usize) {
-        dst.fill(0.0);
+        dst.fill(-0.0);
         for (c, block) in xr.chunks(32 * per_word).enumerate() {
             for (lane, word) in block.chunks_exact(per_word).enumerate() {
                 let base = (lane / 16) * half + c * per_word * 16 + lane % 16;
@@ -513,6 +517,70 @@ mod tests {
                         let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{} {isa:?} rows {rows} cols {cols} tokens {tokens}", w.name);
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn lanes_past_a_partial_chunk_add_nothing() {
+        // Every product underflows to -0.0 (1e-20 · -1e-30), so every lane of the reference ends
+        // at -0.0 and so does the folded sum. A path that adds a 0·0 product for the lanes past
+        // the last word of a partial 32-word chunk would turn those lanes into +0.0 and the sum
+        // into +0.0.
+        let tiny = |n: usize, v: f32, ft: FloatType| -> Vec<u8> {
+            (0..n)
+                .flat_map(|_| match ft {
+                    FloatType::F32 => v.to_le_bytes().to_vec(),
+                    _ => half::bf16::from_f32(v).to_bits().to_le_bytes().to_vec(),
+                })
+                .collect()
+        };
+        let rows = 7;
+        let cases = [
+            // 40 words of f32: a second chunk of 8 words.
+            Matrix { name: "f32 40".into(), rows, cols: 40, data: MatrixData::Float { dtype: FloatType::F32, data: Bytes::from_vec(tiny(rows * 40, 1e-20, FloatType::F32)) } },
+            // 4-bit, 40 words: every weight fma(0, q, 1e-20) = 1e-20.
+            Matrix {
+                name: "affine4 40 words".into(),
+                rows,
+                cols: 320,
+                data: MatrixData::Affine {
+                    bits: 4,
+                    group_size: 32,
+                    weight: Bytes::from_vec(vec![0x5au8; rows * 160]),
+                    scales: Bytes::from_vec(tiny(rows * 10, 0.0, FloatType::BF16)),
+                    biases: Bytes::from_vec(tiny(rows * 10, 1e-20, FloatType::BF16)),
+                    scale_dtype: FloatType::BF16,
+                },
+            },
+        ];
+        let negative = Matrix {
+            name: "affine4 40 words, negative weights".into(),
+            rows,
+            cols: 320,
+            data: MatrixData::Affine {
+                bits: 4,
+                group_size: 32,
+                weight: Bytes::from_vec(vec![0x5au8; rows * 160]),
+                scales: Bytes::from_vec(tiny(rows * 10, 0.0, FloatType::BF16)),
+                biases: Bytes::from_vec(tiny(rows * 10, -1e-20, FloatType::BF16)),
+                scale_dtype: FloatType::BF16,
+            },
+        };
+        for (w, xv) in cases.iter().map(|w| (w, -1e-30f32)).chain([(&negative, 1e-30f32)]) {
+            for tokens in [1usize, 2, 4, 5, 9] {
+                let x = vec![xv; tokens * w.cols];
+                let mut row = vec![0.0f32; w.cols];
+                w.decode_row(0, &mut row);
+                let want = dot_decoded(w.elems_per_word(), &row, &x[..w.cols]);
+                assert_eq!(want.to_bits(), (-0.0f32).to_bits(), "{}: the reference", w.name);
+                let xt = Transposed::new(&x, tokens, w.cols, w.elems_per_word());
+                for isa in Isa::available() {
+                    let mut got = vec![f32::NAN; tokens * rows];
+                    let mut panel = Vec::new();
+                    unsafe { matmul(isa, w, &xt, got.as_mut_ptr(), rows, 0, rows, &mut panel) };
+                    assert!(got.iter().all(|v| v.to_bits() == want.to_bits()), "{} {isa:?} tokens {tokens}: {got:?}", w.name);
                 }
             }
         }
