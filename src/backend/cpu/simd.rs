@@ -537,26 +537,9 @@ mod tests {
                 .collect()
         };
         let rows = 7;
-        let cases = [
-            // 40 words of f32: a second chunk of 8 words.
-            Matrix { name: "f32 40".into(), rows, cols: 40, data: MatrixData::Float { dtype: FloatType::F32, data: Bytes::from_vec(tiny(rows * 40, 1e-20, FloatType::F32)) } },
-            // 4-bit, 40 words: every weight fma(0, q, 1e-20) = 1e-20.
-            Matrix {
-                name: "affine4 40 words".into(),
-                rows,
-                cols: 320,
-                data: MatrixData::Affine {
-                    bits: 4,
-                    group_size: 32,
-                    weight: Bytes::from_vec(vec![0x5au8; rows * 160]),
-                    scales: Bytes::from_vec(tiny(rows * 10, 0.0, FloatType::BF16)),
-                    biases: Bytes::from_vec(tiny(rows * 10, 1e-20, FloatType::BF16)),
-                    scale_dtype: FloatType::BF16,
-                },
-            },
-        ];
-        let negative = Matrix {
-            name: "affine4 40 words, negative weights".into(),
+        // 4-bit, 40 words: every weight fma(0, q, bias) = bias.
+        let affine = |name: &str, bias: f32| Matrix {
+            name: name.into(),
             rows,
             cols: 320,
             data: MatrixData::Affine {
@@ -564,10 +547,16 @@ mod tests {
                 group_size: 32,
                 weight: Bytes::from_vec(vec![0x5au8; rows * 160]),
                 scales: Bytes::from_vec(tiny(rows * 10, 0.0, FloatType::BF16)),
-                biases: Bytes::from_vec(tiny(rows * 10, -1e-20, FloatType::BF16)),
+                biases: Bytes::from_vec(tiny(rows * 10, bias, FloatType::BF16)),
                 scale_dtype: FloatType::BF16,
             },
         };
+        let cases = [
+            // 40 words of f32: a second chunk of 8 words.
+            Matrix { name: "f32 40".into(), rows, cols: 40, data: MatrixData::Float { dtype: FloatType::F32, data: Bytes::from_vec(tiny(rows * 40, 1e-20, FloatType::F32)) } },
+            affine("affine4 40 words", 1e-20),
+        ];
+        let negative = affine("affine4 40 words, negative weights", -1e-20);
         for (w, xv) in cases.iter().map(|w| (w, -1e-30f32)).chain([(&negative, 1e-30f32)]) {
             for tokens in [1usize, 2, 4, 5, 9] {
                 let x = vec![xv; tokens * w.cols];
