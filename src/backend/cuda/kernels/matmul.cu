@@ -86,6 +86,22 @@ __device__ __forceinline__ void load_x(const float* xp, float (&xv)[E]) {
     }
 }
 
+// word(u, j) for the words j = j0 + 32u (u < U) of a batch that exist. When all of them do
+// there is no branch between them, so the compiler can issue the input loads ahead of the FMAs.
+template <int U, class Word>
+__device__ __forceinline__ void over_batch(u32 j0, u32 words, Word&& word) {
+    if (j0 + 32 * (U - 1) < words) {
+#pragma unroll
+        for (int u = 0; u < U; u++) word(u, j0 + 32 * u);
+    } else {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            if (j0 + 32 * u >= words) break;
+            word(u, j0 + 32 * u);
+        }
+    }
+}
+
 // Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
 // partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
 // of a word ascending. Words are loaded eight at a time (independent loads in flight), which
@@ -113,6 +129,30 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
     const int U = 8;
+    // The group scale and bias of word j of each row.
+    auto scales = [&](u32 j, float (&s)[R], float (&b)[R]) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            u32 g = affine ? (j * E) >> gshift : 0;
+            s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
+            b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
+        }
+    };
+    // Word j (`wd`, one per row) for every token: inputs, then the ordered FMAs.
+    auto fmas = [&](const u32 (&wd)[R], const float (&s)[R], const float (&b)[R], u32 j) {
+#pragma unroll
+        for (int t = 0; t < T; t++) {
+            // Tokens past the tile's end read the last row and accumulate into outputs that are
+            // never written: no branch here either.
+            u32 tt = (u32)t < nt ? (u32)t : nt - 1;
+            float xv[E];
+            load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
+#pragma unroll
+            for (int e = 0; e < E; e++)
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[t][r]);
+        }
+    };
     if constexpr (T == 1) {
         // One token (decode): latency matters most.
         // A batch: words j0 + 32u (u < U) of each row; with one row also their scales and biases
@@ -135,93 +175,39 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
                     }
                 }
         };
-        // Word u of the batch (index j) of every row for every token: inputs, then the ordered FMAs.
         auto word = [&](int u, u32 j) {
             float s[R], b[R];
+            if constexpr (ahead) {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                if constexpr (ahead) {
+                for (int r = 0; r < R; r++) {
                     s[r] = sa[u][r];
                     b[r] = ba[u][r];
-                } else {
-                    u32 g = affine ? (j * E) >> gshift : 0;
-                    s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
-                    b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
                 }
+            } else {
+                scales(j, s, b);
             }
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                // Tokens past the tile's end read the last row and accumulate into outputs that are
-                // never written: no branch here either.
-                u32 tt = (u32)t < nt ? (u32)t : nt - 1;
-                float xv[E];
-                load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
-#pragma unroll
-                for (int e = 0; e < E; e++)
-#pragma unroll
-                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[u][r], e, s[r], b[r]), xv[e], acc[t][r]);
-            }
+            fmas(wd[u], s, b, j);
         };
         load_batch(lane);
         pdl_enter();
         for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
             if (j0 != lane) load_batch(j0);
-            if (j0 + 32 * (U - 1) < words) {
-                // Every word of the batch exists: no branch between them, so the compiler can
-                // issue the input loads ahead of the FMAs.
-#pragma unroll
-                for (int u = 0; u < U; u++) word(u, j0 + 32 * u);
-            } else {
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    if (j0 + 32 * u >= words) break;
-                    word(u, j0 + 32 * u);
-                }
-            }
+            over_batch<U>(j0, words, word);
         }
     } else {
         // Many tokens (prompt): registers matter most; scales and biases are loaded per word.
         // (pdl_enter() ran at the kernel's start.)
-        // One word of every row for every token: scales, biases, inputs, then the ordered FMAs.
-        auto word = [&](const u32 (&wd)[R], u32 j) {
-            float s[R], b[R];
-#pragma unroll
-            for (int r = 0; r < R; r++) {
-                u32 g = affine ? (j * E) >> gshift : 0;
-                s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
-                b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
-            }
-#pragma unroll
-            for (int t = 0; t < T; t++) {
-                // Tokens past the tile's end read the last row and accumulate into outputs that are
-                // never written: no branch here either.
-                u32 tt = (u32)t < nt ? (u32)t : nt - 1;
-                float xv[E];
-                load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
-#pragma unroll
-                for (int e = 0; e < E; e++)
-#pragma unroll
-                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[t][r]);
-            }
-        };
         for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
             u32 wd[U][R];
 #pragma unroll
             for (int u = 0; u < U; u++)
 #pragma unroll
                 for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
-            if (j0 + 32 * (U - 1) < words) {
-                // Every word of the batch exists: no branch between them, so the compiler can
-                // issue the input loads ahead of the FMAs.
-#pragma unroll
-                for (int u = 0; u < U; u++) word(wd[u], j0 + 32 * u);
-            } else {
-#pragma unroll
-                for (int u = 0; u < U; u++) {
-                    if (j0 + 32 * u >= words) break;
-                    word(wd[u], j0 + 32 * u);
-                }
-            }
+            over_batch<U>(j0, words, [&](int u, u32 j) {
+                float s[R], b[R];
+                scales(j, s, b);
+                fmas(wd[u], s, b, j);
+            });
         }
     }
 }
