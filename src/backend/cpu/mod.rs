@@ -304,12 +304,11 @@ impl Backend for Cpu {
         for (xt, &pw) in xts.iter_mut().zip(&widths) {
             xt.shape(rows, x.cols, pw);
             // Rows in parallel for prompts (a serial transpose left the other threads idle).
-            let blocks = if rows <= 4 { 1 } else { (2 * self.threads()).min(rows) };
             let base = SendPtr(xt.base_mut());
             let (xt, cols) = (&*xt, x.cols);
-            self.pool.run(blocks, &|b| {
-                // SAFETY: block b writes only its rows; `base` is this buffer's after `shape`.
-                unsafe { xt.fill_rows(base.get(), &x.data, cols, rows * b / blocks, rows * (b + 1) / blocks) };
+            self.row_blocks(rows, &|r0, r1| {
+                // SAFETY: this block writes only rows r0..r1; `base` is this buffer's after `shape`.
+                unsafe { xt.fill_rows(base.get(), &x.data, cols, r0, r1) };
             });
         }
         // Tasks: runs of output rows of each matrix, about TASK_BYTES of weights each (scaled

@@ -696,7 +696,8 @@ impl Cuda {
         Ok(())
     }
 
-    /// Whether two matrices store their weights alike (format, group size, scale dtype).
+    /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
+    /// same input width.
     fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
         (a.fmt, a.group, a.sdtype, a.cols) == (b.fmt, b.group, b.sdtype, b.cols)
     }

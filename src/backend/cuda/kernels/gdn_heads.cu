@@ -1,8 +1,9 @@
 // Gated DeltaNet q/k L2 norms, gates, delta rule and gated RMSNorm: one block per (value head,
 // sequence), tokens in order. Every warp normalises the head's q and k itself (the same
-// arithmetic in each, no block barrier). The head's state stays in registers for the whole step: warp w holds rows
-// w, w+32, ... (up to 4), lane l holds elements l, l+32, ... (up to 4) of each, which is the
-// canonical lane order of the row's dot products; the warp's rows are processed together.
+// arithmetic in each, no block barrier). The head's state stays in registers for the whole
+// step: warp w holds rows w, w+32, ... (up to 4), lane l holds elements l, l+32, ... (up to 4)
+// of each, which is the canonical lane order of the row's dot products; the warp's rows are
+// processed together.
 // CPU twin: backend::cpu::kernels::gdn_qk_norm, then gdn_head with gdn_rows_ref (numerics §4
 // steps 2-5).
 // Grid: (Hv, n_seqs), block 1024 (32 warps). Needs dk <= 128 and dv <= 128 (checked on the host).
