@@ -10,6 +10,7 @@
 #   bash bench/device.sh checkpoint        # exactness, 32k context, every bench, sanitizer
 #   bash bench/device.sh verify-bench      # every fixture and synthetic 0.8b/2b, then 2b decode
 #   bash bench/device.sh verify-all-bench  # every fixture and synthetic 0.8b/2b, then every bench
+#   bash bench/device.sh nsys              # per-kernel device time inside the 2b decode graph (nsys)
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -21,9 +22,13 @@ if [ ! -x /tmp/tf/tensorfold ]; then
 fi
 TF=/tmp/tf/tensorfold
 export TENSORFOLD_SHARED=/tmp/tf/shared TENSORFOLD_CACHE=/tmp/tf/cache
+# Kernels compiled by an earlier call (brought back under $OUT/cache, carried as .device/cache):
+# a cubin is reused only when its source, options, NVRTC version and architecture match.
+if [ -d .device/cache/kernels ]; then mkdir -p /tmp/tf/cache && cp -rn .device/cache/kernels /tmp/tf/cache/; fi
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 verify_fixtures() {
+  $TF kernels --check --arch sm_90 2>&1 | head -1 | tee -a "$OUT/summary.txt"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/summary.txt"
   log "kernels --check"
   $TF kernels --check --arch sm_90 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
@@ -115,6 +120,21 @@ ncu_profile() {
   done
 }
 
+# Per-kernel device time inside the decode graph (nsys traces each graph node), and the gaps
+# between consecutive kernels: what a token's 1.6 ms is made of.
+nsys_trace() {
+  PRESETS=2b synth_models
+  local nsys; nsys=$(command -v nsys || ls /usr/local/cuda*/bin/nsys /opt/nvidia/nsight-systems*/bin/nsys 2>/dev/null | head -1)
+  if [ -z "$nsys" ]; then log "nsys not found"; return; fi
+  log "nsys: 2b, 3-token prompt, 64 greedy decode tokens through the graph"
+  $nsys profile --cuda-graph-trace=node -t cuda -o /tmp/tf/trace --force-overwrite true \
+    $TF run --device cuda -m /tmp/tf/models/${NSYS_MODEL:-2b} --prompt-ids 1,2,3 -n 64 --temp 0 > "$OUT/nsys-run.txt" 2>&1
+  $nsys stats --report cuda_gpu_kern_sum --format csv -o "$OUT/nsys" /tmp/tf/trace.nsys-rep > /dev/null 2>&1
+  $nsys stats --report cuda_gpu_trace --format csv -o "$OUT/nsys" /tmp/tf/trace.nsys-rep > /dev/null 2>&1
+  xz -T0 "$OUT"/nsys_cuda_gpu_trace.csv 2>/dev/null
+  ls -la "$OUT" | tee -a "$OUT/summary.txt"
+}
+
 quick_verify() {
   PRESETS="${PRESETS:-0.8b 2b}" synth_models
   for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/tiny/hf $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/0.8b /tmp/tf/models/2b; do
@@ -168,6 +188,7 @@ case "${1:-all}" in
   bench) gpu_bench ;;
   profile) profile ;;
   ncu) ncu_profile ;;
+  nsys) nsys_trace ;;
   clocks) clocks ;;
   quick-verify) quick_verify ;;
   iterate) iterate ;;

@@ -210,7 +210,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 let total: f64 = rep.iter().map(|r| r.1).sum::<f64>() / 32.0;
                 notes.push(format!("profile (32 eager decode tokens at context ~{}): {total:.3} ms of kernel time per token, {wall:.3} ms wall per eager token", s.position()));
                 for (name, ms, n) in rep {
-                    notes.push(format!("  {name:<22} {:>8.1} us/token  ({} launches/token, {:.2} us each)", 1e3 * ms / 32.0, n / 32, 1e3 * ms / n as f64));
+                    notes.push(format!("  {name:<36} {:>8.1} us/token  ({} launches/token, {:.2} us each)", 1e3 * ms / 32.0, n / 32, 1e3 * ms / n as f64));
                 }
             }
             report(&a, &dir, model_summary, describe, m, phases, notes)

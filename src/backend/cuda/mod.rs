@@ -517,6 +517,16 @@ impl Cuda {
 
     /// Runs `f` unless the current step is being replayed; records the first error.
     fn launch<T>(&self, what: &str, f: impl FnOnce(&mut Step) -> Result<T, cudarc::driver::DriverError>) {
+        self.launch_as(what, None, f)
+    }
+
+    /// Whether eager launches are being timed (a profile label is worth formatting).
+    fn profiling(&self) -> bool {
+        self.step.lock().unwrap().profile.is_some()
+    }
+
+    /// [`Cuda::launch`], timed under `label` instead of `what` when profiling.
+    fn launch_as<T>(&self, what: &str, label: Option<String>, f: impl FnOnce(&mut Step) -> Result<T, cudarc::driver::DriverError>) {
         let mut st = self.step.lock().unwrap();
         if matches!(st.mode, Mode::Replaying(_)) {
             return;
@@ -535,7 +545,7 @@ impl Cuda {
         if let Some((a, b)) = start {
             let _ = b.record(&self.stream);
             if let Some(p) = st.profile.as_mut() {
-                p.push((what.to_string(), a, b));
+                p.push((label.unwrap_or_else(|| what.to_string()), a, b));
             }
         }
         st.launches += 1;
@@ -728,7 +738,8 @@ impl Cuda {
             d.count = group.len() as u32;
             let (ldx, n_tok) = (x.cols as u32, rows as u32);
             let grid = (row0.div_ceil(r * 8), n_tok.div_ceil(t), 1);
-            self.launch(name, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok)) });
+            let label = self.profiling().then(|| format!("{name} {row0}x{}{}", group[0].0.cols, if res != 0 { " +res" } else { "" }));
+            self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok)) });
         }
     }
 
@@ -755,7 +766,8 @@ impl Cuda {
         d.count = 2;
         let (ldx, n_tok) = (x.cols as u32, rows as u32);
         let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
-        self.launch(name, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok).buf(&act.buf)) });
+        let label = self.profiling().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
+        self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok).buf(&act.buf)) });
     }
 }
 
