@@ -145,11 +145,13 @@ quick_verify() {
   $TF verify --steps 200 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
 }
 
-# One call while optimising: the exactness checks of quick-verify, then 2b decode with
-# programmatic dependent launch on and off, then the eager per-kernel profile.
+# One call while optimising: the exactness checks of quick-verify, then 2b decode at three
+# contexts, then the eager per-kernel profile.
 iterate() {
   quick_verify
-  iterate_bench
+  PRESETS="${PRESETS:-0.8b 2b}" synth_models
+  log "bench 2b"
+  $TF bench --device cuda -m /tmp/tf/models/2b -p 512 -c 0,512,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)|kernels" | tee -a "$OUT/summary.txt"
   PRESETS=2b profile
 }
 

@@ -78,8 +78,7 @@ struct RowDesc {
 #[derive(Clone, Copy, Debug, Default)]
 struct MatDesc {
     w: u64,
-    s: u64,
-    b: u64,
+    sb: u64,
     y: u64,
     /// Residual stream to add the output to (0: none).
     res: u64,
@@ -97,8 +96,7 @@ impl MatDesc {
     fn new(m: &CudaMatrix, y: &CudaTensor, row0: u32, stream: &CudaStream) -> Self {
         Self {
             w: ptr(&m.w, stream),
-            s: ptr(&m.s, stream),
-            b: ptr(&m.b, stream),
+            sb: ptr(&m.sb, stream),
             y: ptr(&y.buf, stream),
             res: 0,
             rows: m.rows as u32,
@@ -151,7 +149,9 @@ unsafe impl cudarc::driver::ValidAsZeroBits for SeqDesc {}
 unsafe impl cudarc::driver::ValidAsZeroBits for SlotDesc {}
 unsafe impl cudarc::driver::ValidAsZeroBits for RowDesc {}
 
-/// A weight matrix on the device, bytes as stored in the checkpoint.
+/// A weight matrix on the device: codes (or float values) as stored in the checkpoint; for
+/// affine formats the scales and biases interleaved per group (`[rows, groups]` pairs of the
+/// stored dtype), so a kernel loads both with one instruction.
 pub struct CudaMatrix {
     pub rows: usize,
     pub cols: usize,
@@ -160,8 +160,7 @@ pub struct CudaMatrix {
     sdtype: u32,
     per_word: usize,
     w: CudaSlice<u8>,
-    s: CudaSlice<u8>,
-    b: CudaSlice<u8>,
+    sb: CudaSlice<u8>,
 }
 
 /// An f32 activation buffer on the device.
@@ -324,6 +323,9 @@ pub struct Cuda {
     /// it off): a kernel's blocks are scheduled while the previous kernel ends, hiding the
     /// launch gap between the nodes of a decode graph.
     pdl: bool,
+    /// Blocks of 256 threads the one-token product kernels launch at most: the ones that fit
+    /// on the device at once (they stream their rows; more blocks would only queue).
+    t1_blocks: u32,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -410,6 +412,15 @@ impl Cuda {
         // SAFETY: writes one integer.
         let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) } == sys::CUresult::CUDA_SUCCESS && driver >= 12030;
         let pdl = maj >= 9 && driver_ok && std::env::var("TENSORFOLD_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("multiprocessor count", e))? as u32;
+        let mut per_sm = u32::MAX;
+        for k in ["matmul_t1r1", "matmul_swiglu_t1"] {
+            per_sm = per_sm.min(funcs[k].occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| dev_err("occupancy", e))?.max(1));
+        }
+        // A tuning knob: fewer resident product blocks leave room for the next kernel's.
+        if let Some(n) = std::env::var("TENSORFOLD_CUDA_T1_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()) {
+            per_sm = n.max(1);
+        }
         Ok(Self {
             _ctx: ctx,
             stream,
@@ -421,6 +432,7 @@ impl Cuda {
             cfg_cache: Mutex::new(None),
             use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
             pdl,
+            t1_blocks: sms * per_sm,
         })
     }
 
@@ -719,13 +731,32 @@ impl Cuda {
             return;
         }
         let res = res.map_or(0, |h| ptr(&h.buf, &self.stream));
-        let (name, t, r) = if rows == 1 {
-            ("matmul_t1r1", 1u32, 1u32)
-        } else if rows <= 4 {
-            ("matmul_t4r2", 4, 2)
-        } else {
-            ("matmul_t8r4", 8, 4)
-        };
+        if rows == 1 {
+            // One launch per run of matrices stored alike (the streaming kernel is compiled per
+            // format), at most four per launch.
+            let mut i = 0;
+            while i < outs.len() {
+                let mut j = i + 1;
+                while j < outs.len() && j - i < 4 && Self::same_format(outs[i].0, outs[j].0) {
+                    j += 1;
+                }
+                let mut d = MatDescs::default();
+                let mut row0 = 0u32;
+                for (k, (m, y)) in outs[i..j].iter_mut().enumerate() {
+                    d.m[k] = MatDesc::new(m, y, row0, &self.stream);
+                    d.m[k].res = res;
+                    row0 += m.rows as u32;
+                }
+                d.count = (j - i) as u32;
+                let name = "matmul_t1r1";
+                let grid = (row0.div_ceil(8).min(self.t1_blocks), 1, 1);
+                let label = self.profiling().then(|| format!("{name} {row0}x{}{}", outs[i].0.cols, if res != 0 { " +res" } else { "" }));
+                self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(row0)) });
+                i = j;
+            }
+            return;
+        }
+        let (name, t, r) = if rows <= 4 { ("matmul_t4r2", 4u32, 2u32) } else { ("matmul_t8r4", 8, 4) };
         for group in outs.chunks_mut(4) {
             let mut d = MatDescs::default();
             let mut row0 = 0u32;
@@ -752,23 +783,35 @@ impl Cuda {
             self.swiglu(gate, up, rows, act);
             return;
         }
-        let (name, t) = if rows == 1 {
-            ("matmul_swiglu_t1", 1u32)
-        } else if rows <= 4 {
-            ("matmul_swiglu_t4", 4)
-        } else {
-            ("matmul_swiglu_t8", 8)
-        };
         let mut d = MatDescs::default();
         for (i, (m, y)) in [(gate_w, &*gate), (up_w, &*up)].into_iter().enumerate() {
             d.m[i] = MatDesc::new(m, y, 0, &self.stream);
         }
         d.count = 2;
+        if rows == 1 {
+            let name = "matmul_swiglu_t1";
+            let grid = ((gate_w.rows as u32).div_ceil(8).min(self.t1_blocks), 1, 1);
+            let label = self.profiling().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
+            self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).buf(&act.buf)) });
+            return;
+        }
+        let (name, t) = if rows <= 4 { ("matmul_swiglu_t4", 4u32) } else { ("matmul_swiglu_t8", 8) };
         let (ldx, n_tok) = (x.cols as u32, rows as u32);
         let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
         let label = self.profiling().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
         self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok).buf(&act.buf)) });
     }
+}
+
+/// Scales and biases (same length, `size`-byte elements) as `[s0 b0 s1 b1 ...]`: the layout
+/// the kernels read (`load_sb` in matmul.cu, embed.cu).
+fn interleave(scales: &[u8], biases: &[u8], size: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(scales.len() * 2);
+    for (s, b) in scales.chunks_exact(size).zip(biases.chunks_exact(size)) {
+        out.extend_from_slice(s);
+        out.extend_from_slice(b);
+    }
+    out
 }
 
 fn fmt_codes(m: &Matrix) -> (u32, u32, u32) {
@@ -805,11 +848,11 @@ impl Backend for Cuda {
             }
             self.stream.clone_htod(b).map_err(|e| dev_err(&format!("uploading {}", m.name), e))
         };
-        let (w, s, b) = match &m.data {
-            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?, up(&[])?),
-            MatrixData::Affine { weight, scales, biases, .. } => (up(weight.as_slice())?, up(scales.as_slice())?, up(biases.as_slice())?),
+        let (w, sb) = match &m.data {
+            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?),
+            MatrixData::Affine { weight, scales, biases, scale_dtype, .. } => (up(weight.as_slice())?, up(&interleave(scales.as_slice(), biases.as_slice(), scale_dtype.size()))?),
         };
-        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, per_word: m.elems_per_word(), w, s, b })
+        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, per_word: m.elems_per_word(), w, sb })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, BackendError> {
@@ -1143,7 +1186,7 @@ impl Backend for Cuda {
         }
         let (cols, n) = (table.cols as u32, batch.rows() as u32);
         self.launch("embed_rows", |st| unsafe {
-            let a = self.args().buf(&table.w).buf(&table.s).buf(&table.b).val(table.fmt).val(table.group).val(table.sdtype).val(cols).buf(&st.ids).buf(&x.buf);
+            let a = self.args().buf(&table.w).buf(&table.sb).val(table.fmt).val(table.group).val(table.sdtype).val(cols).buf(&st.ids).buf(&x.buf);
             self.kernel("embed_rows", (cols.div_ceil(256), n, 1), 256, 0, a)
         });
     }

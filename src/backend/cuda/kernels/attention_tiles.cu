@@ -43,10 +43,35 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
         u32 n = (p + 1 - lo) < TILE ? (p + 1 - lo) : TILE;
         const float* kp = (const float*)pages[t];
         const float* vp = (const float*)pages[max_pages + t];
-        // Scores: warp w takes positions w, w+8, ...
-        for (u32 i = warp; i < n; i += 8) {
-            float s = warp_dot(q, kp + ((u64)i * hkv + g) * dh, dh) * scale;
-            if (lane == 0) e[i] = s;
+        // The tile's values are read after the scores: ask L2 for them now.
+        for (u32 c = threadIdx.x * 32; c < n * dh; c += blockDim.x * 32) {
+            u32 i = c / dh, d = c % dh;
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + ((u64)i * hkv + g) * dh + d));
+        }
+        // Scores: warp w takes positions w + 8k, SP of them at a time so that their key loads
+        // are in flight together; each is warp_dot's canonical order (lane l: elements l, l+32,
+        // ... ascending; fmaf(q, k) = fmaf(k, q) exactly).
+        const u32 SP = 8;
+        for (u32 i0 = warp; i0 < n; i0 += 8 * SP) {
+            float acc[SP];
+#pragma unroll
+            for (u32 k = 0; k < SP; k++) acc[k] = 0.0f;
+#pragma unroll 4
+            for (u32 d = lane; d < dh; d += 32) {
+                float qd = q[d], kv[SP];
+#pragma unroll
+                for (u32 k = 0; k < SP; k++) {
+                    u32 i = i0 + 8 * k;
+                    kv[k] = i < n ? kp[((u64)i * hkv + g) * dh + d] : 0.0f;
+                }
+#pragma unroll
+                for (u32 k = 0; k < SP; k++) acc[k] = fmaf(qd, kv[k], acc[k]);
+            }
+#pragma unroll
+            for (u32 k = 0; k < SP; k++) {
+                float s = fold32(acc[k]) * scale;
+                if (lane == 0 && i0 + 8 * k < n) e[i0 + 8 * k] = s;
+            }
         }
         __syncthreads();
         // m = max over the tile (exact in any order).
@@ -66,10 +91,19 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
             out[0] = m;
             out[1] = l;
         }
+        // Weighted values, sequential in i per d; VB value loads in flight per thread.
+        const u32 VB = 32;
         for (u32 d = threadIdx.x; d < dh; d += blockDim.x) {
             float acc = 0.0f;
-#pragma unroll 8
-            for (u32 i = 0; i < n; i++) acc = fmaf(e[i], vp[((u64)i * hkv + g) * dh + d], acc);
+            u32 i = 0;
+            for (; i + VB <= n; i += VB) {
+                float vv[VB];
+#pragma unroll
+                for (u32 k = 0; k < VB; k++) vv[k] = vp[((u64)(i + k) * hkv + g) * dh + d];
+#pragma unroll
+                for (u32 k = 0; k < VB; k++) acc = fmaf(e[i + k], vv[k], acc);
+            }
+            for (; i < n; i++) acc = fmaf(e[i], vp[((u64)i * hkv + g) * dh + d], acc);
             out[2 + d] = acc;
         }
         __syncthreads();

@@ -2,7 +2,8 @@
 // CPU twin: model::weights::Matrix::decode_row (via backend::cpu::kernels::embed).
 // Grid: (ceil(cols / 256), rows), block 256: one thread per element.
 
-extern "C" __global__ void embed_rows(const u8* words, const u8* scales, const u8* biases, u32 fmt, u32 group,
+// `sb`: scales and biases interleaved per group (CudaMatrix), elements of dtype `sdtype`.
+extern "C" __global__ void embed_rows(const u8* words, const u8* sb, u32 fmt, u32 group,
                                       u32 sdtype, u32 cols, const u32* ids, float* x) {
     pdl_enter();
     u32 r = blockIdx.y;
@@ -15,7 +16,7 @@ extern "C" __global__ void embed_rows(const u8* words, const u8* scales, const u
         u32 word = ((const u32*)words)[id * (cols / per_word) + k / per_word];
         float q = (float)((word >> (bits * (k % per_word))) & ((1u << bits) - 1u));
         u64 g = id * (cols / group) + k / group;
-        v = fmaf(load_float(scales, g, sdtype), q, load_float(biases, g, sdtype));
+        v = fmaf(load_float(sb, 2 * g, sdtype), q, load_float(sb, 2 * g + 1, sdtype));
     } else {
         v = load_float(words, id * cols + k, fmt);
     }

@@ -6,12 +6,13 @@
 //
 // A warp computes R rows of one matrix for a tile of T tokens, so each weight word is loaded
 // once per T tokens and each input value once per R rows. The arithmetic of an output does not
-// depend on T or R. Grid: (ceil(padded_rows / (R·8)), ceil(tokens / T)), block 256.
+// depend on T or R. Prompt kernels (T > 1): grid (ceil(padded_rows / (R·8)), ceil(tokens / T)),
+// block 256. One-token kernels stream: each warp takes row groups first, first + stride, ... and
+// requests the next batch of weights before the FMAs of the current one (stream_t1).
 
 struct Mat {
     const u8* w;   // codes (affine) or values (float), row-major
-    const u8* s;   // scales [rows, cols/group] (affine)
-    const u8* b;   // biases [rows, cols/group] (affine)
+    const u8* sb;  // scales and biases interleaved per group, [rows, cols/group] pairs (affine; see load_sb)
     float* y;      // output [tokens, ldy]
     float* res;    // if set, the residual stream [tokens, ldy]: res += y (Cpu::matmul_residual)
     u32 rows, cols, fmt, group, sdtype, ldy, row0, pad;
@@ -56,14 +57,30 @@ __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
     return __uint_as_float(wd);
 }
 
-// Scale or bias i of a row, of dtype SDT (0 f32, 1 f16, 2 bf16): a template parameter, so the
-// inner loops carry no dtype branch.
+// Scale and bias of group g of a row, of dtype SDT (0 f32, 1 f16, 2 bf16: a template parameter,
+// so the inner loops carry no dtype branch). The upload interleaves them (CudaMatrix::sb), so one
+// load brings both: a 32-bit word (scale in the low half) for 16-bit dtypes, a float2 for f32.
+template <int SDT> struct Sb { typedef u32 T; };
+template <> struct Sb<0> { typedef float2 T; };
 template <int SDT>
-__device__ __forceinline__ float load_scale(const u8* p, u32 i) {
-    if (SDT == 2) return bf16_to_f32(((const u16*)p)[i]);
-    if (SDT == 1) return f16_to_f32(((const u16*)p)[i]);
-    return ((const float*)p)[i];
+__device__ __forceinline__ typename Sb<SDT>::T load_sb_raw(const u8* row, u32 g) { return ((const typename Sb<SDT>::T*)row)[g]; }
+template <int SDT>
+__device__ __forceinline__ void unpack_sb(typename Sb<SDT>::T v, float& s, float& b) {
+    if constexpr (SDT == 0) {
+        s = v.x;
+        b = v.y;
+    } else if constexpr (SDT == 1) {
+        s = f16_to_f32((u16)(v & 0xffffu));
+        b = f16_to_f32((u16)(v >> 16));
+    } else {
+        s = __uint_as_float(v << 16);
+        b = __uint_as_float(v & 0xffff0000u);
+    }
 }
+template <int SDT>
+__device__ __forceinline__ void load_sb(const u8* row, u32 g, float& s, float& b) { unpack_sb<SDT>(load_sb_raw<SDT>(row, g), s, b); }
+// Bytes of one group's interleaved scale and bias.
+__device__ __forceinline__ u32 sb_size(u32 sdt) { return sdt == 0 ? 8 : 4; }
 
 // log2 of a group size (a power of two, checked at load), so a word's group is a shift away.
 __device__ __forceinline__ u32 group_shift(u32 group) { return (u32)(__ffs((int)group) - 1); }
@@ -102,10 +119,10 @@ __device__ __forceinline__ void over_batch(u32 j0, u32 words, Word&& word) {
     }
 }
 
-// Accumulates, for R rows (row r of matrix *ms[r], index rows[r]) and T tokens, each lane's
-// partial dot products in the canonical order: words j = lane, lane+32, ... ascending, elements
-// of a word ascending. Words are loaded eight at a time (independent loads in flight), which
-// keeps each lane's order: j, j+32, j+64, ...
+// Prompt steps (T > 1 tokens): accumulates, for R rows (row r of matrix *ms[r], index rows[r])
+// and T tokens, each lane's partial dot products in the canonical order: words j = lane,
+// lane+32, ... ascending, elements of a word ascending. Words are loaded eight at a time
+// (independent loads in flight), which keeps each lane's order: j, j+32, j+64, ...
 template <int T, int R, int FMT, int SDT>
 __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows, const float* x, u32 ldx, u32 t0, u32 nt,
                                            float (&acc)[T][R]) {
@@ -114,101 +131,44 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
     const u32 lane = threadIdx.x & 31;
     const u32 words = ms[0]->cols / E;
     const u32* wrow[R];
-    const u8* srow[R];
-    const u8* brow[R];
-    u32 group = affine ? ms[0]->group : 1, sdt = ms[0]->sdtype, gshift = group_shift(group);
-    u32 ssize = sdt == 0 ? 4 : 2;
+    const u8* sbrow[R];
+    u32 group = affine ? ms[0]->group : 1, gshift = group_shift(group);
 #pragma unroll
     for (int r = 0; r < R; r++) {
         wrow[r] = (const u32*)ms[r]->w + (u64)rows[r] * words;
-        srow[r] = affine ? ms[r]->s + (u64)rows[r] * (ms[r]->cols / group) * ssize : ms[r]->s;
-        brow[r] = affine ? ms[r]->b + (u64)rows[r] * (ms[r]->cols / group) * ssize : ms[r]->b;
+        sbrow[r] = affine ? ms[r]->sb + (u64)rows[r] * (ms[r]->cols >> gshift) * sb_size(SDT) : ms[r]->sb;
     }
 #pragma unroll
     for (int t = 0; t < T; t++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[t][r] = 0.0f;
     const int U = 8;
-    // The group scale and bias of word j of each row.
-    auto scales = [&](u32 j, float (&s)[R], float (&b)[R]) {
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            u32 g = affine ? (j * E) >> gshift : 0;
-            s[r] = affine ? load_scale<SDT>(srow[r], g) : 0.0f;
-            b[r] = affine ? load_scale<SDT>(brow[r], g) : 0.0f;
-        }
-    };
-    // Word j (`wd`, one per row) for every token: inputs, then the ordered FMAs.
-    auto fmas = [&](const u32 (&wd)[R], const float (&s)[R], const float (&b)[R], u32 j) {
-#pragma unroll
-        for (int t = 0; t < T; t++) {
-            // Tokens past the tile's end read the last row and accumulate into outputs that are
-            // never written: no branch here either.
-            u32 tt = (u32)t < nt ? (u32)t : nt - 1;
-            float xv[E];
-            load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
-#pragma unroll
-            for (int e = 0; e < E; e++)
-#pragma unroll
-                for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[t][r]);
-        }
-    };
-    if constexpr (T == 1) {
-        // One token (decode): latency matters most.
-        // A batch: words j0 + 32u (u < U) of each row; with one row also their scales and biases
-        // (with two, per word, to save registers). The first batch is loaded before
-        // pdl_enter(): weights only, so they arrive while the previous kernel ends.
-        constexpr bool ahead = R == 1;
+    for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
         u32 wd[U][R];
-        float sa[ahead ? U : 1][R], ba[ahead ? U : 1][R];
-        auto load_batch = [&](u32 j0) {
 #pragma unroll
-            for (int u = 0; u < U; u++)
+        for (int u = 0; u < U; u++)
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    bool in = j0 + 32 * u < words;
-                    wd[u][r] = in ? wrow[r][j0 + 32 * u] : 0u;
-                    if constexpr (ahead) {
-                        u32 g = affine ? ((j0 + 32 * u) * E) >> gshift : 0;
-                        sa[u][r] = affine && in ? load_scale<SDT>(srow[r], g) : 0.0f;
-                        ba[u][r] = affine && in ? load_scale<SDT>(brow[r], g) : 0.0f;
-                    }
-                }
-        };
-        auto word = [&](int u, u32 j) {
+            for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
+        over_batch<U>(j0, words, [&](int u, u32 j) {
             float s[R], b[R];
-            if constexpr (ahead) {
 #pragma unroll
-                for (int r = 0; r < R; r++) {
-                    s[r] = sa[u][r];
-                    b[r] = ba[u][r];
-                }
-            } else {
-                scales(j, s, b);
+            for (int r = 0; r < R; r++) {
+                s[r] = b[r] = 0.0f;
+                if (affine) load_sb<SDT>(sbrow[r], (j * E) >> gshift, s[r], b[r]);
             }
-            fmas(wd[u], s, b, j);
-        };
-        load_batch(lane);
-        pdl_enter();
-        for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
-            if (j0 != lane) load_batch(j0);
-            over_batch<U>(j0, words, word);
-        }
-    } else {
-        // Many tokens (prompt): registers matter most; scales and biases are loaded per word.
-        // (pdl_enter() ran at the kernel's start.)
-        for (u32 j0 = lane; j0 < words; j0 += 32 * U) {
-            u32 wd[U][R];
 #pragma unroll
-            for (int u = 0; u < U; u++)
+            for (int t = 0; t < T; t++) {
+                // Tokens past the tile's end read the last row and accumulate into outputs that
+                // are never written: no branch here either.
+                u32 tt = (u32)t < nt ? (u32)t : nt - 1;
+                float xv[E];
+                load_x<E>(x + (u64)(t0 + tt) * ldx + (u64)j * E, xv);
 #pragma unroll
-                for (int r = 0; r < R; r++) wd[u][r] = j0 + 32 * u < words ? wrow[r][j0 + 32 * u] : 0u;
-            over_batch<U>(j0, words, [&](int u, u32 j) {
-                float s[R], b[R];
-                scales(j, s, b);
-                fmas(wd[u], s, b, j);
-            });
-        }
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[t][r] = fmaf(decode<FMT>(wd[u][r], e, s[r], b[r]), xv[e], acc[t][r]);
+            }
+        });
     }
 }
 
@@ -260,9 +220,7 @@ __device__ __forceinline__ void body(const Mat& m, u32 n0, const float* x, u32 l
 
 template <int T, int R>
 __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, u32 n_tok) {
-    // With one token pdl_enter() is in accumulate(), after the first weights are requested (a
-    // warp without rows returns having read nothing); with many, here.
-    if constexpr (T > 1) pdl_enter();
+    pdl_enter();
     u32 g = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;  // first padded row of this warp
     u32 i = 0;
     while (i + 1 < ms.count && g >= ms.m[i + 1].row0) i++;
@@ -279,9 +237,157 @@ __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, 
 #undef CALL
 }
 
-extern "C" __global__ void __launch_bounds__(256) matmul_t1r1(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<1, 1>(ms, x, ldx, n_tok); }
 extern "C" __global__ void __launch_bounds__(256) matmul_t4r2(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<4, 2>(ms, x, ldx, n_tok); }
 extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<8, 4>(ms, x, ldx, n_tok); }
+
+// ---- One token (decode) ----
+//
+// A warp streams row groups (R rows each) gi = first, first + stride, ... < count, each row's
+// words in batches of U per lane (words jb + lane + 32u). Two register buffers alternate: the
+// next batch's weights, scales and biases are requested before the FMAs of the current batch,
+// so a warp keeps a batch in flight while it computes (the grid is sized to the resident
+// warps, so without this the memory system would idle while every warp computes). The first
+// batch is requested before pdl_enter(): weights only, so they arrive while the previous kernel
+// ends. Each lane's words still come in the canonical order (numerics §2).
+
+// Words per lane per batch, for one row and for two (the register budget of two buffers).
+#ifndef T1_U1
+#define T1_U1 8
+#endif
+#ifndef T1_U2
+#define T1_U2 4
+#endif
+
+// Where a row group's weights are and where its outputs go.
+template <int R>
+struct Group {
+    const u32* w[R];
+    const u8* sb[R];
+    u32 mat, n0, nr;  // matrix index in the launch, first row, rows that exist
+};
+
+template <int R, int FMT, int SDT, class RowsOf, class Done>
+__device__ __forceinline__ void stream_t1(u32 words, u32 gshift, u32 first, u32 stride, u32 count, const float* x, RowsOf&& rows_of,
+                                          Done&& done) {
+    const int E = Fmt<FMT>::E, U = R == 1 ? T1_U1 : T1_U2;
+    constexpr bool affine = FMT == 4 || FMT == 8;
+    typedef typename Sb<SDT>::T SbT;
+    const u32 lane = threadIdx.x & 31;
+    struct Buf {
+        u32 wd[U][R];
+        SbT sb[affine ? U : 1][R];
+    };
+    auto load = [&](Buf& d, const Group<R>& g, u32 jb) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            u32 j = jb + lane + 32 * u;
+            bool in = j < words;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                d.wd[u][r] = in ? g.w[r][j] : 0u;
+                if constexpr (affine) d.sb[u][r] = in ? load_sb_raw<SDT>(g.sb[r], (j * E) >> gshift) : SbT{};
+            }
+        }
+    };
+    float acc[R];
+    auto compute = [&](const Buf& d, u32 jb) {
+        over_batch<U>(jb + lane, words, [&](int u, u32 j) {
+            float xv[E];
+            load_x<E>(x + (u64)j * E, xv);
+            float s[R], b[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                s[r] = b[r] = 0.0f;
+                if constexpr (affine) unpack_sb<SDT>(d.sb[u][r], s[r], b[r]);
+            }
+#pragma unroll
+            for (int e = 0; e < E; e++)
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(d.wd[u][r], e, s[r], b[r]), xv[e], acc[r]);
+        });
+    };
+    if (first >= count) {
+        pdl_enter();
+        return;
+    }
+    u32 gi = first, jb = 0;
+    Group<R> g = rows_of(gi);
+    Buf A, B;
+    load(A, g, 0);
+    pdl_enter();
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    // Computes `cur` (group gi, batch jb) after requesting the next batch into `nxt`.
+    auto step = [&](const Buf& cur, Buf& nxt) -> bool {
+        u32 njb = jb + 32 * U, ngi = gi;
+        Group<R> ng = g;
+        if (njb >= words) {
+            njb = 0;
+            ngi = gi + stride;
+            if (ngi < count) ng = rows_of(ngi);
+        }
+        bool more = ngi < count;
+        if (more) load(nxt, ng, njb);
+        compute(cur, jb);
+        if (ngi != gi) {
+            done(g, acc);
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] = 0.0f;
+        }
+        gi = ngi;
+        jb = njb;
+        g = ng;
+        return more;
+    };
+    while (step(A, B) && step(B, A)) {
+    }
+}
+
+// y = W·x (+ res) for one token over the matrices of a launch, which share a format (the host
+// splits launches by format). `groups`: padded rows / R over all matrices.
+template <int R, int FMT, int SDT>
+__device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 groups) {
+    const u32 words = ms.m[0].cols / Fmt<FMT>::E;
+    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? ms.m[0].group : 1);
+    const u32 lane = threadIdx.x & 31;
+    auto rows_of = [&](u32 gi) {
+        Group<R> g;
+        u32 n = gi * R, i = 0;
+        while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
+        const Mat& m = ms.m[i];
+        g.mat = i;
+        g.n0 = n - m.row0;
+        g.nr = m.rows - g.n0 < (u32)R ? m.rows - g.n0 : (u32)R;
+        u64 sbrow = (u64)(m.cols >> gshift) * sb_size(SDT);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            u32 row = g.n0 + ((u32)r < g.nr ? r : 0);
+            g.w[r] = (const u32*)m.w + (u64)row * words;
+            g.sb[r] = m.sb + row * sbrow;
+        }
+        return g;
+    };
+    auto done = [&](const Group<R>& g, const float (&acc)[R]) {
+        const Mat& m = ms.m[g.mat];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float v = fold32(acc[r]);
+            if (lane == 0 && (u32)r < g.nr) {
+                u32 o = g.n0 + r;
+                m.y[o] = v;
+                if (m.res) m.res[o] = m.res[o] + v;
+            }
+        }
+    };
+    stream_t1<R, FMT, SDT>(words, gshift, blockIdx.x * WARPS + (threadIdx.x >> 5), gridDim.x * WARPS, groups, x, rows_of, done);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) matmul_t1r1(Mats ms, const float* x, u32 groups) {
+    u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
+#define CALL(F, S) t1_body<1, F, S>(ms, x, groups)
+    LAYOUT_SWITCH(CALL)
+#undef CALL
+}
 
 // The MLP's gate and up projections with SwiGLU fused: a warp computes row n of both (same
 // arithmetic as two matmul outputs) and writes gate[n], up[n] and act[n] = silu(gate)·up
@@ -309,8 +415,7 @@ __device__ __forceinline__ void pair_body(const Mats& ms, u32 n, const float* x,
 
 template <int T>
 __device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u32 ldx, u32 n_tok, float* act) {
-    // pdl_enter() as in matmul().
-    if constexpr (T > 1) pdl_enter();
+    pdl_enter();
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= ms.m[0].rows) return;
     u32 t0 = blockIdx.y * T;
@@ -322,6 +427,44 @@ __device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u3
 #undef CALL
 }
 
-extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t1(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<1>(ms, x, ldx, n_tok, act); }
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t4(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<4>(ms, x, ldx, n_tok, act); }
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t8(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<8>(ms, x, ldx, n_tok, act); }
+
+// One token: the pair streamed like matmul_t1r1, group n = row n of gate and of up.
+template <int FMT, int SDT>
+__device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, float* act) {
+    const Mat& gm = ms.m[0];
+    const Mat& um = ms.m[1];
+    const u32 words = gm.cols / Fmt<FMT>::E;
+    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? gm.group : 1);
+    const u32 lane = threadIdx.x & 31;
+    const u64 sbrow = (u64)(gm.cols >> gshift) * sb_size(SDT);
+    auto rows_of = [&](u32 n) {
+        Group<2> g;
+        g.mat = 0;
+        g.n0 = n;
+        g.nr = 2;
+        g.w[0] = (const u32*)gm.w + (u64)n * words;
+        g.w[1] = (const u32*)um.w + (u64)n * words;
+        g.sb[0] = gm.sb + n * sbrow;
+        g.sb[1] = um.sb + n * sbrow;
+        return g;
+    };
+    auto done = [&](const Group<2>& g, const float (&acc)[2]) {
+        float gv = fold32(acc[0]);
+        float uv = fold32(acc[1]);
+        if (lane == 0) {
+            gm.y[g.n0] = gv;
+            um.y[g.n0] = uv;
+            act[g.n0] = tf_silu(gv) * uv;
+        }
+    };
+    stream_t1<2, FMT, SDT>(words, gshift, blockIdx.x * WARPS + (threadIdx.x >> 5), gridDim.x * WARPS, gm.rows, x, rows_of, done);
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) matmul_swiglu_t1(Mats ms, const float* x, float* act) {
+    u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
+#define CALL(F, S) pair_t1_body<F, S>(ms, x, act)
+    LAYOUT_SWITCH(CALL)
+#undef CALL
+}
