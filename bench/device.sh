@@ -22,9 +22,10 @@ if [ ! -x /tmp/tf/tensorfold ]; then
 fi
 TF=/tmp/tf/tensorfold
 export TENSORFOLD_SHARED=/tmp/tf/shared TENSORFOLD_CACHE=/tmp/tf/cache
-# Kernels compiled by an earlier call (brought back under $OUT/cache, carried as .device/cache):
-# a cubin is reused only when its source, options, NVRTC version and architecture match.
-if [ -d .device/cache/kernels ]; then mkdir -p /tmp/tf/cache && cp -rn .device/cache/kernels /tmp/tf/cache/; fi
+# Kernels compiled on the build machine (`TENSORFOLD_CACHE=DIR tensorfold kernels --check --cache
+# --arch sm_90`, then `tar -C DIR -cJf .device/cache.tar.xz .`): a cubin is used only when its
+# source, options, NVRTC version and architecture match, so a stale one is merely ignored.
+if [ -f .device/cache.tar.xz ]; then mkdir -p /tmp/tf/cache && tar -C /tmp/tf/cache -xJf .device/cache.tar.xz; fi
 log() { echo "== $*" | tee -a "$OUT/summary.txt"; }
 
 verify_fixtures() {

@@ -36,16 +36,22 @@ pub const SOURCES: &[Source] = &[
     Source { file: "numerics_check.cu", text: include_str!("kernels/numerics_check.cu"), entries: &["numerics_check"] },
 ];
 
-/// The options of docs/numerics.md §1, for `arch` (e.g. `sm_90`).
+/// The options of docs/numerics.md §1, for `arch` (e.g. `sm_90`), then the `-D` definitions of
+/// `TENSORFOLD_CUDA_DEFINES` (space-separated `NAME=VALUE`): a tuning knob for kernel constants
+/// that change scheduling, never arithmetic (e.g. `T1_PREFETCH=8`).
 pub fn options(arch: &str) -> Vec<String> {
-    vec![
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--fmad=false".into(),
         "--prec-div=true".into(),
         "--prec-sqrt=true".into(),
         "--ftz=false".into(),
         "--std=c++17".into(),
-    ]
+    ];
+    if let Ok(defs) = std::env::var("TENSORFOLD_CUDA_DEFINES") {
+        o.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
+    }
+    o
 }
 
 /// Whether libnvrtc can be loaded (without it nothing compiles; the CPU backend still runs).

@@ -323,9 +323,6 @@ pub struct Cuda {
     /// it off): a kernel's blocks are scheduled while the previous kernel ends, hiding the
     /// launch gap between the nodes of a decode graph.
     pdl: bool,
-    /// Blocks of 256 threads the one-token product kernels launch at most: the ones that fit
-    /// on the device at once (they stream their rows; more blocks would only queue).
-    t1_blocks: u32,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -412,15 +409,6 @@ impl Cuda {
         // SAFETY: writes one integer.
         let driver_ok = unsafe { sys::cuDriverGetVersion(&mut driver) } == sys::CUresult::CUDA_SUCCESS && driver >= 12030;
         let pdl = maj >= 9 && driver_ok && std::env::var("TENSORFOLD_CUDA_PDL").map(|v| v != "0").unwrap_or(true);
-        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("multiprocessor count", e))? as u32;
-        let mut per_sm = u32::MAX;
-        for k in ["matmul_t1r1", "matmul_swiglu_t1"] {
-            per_sm = per_sm.min(funcs[k].occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| dev_err("occupancy", e))?.max(1));
-        }
-        // A tuning knob: fewer resident product blocks leave room for the next kernel's.
-        if let Some(n) = std::env::var("TENSORFOLD_CUDA_T1_BLOCKS_PER_SM").ok().and_then(|v| v.parse::<u32>().ok()) {
-            per_sm = n.max(1);
-        }
         Ok(Self {
             _ctx: ctx,
             stream,
@@ -432,7 +420,6 @@ impl Cuda {
             cfg_cache: Mutex::new(None),
             use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
             pdl,
-            t1_blocks: sms * per_sm,
         })
     }
 
@@ -732,8 +719,8 @@ impl Cuda {
         }
         let res = res.map_or(0, |h| ptr(&h.buf, &self.stream));
         if rows == 1 {
-            // One launch per run of matrices stored alike (the streaming kernel is compiled per
-            // format), at most four per launch.
+            // One launch per run of matrices stored alike (the one-token kernel dispatches on
+            // the first matrix's format), at most four per launch.
             let mut i = 0;
             while i < outs.len() {
                 let mut j = i + 1;
@@ -749,7 +736,7 @@ impl Cuda {
                 }
                 d.count = (j - i) as u32;
                 let name = "matmul_t1r1";
-                let grid = (row0.div_ceil(8).min(self.t1_blocks), 1, 1);
+                let grid = (row0.div_ceil(8), 1, 1);
                 let label = self.profiling().then(|| format!("{name} {row0}x{}{}", outs[i].0.cols, if res != 0 { " +res" } else { "" }));
                 self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(row0)) });
                 i = j;
@@ -790,7 +777,7 @@ impl Cuda {
         d.count = 2;
         if rows == 1 {
             let name = "matmul_swiglu_t1";
-            let grid = ((gate_w.rows as u32).div_ceil(8).min(self.t1_blocks), 1, 1);
+            let grid = ((gate_w.rows as u32).div_ceil(8), 1, 1);
             let label = self.profiling().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
             self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).buf(&act.buf)) });
             return;
@@ -1252,14 +1239,23 @@ impl Backend for Cuda {
         let (hk, hv, dk, dv) = (cfg.linear_num_key_heads as u32, cfg.linear_num_value_heads as u32, cfg.linear_key_head_dim as u32, cfg.linear_value_head_dim as u32);
         let nseq = batch.seqs.len() as u32;
         let eps = cfg.rms_norm_eps;
-        self.launch("gdn_conv", |st| unsafe {
-            let a = self.args().buf(&qkv.buf).buf(&w.conv1d).val(kc).val(cd).val(l).buf(&st.seqs).buf(&st.slot_table).buf(st.gdn_y.as_ref().unwrap());
-            self.kernel("gdn_conv", (cd.div_ceil(256), nseq, 1), 256, 0, a)
-        });
+        // One kernel when every key head has one value head (each conv channel then belongs to
+        // one block of gdn_heads); else the conv first (several value heads share q/k windows).
+        let conv_here = u32::from(hv == hk);
+        if conv_here == 0 {
+            self.launch("gdn_conv", |st| unsafe {
+                let a = self.args().buf(&qkv.buf).buf(&w.conv1d).val(kc).val(cd).val(l).buf(&st.seqs).buf(&st.slot_table).buf(st.gdn_y.as_ref().unwrap());
+                self.kernel("gdn_conv", (cd.div_ceil(256), nseq, 1), 256, 0, a)
+            });
+        }
         self.launch("gdn_heads", |st| unsafe {
+            let src = if conv_here == 1 { &qkv.buf } else { st.gdn_y.as_ref().unwrap() };
             let a = self
                 .args()
-                .buf(st.gdn_y.as_ref().unwrap())
+                .buf(src)
+                .buf(&w.conv1d)
+                .val(kc)
+                .val(conv_here)
                 .buf(&z.buf)
                 .buf(&b.buf)
                 .buf(&a.buf)

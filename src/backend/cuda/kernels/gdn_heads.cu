@@ -1,22 +1,29 @@
-// Gated DeltaNet q/k L2 norms, gates, delta rule and gated RMSNorm: one block per (value head,
-// sequence), tokens in order. Every warp normalises the head's q and k itself (the same
+// Gated DeltaNet, the whole step after the input projections: causal depthwise conv + SiLU of
+// the head's q, k and v channels, q/k L2 norms, gates, delta rule and gated RMSNorm. One block
+// per (value head, sequence), tokens in order. Per token, thread c < 2·dk + dv runs the conv of
+// the head's channel c (q channels of key head kappa, then its k channels, then the value head's
+// v channels) into shared memory; the conv window stays in that thread's registers and goes
+// back to the slot at the end. That needs each channel read by one block: with several value
+// heads per key head (Hv > Hk) the q/k windows are shared, so the host runs gdn_conv first and
+// passes its output (`conv_here` = 0), which the threads copy instead. Every warp normalises the head's q and k itself (the same
 // arithmetic in each, no block barrier). The head's state stays in registers for the whole
 // step: warp w holds rows w, w+32, ... (up to 4), lane l holds elements l, l+32, ... (up to 4)
 // of each, which is the canonical lane order of the row's dot products; the warp's rows are
 // processed together.
-// CPU twin: backend::cpu::kernels::gdn_qk_norm, then gdn_head with gdn_rows_ref (numerics §4
-// steps 2-5).
-// Grid: (Hv, n_seqs), block 1024 (32 warps). Needs dk <= 128 and dv <= 128 (checked on the host).
+// CPU twin: backend::cpu::kernels::gdn_conv, gdn_qk_norm, then gdn_head with gdn_rows_ref
+// (numerics §4 steps 1-5).
+// Grid: (Hv, n_seqs), block 1024 (32 warps). Needs dk <= 128, dv <= 128 and kc <= 8 (checked on
+// the host).
 
 #define MAXR 4
 #define MAXL 4
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, const float* z,
+extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, const float* taps, u32 kc, u32 conv_here, const float* z,
                                                              const float* b, const float* a, const float* a_neg, const float* dt_bias,
                                                              const float* norm_w, float eps, u32 hk, u32 hv, u32 dk, u32 dv, u32 layer,
                                                              const SeqDesc* seqs, const SlotDesc* slots, float* out) {
-    pdl_enter();
     __shared__ float o[MAXR * 32];
+    __shared__ float yc[4 * 128];  // the token's conv outputs: q [dk], k [dk], v [dv]
     __shared__ float inv_s;
     u32 h = blockIdx.x;
     SeqDesc sq = seqs[blockIdx.y];
@@ -24,6 +31,13 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, con
     u32 kappa = h / (hv / hk);
     float* state = (float*)slots[sq.slot].rec + ((u64)layer * hv + h) * dv * dk;
     u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // This thread's conv channel (gdn_conv's arithmetic), if any.
+    u32 c = threadIdx.x, nch = 2 * dk + dv;
+    u32 ch = c < dk ? kappa * dk + c : c < 2 * dk ? key_dim + kappa * dk + (c - dk) : 2 * key_dim + h * dv + (c - 2 * dk);
+    float* conv = (float*)slots[sq.slot].conv + (u64)layer * (kc - 1) * cd;
+    float win[8];
+    if (conv_here && c < nch)
+        for (u32 j = 0; j + 1 < kc; j++) win[j] = conv[(u64)j * cd + ch];
     float S[MAXR][MAXL];
 #pragma unroll
     for (int q = 0; q < MAXR; q++)
@@ -32,14 +46,32 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, con
             u32 j = warp + 32 * q, i = lane + 32 * e;
             S[q][e] = (j < dv && i < dk) ? state[(u64)j * dk + i] : 0.0f;
         }
+    // The recurrent state and conv windows were last written by this kernel in an earlier step,
+    // which had completed before the kernel before this one began (stream order with
+    // programmatic dependent launch), and the slot and sequence tables are written by the host
+    // before the step: all may be read before waiting on the previous kernel (the projection
+    // that writes the conv input, or gdn_conv).
+    pdl_enter();
     for (u32 t = 0; t < sq.len; t++) {
         u64 row = sq.first_row + t;
+        if (c < nch) {
+            if (conv_here) {
+                win[kc - 1] = src[row * cd + ch];
+                float acc = 0.0f;
+                for (u32 j = 0; j < kc; j++) acc = fmaf(taps[(u64)ch * kc + j], win[j], acc);
+                yc[c] = tf_silu(acc);
+                for (u32 j = 0; j + 1 < kc; j++) win[j] = win[j + 1];
+            } else {
+                yc[c] = src[row * cd + ch];
+            }
+        }
+        __syncthreads();
         float beta = tf_sigmoid(b[row * hv + h]);
         float alpha = tf_exp(a_neg[h] * tf_softplus(a[row * hv + h] + dt_bias[h]));
         // q/k L2 norm of key head kappa (gdn_qk_norm's arithmetic)
-        const float* qh = y + row * cd + (u64)kappa * dk;
-        const float* kh = y + row * cd + key_dim + (u64)kappa * dk;
-        const float* v = y + row * cd + 2 * key_dim + (u64)h * dv;
+        const float* qh = yc;
+        const float* kh = yc + dk;
+        const float* v = yc + 2 * dk;
         float q_scale = tf_rsqrt((float)dk);
         float inv_q = tf_rsqrt(warp_dot(qh, qh, dk) + 1e-6f);
         float inv_k = tf_rsqrt(warp_dot(kh, kh, dk) + 1e-6f);
@@ -108,4 +140,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* y, con
             u32 j = warp + 32 * q, i = lane + 32 * e;
             if (j < dv && i < dk) state[(u64)j * dk + i] = S[q][e];
         }
+    if (conv_here && c < nch)
+        for (u32 j = 0; j + 1 < kc; j++) conv[(u64)j * cd + ch] = win[j];
 }

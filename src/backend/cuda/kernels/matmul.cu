@@ -7,8 +7,8 @@
 // A warp computes R rows of one matrix for a tile of T tokens, so each weight word is loaded
 // once per T tokens and each input value once per R rows. The arithmetic of an output does not
 // depend on T or R. Prompt kernels (T > 1): grid (ceil(padded_rows / (R·8)), ceil(tokens / T)),
-// block 256. One-token kernels stream: each warp takes row groups first, first + stride, ... and
-// requests the next batch of weights before the FMAs of the current one (stream_t1).
+// block 256. One-token kernels: a warp per row (or gate/up pair), requesting the next batch of
+// weights before the FMAs of the current one (group_t1).
 
 struct Mat {
     const u8* w;   // codes (affine) or values (float), row-major
@@ -242,20 +242,24 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 
 // ---- One token (decode) ----
 //
-// A warp streams row groups (R rows each) gi = first, first + stride, ... < count, each row's
-// words in batches of U per lane (words jb + lane + 32u). Two register buffers alternate: the
-// next batch's weights, scales and biases are requested before the FMAs of the current batch,
-// so a warp keeps a batch in flight while it computes (the grid is sized to the resident
-// warps, so without this the memory system would idle while every warp computes). The first
-// batch is requested before pdl_enter(): weights only, so they arrive while the previous kernel
-// ends. Each lane's words still come in the canonical order (numerics §2).
+// A warp computes one group of R rows, each row's words in batches of U per lane (words
+// jb + lane + 32u). Two register buffers alternate: the next batch's weights, scales and biases
+// are requested before the FMAs of the current one, so a row longer than one batch keeps a
+// batch in flight while the warp computes. The first batch is requested before pdl_enter():
+// weights only, so they arrive while the previous kernel ends. Each lane's words still come in
+// the canonical order (numerics §2).
 
-// Words per lane per batch, for one row and for two (the register budget of two buffers).
+// Words per lane per batch, for one row and for two; with 64 registers (4 blocks of 256 per
+// multiprocessor) two buffers fit without spilling. (Measured on the H200, 2b decode: 1.50 ms
+// per token with these, 1.55-1.66 with 8/4 words at 2-3 blocks.)
 #ifndef T1_U1
-#define T1_U1 8
+#define T1_U1 4
 #endif
 #ifndef T1_U2
-#define T1_U2 4
+#define T1_U2 2
+#endif
+#ifndef T1_MINB
+#define T1_MINB 4
 #endif
 
 // Where a row group's weights are and where its outputs go.
@@ -266,9 +270,9 @@ struct Group {
     u32 mat, n0, nr;  // matrix index in the launch, first row, rows that exist
 };
 
-template <int R, int FMT, int SDT, class RowsOf, class Done>
-__device__ __forceinline__ void stream_t1(u32 words, u32 gshift, u32 first, u32 stride, u32 count, const float* x, RowsOf&& rows_of,
-                                          Done&& done) {
+// Accumulates group g into acc[R] (each lane's partial sums), then calls done(g, acc).
+template <int R, int FMT, int SDT, class Done>
+__device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& g, const float* x, Done&& done) {
     const int E = Fmt<FMT>::E, U = R == 1 ? T1_U1 : T1_U2;
     constexpr bool affine = FMT == 4 || FMT == 8;
     typedef typename Sb<SDT>::T SbT;
@@ -277,7 +281,7 @@ __device__ __forceinline__ void stream_t1(u32 words, u32 gshift, u32 first, u32 
         u32 wd[U][R];
         SbT sb[affine ? U : 1][R];
     };
-    auto load = [&](Buf& d, const Group<R>& g, u32 jb) {
+    auto load = [&](Buf& d, u32 jb) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             u32 j = jb + lane + 32 * u;
@@ -290,6 +294,8 @@ __device__ __forceinline__ void stream_t1(u32 words, u32 gshift, u32 first, u32 
         }
     };
     float acc[R];
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
     auto compute = [&](const Buf& d, u32 jb) {
         over_batch<U>(jb + lane, words, [&](int u, u32 j) {
             float xv[E];
@@ -306,47 +312,28 @@ __device__ __forceinline__ void stream_t1(u32 words, u32 gshift, u32 first, u32 
                 for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(d.wd[u][r], e, s[r], b[r]), xv[e], acc[r]);
         });
     };
-    if (first >= count) {
-        pdl_enter();
-        return;
-    }
-    u32 gi = first, jb = 0;
-    Group<R> g = rows_of(gi);
     Buf A, B;
-    load(A, g, 0);
+    load(A, 0);
     pdl_enter();
-#pragma unroll
-    for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    // Computes `cur` (group gi, batch jb) after requesting the next batch into `nxt`.
+    // Computes `cur` (batch jb) after requesting the next batch into `nxt`.
+    u32 jb = 0;
     auto step = [&](const Buf& cur, Buf& nxt) -> bool {
-        u32 njb = jb + 32 * U, ngi = gi;
-        Group<R> ng = g;
-        if (njb >= words) {
-            njb = 0;
-            ngi = gi + stride;
-            if (ngi < count) ng = rows_of(ngi);
-        }
-        bool more = ngi < count;
-        if (more) load(nxt, ng, njb);
+        u32 njb = jb + 32 * U;
+        bool more = njb < words;
+        if (more) load(nxt, njb);
         compute(cur, jb);
-        if (ngi != gi) {
-            done(g, acc);
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[r] = 0.0f;
-        }
-        gi = ngi;
         jb = njb;
-        g = ng;
         return more;
     };
     while (step(A, B) && step(B, A)) {
     }
+    done(g, acc);
 }
 
-// y = W·x (+ res) for one token over the matrices of a launch, which share a format (the host
-// splits launches by format). `groups`: padded rows / R over all matrices.
+// y = W·x (+ res) for one token: row group gi over the matrices of a launch, which share a
+// format (the host splits launches by format).
 template <int R, int FMT, int SDT>
-__device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 groups) {
+__device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 gi) {
     const u32 words = ms.m[0].cols / Fmt<FMT>::E;
     const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? ms.m[0].group : 1);
     const u32 lane = threadIdx.x & 31;
@@ -379,12 +366,16 @@ __device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 grou
             }
         }
     };
-    stream_t1<R, FMT, SDT>(words, gshift, blockIdx.x * WARPS + (threadIdx.x >> 5), gridDim.x * WARPS, groups, x, rows_of, done);
+    group_t1<R, FMT, SDT>(words, gshift, rows_of(gi), x, done);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) matmul_t1r1(Mats ms, const float* x, u32 groups) {
+// Grid: ceil(rows / 8) over the launch's matrices (which share a format: the host splits
+// launches by format), block 256: warp gi computes row gi.
+extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) {
+    u32 gi = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (gi >= rows) return;  // having read nothing
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
-#define CALL(F, S) t1_body<1, F, S>(ms, x, groups)
+#define CALL(F, S) t1_body<1, F, S>(ms, x, gi)
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
@@ -430,7 +421,7 @@ __device__ __forceinline__ void matmul_swiglu(const Mats& ms, const float* x, u3
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t4(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<4>(ms, x, ldx, n_tok, act); }
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t8(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<8>(ms, x, ldx, n_tok, act); }
 
-// One token: the pair streamed like matmul_t1r1, group n = row n of gate and of up.
+// One token: as matmul_t1r1, warp n computing row n of gate and of up. Grid ceil(rows / 8).
 template <int FMT, int SDT>
 __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, float* act) {
     const Mat& gm = ms.m[0];
@@ -459,10 +450,12 @@ __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, flo
             act[g.n0] = tf_silu(gv) * uv;
         }
     };
-    stream_t1<2, FMT, SDT>(words, gshift, blockIdx.x * WARPS + (threadIdx.x >> 5), gridDim.x * WARPS, gm.rows, x, rows_of, done);
+    u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (n >= gm.rows) return;  // having read nothing
+    group_t1<2, FMT, SDT>(words, gshift, rows_of(n), x, done);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) matmul_swiglu_t1(Mats ms, const float* x, float* act) {
+extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats ms, const float* x, float* act) {
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
 #define CALL(F, S) pair_t1_body<F, S>(ms, x, act)
     LAYOUT_SWITCH(CALL)
