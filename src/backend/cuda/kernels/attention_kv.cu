@@ -5,14 +5,16 @@
 extern "C" __global__ void attn_write_kv(const float* k, const float* v, const float* k_norm, float eps,
                                          const float* rope, u32 rd, u32 hkv, u32 dh, u32 layer, u32 max_pages,
                                          const RowDesc* rows, const SlotDesc* slots) {
-    pdl_enter();
     u64 r = blockIdx.x;
     u32 g = blockIdx.y, lane = threadIdx.x;
+    // The row, slot and page tables come from the host before the step: followed without
+    // waiting on the previous kernel (which writes k and v).
     RowDesc row = rows[r];
     const u64* pages = (const u64*)slots[row.slot].pages + (u64)layer * 2 * max_pages;
     u64 off = ((u64)(row.pos % TILE) * hkv + g) * dh;
     float* kd = (float*)pages[row.pos / TILE] + off;
     float* vd = (float*)pages[max_pages + row.pos / TILE] + off;
+    pdl_enter();
     const float* kr = k + r * hkv * dh + (u64)g * dh;
     const float* vr = v + r * hkv * dh + (u64)g * dh;
     float inv = tf_rsqrt(warp_dot(kr, kr, dh) / (float)dh + eps);

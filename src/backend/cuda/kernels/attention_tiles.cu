@@ -7,7 +7,6 @@
 extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, float eps, const float* rope,
                                       u32 rd, u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles,
                                       const RowDesc* rows, const SlotDesc* slots, float* part) {
-    pdl_enter();
     __shared__ float q[256];
     __shared__ float e[TILE];
     __shared__ float red[8];
@@ -20,6 +19,9 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
     if (blockIdx.y >= n_tiles) return;
     u32 g = h / (hq / hkv);
     const u64* pages = (const u64*)slots[row.slot].pages + (u64)layer * 2 * max_pages;
+    // The row, slot and page tables come from the host before the step: read above without
+    // waiting; the queries and the new key and value rows come from the previous kernels.
+    pdl_enter();
     // q: RMSNorm with q_norm, then RoPE (attention_group).
     const float* qr = q_gate + (u64)r * hq * 2 * dh + (u64)h * 2 * dh;
     if (warp == 0) {

@@ -139,8 +139,12 @@ __device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }
 // Programmatic dependent launch (sm_90 and later; elsewhere these compile to nothing and the
 // host launches without it). A kernel launched with it may start while the previous kernel of
 // the stream is still running: pdl_enter() waits until that kernel has completed and its writes
-// are visible, then lets the next kernel start. Every step kernel calls it before it reads
-// anything but weights (never written during a step) and before it writes anything.
+// are visible, then lets the next kernel start. Every step kernel calls it before it writes
+// anything and before it reads what the previous kernel may write. Before it a kernel reads
+// only weights, the tables the host writes before the step (rows, sequences, slots, KV page
+// pointers), and state that only this same kernel writes (a layer's GDN state, last written in
+// an earlier step: when this kernel starts, the previous one has passed its own pdl_enter(), so
+// every kernel before that has completed).
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
