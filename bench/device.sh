@@ -39,6 +39,11 @@ verify_fixtures() {
       $TF verify -m $TENSORFOLD_SHARED/$m --steps 200 $p 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
     done
   done
+  # 8-bit, group 32 and 128, and per-module mixed quantization (a one-token launch split by format).
+  for m in tests/data/quant/*/; do
+    log "verify $m (300-token prompt)"
+    $TF verify -m $m --steps 200 --random-prompt 300 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  done
   log "verify demo model"
   $TF verify --steps 200 2>&1 | tail -3 | tee -a "$OUT/summary.txt"
   log "run on the GPU"
