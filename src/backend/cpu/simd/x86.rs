@@ -802,7 +802,7 @@ unsafe fn q4_step<V: V16, const MR: usize, const RB: usize, const E: u32>(xb: *c
 
 /// Bytes ahead of the current weight codes that the decode kernel asks the cache for: enough
 /// requests in flight to cover the memory latency on a bandwidth-starved core.
-const PREFETCH_BYTES: usize = 2048;
+const PREFETCH_BYTES: usize = 4096;
 
 /// `RB` rows from `n` of a 4-bit matrix against all `MR` tokens of `xt`; `buf` holds
 /// `RB · 2 · (groups + 8)` floats.
