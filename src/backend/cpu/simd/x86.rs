@@ -956,7 +956,7 @@ unsafe fn q4_lut_rows<const MR: usize, const RB: usize, const TWO: bool>(q: &Q4,
         q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, c, 0, &mut a0);
         q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, c, 1, &mut a1);
     }
-    if q.words % 32 != 0 {
+    if !q.words.is_multiple_of(32) {
         // A last lone half (Q4 rows are whole halves).
         q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, full, 0, &mut a0);
     }
