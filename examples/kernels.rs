@@ -31,20 +31,38 @@ fn main() {
     let x: Vec<f32> = (0..tokens * cols).map(|_| (next() % 1000) as f32 / 1000.0 - 0.5).collect();
     let xt = Transposed::new(&x, tokens, cols, 8);
     let mut y = vec![0.0f32; tokens * rows];
-    let mut panel = Vec::new();
     let only = std::env::var("ISA").ok();
     for isa in Isa::available().into_iter().rev().filter(|i| only.as_deref().is_none_or(|o| o == i.name())) {
         let mut best = f64::MAX;
         for _ in 0..reps {
             let t = Instant::now();
-            // In tasks of `TASK` rows, as the backend splits a product.
+            // In tasks of `TASK` rows, as the backend splits a product; `THREADS` threads each
+            // take a contiguous share of the rows (the memory-bound case needs every core).
             let task: usize = std::env::var("TASK").ok().and_then(|s| s.parse().ok()).unwrap_or(rows);
-            let mut n = 0;
-            while n < rows {
-                let c = task.min(rows - n);
-                unsafe { simd::matmul(isa, &w, &xt, y.as_mut_ptr(), rows, n, c, &mut panel) };
-                n += c;
-            }
+            let threads: usize = std::env::var("THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+            let yp = y.as_mut_ptr() as usize;
+            std::thread::scope(|sc| {
+                for th in 0..threads {
+                    let (w, xt) = (&w, &xt);
+                    let part = move || {
+                        let (r0, r1) = (rows * th / threads, rows * (th + 1) / threads);
+                        let mut panel = Vec::new();
+                        let mut n = r0;
+                        while n < r1 {
+                            let c = task.min(r1 - n);
+                            unsafe { simd::matmul(isa, w, xt, yp as *mut f32, rows, n, c, &mut panel) };
+                            n += c;
+                        }
+                    };
+                    // One thread runs here: spawning one per call would cost more than a
+                    // cache-resident product.
+                    if threads == 1 {
+                        part();
+                    } else {
+                        sc.spawn(part);
+                    }
+                }
+            });
             best = best.min(t.elapsed().as_secs_f64());
             if isa == Isa::Portable {
                 break;

@@ -310,6 +310,33 @@ fn no_nan(x: f32) -> f32 {
 /// # Panics
 /// If `logits` is empty (a model never produces an empty row).
 pub fn argmax(logits: &[f32]) -> u32 {
+    assert!(!logits.is_empty(), "argmax of an empty logits row");
+    // The id `argmax_with` gives (the first index holding the largest value, NaN as −inf), in
+    // two passes that vectorise: a decode step runs this over the whole vocabulary.
+    // Pass 1: the largest value, over 16 independent lanes (`x > m` skips NaN).
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = logits.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &x) in lanes.iter_mut().zip(c) {
+            if x > *m {
+                *m = x;
+            }
+        }
+    }
+    let m = lanes.iter().chain(tail).fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    if m == f32::NEG_INFINITY {
+        // Every value is −inf or NaN: the first one (NaN counts as −inf).
+        return 0;
+    }
+    // Pass 2: the first index holding it (`==`, so +0 and −0 are one value, as `>` sees them).
+    let mut base = 0;
+    for c in logits.chunks(16) {
+        if c.iter().fold(false, |hit, &x| hit | (x == m)) {
+            return (base + c.iter().position(|&x| x == m).unwrap_or(0)) as u32;
+        }
+        base += c.len();
+    }
     argmax_with(logits, &[])
 }
 
@@ -607,6 +634,25 @@ mod tests {
         assert_eq!(argmax(&[f32::NAN, -1e30, f32::NAN]), 1);
         assert_eq!(argmax(&[f32::NEG_INFINITY; 3]), 0);
         assert_eq!(argmax(&[f32::NAN; 2]), 0);
+    }
+
+    #[test]
+    fn two_pass_argmax_is_the_sequential_scan() {
+        // Few distinct values (many ties), ±0, ±inf and NaN, at lengths around the 16-wide
+        // chunks; the maximum early, late, in the tail.
+        let pool = [0.0, -0.0, 1.5, -2.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1.5, -0.0];
+        let mut state = 3u64;
+        for len in (1..70).chain([1000, 4099]) {
+            for _ in 0..20 {
+                let row: Vec<f32> = (0..len)
+                    .map(|_| {
+                        state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        pool[(state >> 33) as usize % pool.len()]
+                    })
+                    .collect();
+                assert_eq!(argmax(&row), argmax_with(&row, &[]), "{row:?}");
+            }
+        }
     }
 
     #[test]

@@ -460,6 +460,12 @@ impl Backend for Cpu {
         }
     }
 
+    fn argmax_read(&self, logits: &Tensor, rows: usize, v_eff: usize) -> Result<Vec<u32>, BackendError> {
+        // In place: the default copies the logits rows out first.
+        let c = logits.cols;
+        Ok((0..rows).map(|r| crate::sampling::argmax(&logits.data[r * c..r * c + v_eff])).collect())
+    }
+
     fn gather_rows(&self, x: &Tensor, batch: &Batch, out: &mut Tensor) {
         let c = x.cols;
         for (i, &r) in batch.logit_rows.iter().enumerate() {

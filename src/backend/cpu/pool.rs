@@ -3,13 +3,19 @@
 //! Decode runs a few hundred parallel regions per token, each only tens of microseconds long,
 //! so the cost of starting one matters (candle#3134, #3627; rust-notes.md §6.3). Workers here
 //! stay alive, spin briefly on a generation counter when a region ends, then sleep on a
-//! condition variable. A region hands out task indices from an atomic counter; the calling
-//! thread works too, and returns when every task has finished.
+//! condition variable. A region gives each thread (the calling thread works too) a contiguous
+//! share of the task indices, which it runs in increasing order; a thread whose share is done
+//! takes tasks from the end of another's. The caller returns when every task has finished.
+//!
+//! Contiguous shares matter for decode: the tasks of a matrix product are consecutive runs of
+//! weight rows, so a thread streams one region of memory from start to end (its prefetches
+//! run on into its own next task) instead of jumping between interleaved tasks, and claiming
+//! a task touches only the thread's own cache line until the shares run out.
 //!
 //! Which thread runs which task never affects results: every task writes its own outputs with
 //! the same arithmetic.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -17,9 +23,32 @@ use std::thread::JoinHandle;
 struct Job {
     /// `&(dyn Fn(usize) + Sync)` with its lifetime erased; valid until `remaining` reaches 0.
     f: *const (dyn Fn(usize) + Sync),
-    tasks: usize,
-    next: AtomicUsize,
+    /// Per thread, the tasks of its share not yet started: `front << 32 | back`, the range
+    /// `front..back`; the owner takes from the front, others from the back.
+    shares: Box<[Share]>,
     remaining: AtomicUsize,
+}
+
+/// One thread's share of a job's tasks, on its own cache line.
+#[repr(align(64))]
+struct Share(AtomicU64);
+
+impl Share {
+    /// Claims the first (`front`) or last task of the share, if any is left.
+    fn claim(&self, front: bool) -> Option<usize> {
+        let mut cur = self.0.load(Ordering::Relaxed);
+        loop {
+            let (f, b) = (cur >> 32, cur & 0xffff_ffff);
+            if f >= b {
+                return None;
+            }
+            let (next, task) = if front { ((f + 1) << 32 | b, f) } else { (f << 32 | (b - 1), b - 1) };
+            match self.0.compare_exchange_weak(cur, next, Ordering::Relaxed, Ordering::Relaxed) {
+                Ok(_) => return Some(task as usize),
+                Err(v) => cur = v,
+            }
+        }
+    }
 }
 
 // SAFETY: the closure is `Sync`, and the pointer is only dereferenced while the caller of
@@ -32,6 +61,9 @@ struct Shared {
     slot: Mutex<(u64, Option<Arc<Job>>)>,
     wake: Condvar,
     generation: AtomicUsize,
+    /// Workers asleep on `wake` (changed only under `slot`'s lock): a region wakes them only
+    /// when there are any, so back-to-back regions with spinning workers make no system call.
+    sleepers: AtomicUsize,
     shutdown: std::sync::atomic::AtomicBool,
 }
 
@@ -74,12 +106,13 @@ impl ThreadPool {
             slot: Mutex::new((0, None)),
             wake: Condvar::new(),
             generation: AtomicUsize::new(0),
+            sleepers: AtomicUsize::new(0),
             shutdown: std::sync::atomic::AtomicBool::new(false),
         });
         let workers = (1..threads)
             .map(|i| {
                 let s = shared.clone();
-                std::thread::Builder::new().name(format!("tensorfold-cpu-{i}")).spawn(move || worker(&s)).expect("spawn CPU worker thread")
+                std::thread::Builder::new().name(format!("tensorfold-cpu-{i}")).spawn(move || worker(&s, i)).expect("spawn CPU worker thread")
             })
             .collect();
         Self { shared, workers, threads }
@@ -102,15 +135,24 @@ impl ThreadPool {
         // SAFETY: we erase the lifetime of `f`; `run` does not return before every task has
         // completed (`remaining == 0`), and workers never touch `f` after finishing a task.
         let f_static: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
-        let job = Arc::new(Job { f: f_static, tasks, next: AtomicUsize::new(0), remaining: AtomicUsize::new(tasks) });
-        {
+        // Task indices fit the 32-bit halves of a share (a region has at most thousands).
+        assert!(tasks < 1 << 32, "{tasks} tasks in one region");
+        let t = self.threads;
+        let shares = (0..t).map(|i| Share(AtomicU64::new(((tasks * i / t) as u64) << 32 | (tasks * (i + 1) / t) as u64))).collect();
+        let job = Arc::new(Job { f: f_static, shares, remaining: AtomicUsize::new(tasks) });
+        let sleepers = {
             let mut slot = self.shared.slot.lock().unwrap();
             slot.0 += 1;
             slot.1 = Some(job.clone());
             self.shared.generation.fetch_add(1, Ordering::Release);
+            // Read under the lock: a worker going to sleep counts itself under it too, after
+            // which it re-checks the generation, so none is missed.
+            self.shared.sleepers.load(Ordering::Relaxed)
+        };
+        if sleepers > 0 {
+            self.shared.wake.notify_all();
         }
-        self.shared.wake.notify_all();
-        work_on(&job);
+        work_on(&job, 0);
         let mut spins = 0;
         while job.remaining.load(Ordering::Acquire) != 0 {
             backoff(spins);
@@ -120,19 +162,26 @@ impl ThreadPool {
     }
 }
 
-fn work_on(job: &Job) {
-    loop {
-        let i = job.next.fetch_add(1, Ordering::Relaxed);
-        if i >= job.tasks {
-            return;
+/// Runs tasks of `job` as thread `me`: its own share from the front, then the others' from
+/// the back; counts them off `remaining` once at the end (one shared write per thread).
+fn work_on(job: &Job, me: usize) {
+    let t = job.shares.len();
+    let mut done = 0;
+    for k in 0..t {
+        let share = &job.shares[(me + k) % t];
+        while let Some(i) = share.claim(k == 0) {
+            // SAFETY: see `ThreadPool::run`: the closure outlives every task.
+            unsafe { (*job.f)(i) };
+            done += 1;
         }
-        // SAFETY: see `ThreadPool::run`: the closure outlives every task.
-        unsafe { (*job.f)(i) };
-        job.remaining.fetch_sub(1, Ordering::Release);
+    }
+    if done > 0 {
+        job.remaining.fetch_sub(done, Ordering::Release);
     }
 }
 
-fn worker(s: &Shared) {
+/// Worker `me` (1 ..; the caller of `run` is thread 0).
+fn worker(s: &Shared, me: usize) {
     let mut seen = 0usize;
     loop {
         // Spin on the generation counter, then sleep.
@@ -148,14 +197,16 @@ fn worker(s: &Shared) {
             }
             let guard = s.slot.lock().unwrap();
             if s.generation.load(Ordering::Acquire) == seen && !s.shutdown.load(Ordering::Relaxed) {
+                s.sleepers.fetch_add(1, Ordering::Relaxed);
                 let _guard = s.wake.wait(guard).unwrap();
+                s.sleepers.fetch_sub(1, Ordering::Relaxed);
             }
             spins = 0;
         }
         seen = s.generation.load(Ordering::Acquire);
         let job = s.slot.lock().unwrap().1.clone();
         if let Some(job) = job {
-            work_on(&job);
+            work_on(&job, me);
         }
     }
 }

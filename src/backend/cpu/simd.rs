@@ -451,6 +451,8 @@ mod tests {
             (4, 16, FloatType::BF16),
             (4, 64, FloatType::F16),
             (4, 32, FloatType::F32),
+            (4, 64, FloatType::F32),
+            (4, 256, FloatType::BF16),
             (8, 32, FloatType::BF16),
             (8, 64, FloatType::BF16),
         ];

@@ -802,7 +802,7 @@ unsafe fn q4_step<V: V16, const MR: usize, const RB: usize, const E: u32>(xb: *c
 
 /// Bytes ahead of the current weight codes that the decode kernel asks the cache for: enough
 /// requests in flight to cover the memory latency on a bandwidth-starved core.
-const PREFETCH_BYTES: usize = 2048;
+const PREFETCH_BYTES: usize = 4096;
 
 /// `RB` rows from `n` of a 4-bit matrix against all `MR` tokens of `xt`; `buf` holds
 /// `RB · 2 · (groups + 8)` floats.
@@ -847,6 +847,157 @@ unsafe fn q4_matvec<V: V16, const MR: usize, const RB: usize>(q: &Q4, xt: &Trans
         q4_rows::<V, MR, 1>(q, xt, n, y, ldy, scratch);
         n += 1;
     }
+}
+
+/// `n` scales (or biases) of type `sdt` at `src` widened to f32 at `dst` (exact), 16 at a time.
+#[inline(always)]
+unsafe fn widen_avx512(sdt: FloatType, src: *const u8, n: usize, dst: *mut f32) {
+    let mut g = 0;
+    while g < n {
+        let k = (n - g).min(16);
+        let m = ((1u32 << k) - 1) as __mmask16;
+        let v = match sdt {
+            FloatType::BF16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src.add(2 * g) as *const i16)))),
+            FloatType::F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src.add(2 * g) as *const i16)),
+            FloatType::F32 => _mm512_maskz_loadu_ps(m, src.add(4 * g) as *const f32),
+        };
+        _mm512_mask_storeu_ps(dst.add(g), m, v);
+        g += 16;
+    }
+}
+
+/// The 16 decoded values `fma(scale, q, bias)`, `q = 0..15`, of the group whose widened scale
+/// is at `s` and bias at `b`: the value of a code is then one lookup (the same FMA on the same
+/// inputs as decoding the code in place, so the same bits).
+#[inline(always)]
+unsafe fn group_table(s: *const f32, b: *const f32) -> __m512 {
+    let q = _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
+    _mm512_fmadd_ps(_mm512_set1_ps(*s), q, _mm512_set1_ps(*b))
+}
+
+/// Half `h` of chunk `c` of `RB` rows against `MR` tokens, AVX-512, groups of 64 or more
+/// elements: each group's 16 possible values are computed once ([`group_table`]) and every
+/// code becomes its value by one permute, so a weight costs its lookup and its lane FMA
+/// (numerics §2, §2.1; the bits of [`q4_half`]). With `TWO` (groups of 64) lanes 0–7 and 8–15
+/// of a half lie in two groups: the index of a code gets bit 4 set on lanes 8–15 and a
+/// two-table permute picks the group; with larger groups the half lies in one group, and the
+/// permute reads only the index's low 4 bits, which are the code after a shift.
+#[inline(always)]
+unsafe fn q4_lut_step<const MR: usize, const RB: usize, const TWO: bool>(q: &Q4, rows: [*const u8; RB], sb: [*const f32; RB], xt: &Transposed, c: usize, h: usize, acc: &mut [[__m512; RB]; MR]) {
+    let (xstride, half) = (xt.stride(), xt.half());
+    let boff = q.groups + 8;
+    let nib = _mm512_set1_epi32(0x0f0f_0f0f);
+    // Bit 4 of every byte on lanes 8–15: the second group's table.
+    let hi_lanes = _mm512_mask_blend_epi32(0xff00, _mm512_setzero_si512(), _mm512_set1_epi32(0x1010_1010));
+    let first_word = c * 32 + 16 * h;
+    let g0 = (first_word * 8) >> q.gs_log2;
+    let xb = xt.ptr().add(h * half + c * 8 * 16);
+    for r in 0..RB {
+        let w = _mm512_loadu_si512(rows[r].add(first_word * 4) as *const _);
+        let ta = group_table(sb[r].add(g0), sb[r].add(boff + g0));
+        let mut wv = [_mm512_setzero_ps(); 8];
+        if TWO {
+            let tb = group_table(sb[r].add(g0 + 1), sb[r].add(boff + g0 + 1));
+            // (w & 0x0f…) | bit 4 on lanes 8–15: byte k holds element 2k's index; the same of
+            // w >> 4 holds element 2k + 1's.
+            let even = _mm512_ternarylogic_epi32::<0xea>(w, nib, hi_lanes);
+            let odd = _mm512_ternarylogic_epi32::<0xea>(_mm512_srli_epi32::<4>(w), nib, hi_lanes);
+            wv[0] = _mm512_permutex2var_ps(ta, even, tb);
+            wv[1] = _mm512_permutex2var_ps(ta, odd, tb);
+            wv[2] = _mm512_permutex2var_ps(ta, _mm512_srli_epi32::<8>(even), tb);
+            wv[3] = _mm512_permutex2var_ps(ta, _mm512_srli_epi32::<8>(odd), tb);
+            wv[4] = _mm512_permutex2var_ps(ta, _mm512_srli_epi32::<16>(even), tb);
+            wv[5] = _mm512_permutex2var_ps(ta, _mm512_srli_epi32::<16>(odd), tb);
+            wv[6] = _mm512_permutex2var_ps(ta, _mm512_srli_epi32::<24>(even), tb);
+            wv[7] = _mm512_permutex2var_ps(ta, _mm512_srli_epi32::<24>(odd), tb);
+        } else {
+            wv[0] = _mm512_permutexvar_ps(w, ta);
+            wv[1] = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(w), ta);
+            wv[2] = _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(w), ta);
+            wv[3] = _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(w), ta);
+            wv[4] = _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(w), ta);
+            wv[5] = _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(w), ta);
+            wv[6] = _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(w), ta);
+            wv[7] = _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(w), ta);
+        }
+        for e in 0..8 {
+            for i in 0..MR {
+                acc[i][r] = _mm512_fmadd_ps(wv[e], _mm512_loadu_ps(xb.add(i * xstride + e * 16)), acc[i][r]);
+            }
+        }
+    }
+}
+
+/// `RB` rows from `n` of a 4-bit matrix with groups of 64+ against all `MR` tokens of `xt`
+/// ([`q4_lut_step`]); `buf` holds `RB · 2 · (groups + 8)` floats.
+#[inline(always)]
+unsafe fn q4_lut_rows<const MR: usize, const RB: usize, const TWO: bool>(q: &Q4, xt: &Transposed, n: usize, y: *mut f32, ldy: usize, buf: &mut [f32]) {
+    let per = 2 * (q.groups + 8);
+    let sbytes = q.groups * q.sdt.size();
+    let mut rows = [std::ptr::null::<u8>(); RB];
+    let mut sb = [std::ptr::null::<f32>(); RB];
+    for r in 0..RB {
+        let p = buf.as_mut_ptr().add(r * per);
+        widen_avx512(q.sdt, q.scales.as_ptr().add((n + r) * sbytes), q.groups, p);
+        widen_avx512(q.sdt, q.biases.as_ptr().add((n + r) * sbytes), q.groups, p.add(q.groups + 8));
+        sb[r] = p;
+        rows[r] = q.codes.as_ptr().add((n + r) * q.words * 4);
+    }
+    // Both halves of a chunk at once: 2·RB·MR independent FMA chains (a lane's own chain is
+    // serial, 4 cycles an FMA), and the chunk's two cache lines used together.
+    let mut a0 = [[_mm512_setzero_ps(); RB]; MR];
+    let mut a1 = [[_mm512_setzero_ps(); RB]; MR];
+    let full = q.words / 32;
+    for c in 0..full {
+        for r in 0..RB {
+            _mm_prefetch::<_MM_HINT_T0>(rows[r].add(c * 128 + PREFETCH_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(rows[r].add(c * 128 + 64 + PREFETCH_BYTES) as *const i8);
+        }
+        q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, c, 0, &mut a0);
+        q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, c, 1, &mut a1);
+    }
+    if !q.words.is_multiple_of(32) {
+        // A last lone half (Q4 rows are whole halves).
+        q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, full, 0, &mut a0);
+    }
+    for i in 0..MR {
+        for r in 0..RB {
+            *y.add(i * ldy + n + r) = Z::fold(Z(a0[i][r]), Z(a1[i][r]));
+        }
+    }
+}
+
+/// Few tokens (decode) of a 4-bit matrix with groups of 64 or more elements, AVX-512: the
+/// lookup kernel ([`q4_lut_step`]), `RB` rows per pass. False (nothing done) for other shapes.
+#[inline(always)]
+unsafe fn q4_lut_matvec<const MR: usize, const RB: usize>(q: &Q4, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) -> bool {
+    let two = match q.gs_log2 {
+        6 => true,
+        7.. => false,
+        _ => return false,
+    };
+    let per = 2 * (q.groups + 8);
+    if scratch.len() < RB * per {
+        scratch.resize(RB * per, 0.0);
+    }
+    let mut n = n0;
+    while n + RB <= n0 + count {
+        if two {
+            q4_lut_rows::<MR, RB, true>(q, xt, n, y, ldy, scratch);
+        } else {
+            q4_lut_rows::<MR, RB, false>(q, xt, n, y, ldy, scratch);
+        }
+        n += RB;
+    }
+    while n < n0 + count {
+        if two {
+            q4_lut_rows::<MR, 1, true>(q, xt, n, y, ldy, scratch);
+        } else {
+            q4_lut_rows::<MR, 1, false>(q, xt, n, y, ldy, scratch);
+        }
+        n += 1;
+    }
+    true
 }
 
 /// Per-row scales and biases widened to f32 once (affine formats), for the panel decode.
@@ -1088,7 +1239,7 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
 
 /// The entry points of one instruction set, each compiled with its target features.
 macro_rules! isa_module {
-    ($name:ident, $feat:literal, $v:ty, $rb:literal, $mr:literal, $nr:literal) => {
+    ($name:ident, $feat:literal, $v:ty, $rb:literal, $mr:literal, $nr:literal, $lut:literal) => {
         pub(crate) mod $name {
             use super::*;
 
@@ -1156,6 +1307,17 @@ macro_rules! isa_module {
             pub(crate) unsafe fn matmul(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, panel: &mut Vec<f32>) {
                 if xt.rows <= 4 {
                     if let Some(q) = Q4::of(w) {
+                        if $lut {
+                            let done = match xt.rows {
+                                1 => q4_lut_matvec::<1, $rb>(&q, xt, y, ldy, n0, count, panel),
+                                2 => q4_lut_matvec::<2, $rb>(&q, xt, y, ldy, n0, count, panel),
+                                3 => q4_lut_matvec::<3, $rb>(&q, xt, y, ldy, n0, count, panel),
+                                _ => q4_lut_matvec::<4, $rb>(&q, xt, y, ldy, n0, count, panel),
+                            };
+                            if done {
+                                return;
+                            }
+                        }
                         return match xt.rows {
                             1 => q4_matvec::<$v, 1, $rb>(&q, xt, y, ldy, n0, count, panel),
                             2 => q4_matvec::<$v, 2, $rb>(&q, xt, y, ldy, n0, count, panel),
@@ -1170,8 +1332,8 @@ macro_rules! isa_module {
     };
 }
 
-isa_module!(avx512, "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2", Z, 2, 4, 6);
-isa_module!(avx2, "avx2,fma,f16c", Y2, 1, 2, 2);
+isa_module!(avx512, "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2", Z, 2, 4, 6, true);
+isa_module!(avx2, "avx2,fma,f16c", Y2, 1, 2, 2, false);
 
 #[cfg(test)]
 mod tests {
