@@ -11,6 +11,7 @@
 #   bash bench/device.sh verify-bench      # every fixture and synthetic 0.8b/2b, then 2b decode
 #   bash bench/device.sh verify-all-bench  # every fixture and synthetic 0.8b/2b, then every bench
 #   bash bench/device.sh nsys              # per-kernel device time inside the 2b decode graph (nsys)
+#   bash bench/device.sh exact             # every exactness check and compute-sanitizer (final without bench)
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -205,5 +206,6 @@ case "${1:-all}" in
   verify-all-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; gpu_bench ;;
   all) verify_fixtures; synth_verify; long_context; gpu_timing; sanitizer ;;
   final) verify_fixtures; synth_verify; long_context; gpu_bench; sanitizer ;;
+  exact) verify_fixtures; synth_verify; long_context; sanitizer ;;
   *) echo "unknown step $1"; exit 2 ;;
 esac
