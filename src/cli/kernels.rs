@@ -12,10 +12,10 @@ pub struct KernelsArgs {
     /// Print ptxas's registers, shared memory and spills per kernel.
     #[arg(long)]
     pub resources: bool,
-    /// Also store each compiled kernel in the on-disk cache the GPU backend reads at start
-    /// (`TENSORFOLD_CACHE`, else the user cache directory), so that a machine with the same NVRTC
-    /// version starts without compiling.
-    #[arg(long)]
+    /// Go through the on-disk cache the GPU backend reads at start (`TENSORFOLD_CACHE`, else the
+    /// user cache directory): a kernel already there is not compiled again, the others are
+    /// stored, so that a machine with the same NVRTC version starts without compiling.
+    #[arg(long, conflicts_with = "resources")]
     pub cache: bool,
     /// Target architectures.
     #[arg(long, value_delimiter = ',', default_value = "sm_90,sm_80")]
@@ -31,7 +31,7 @@ pub fn kernels(a: KernelsArgs) -> Result<()> {
     let mut failed = 0;
     for arch in &a.arch {
         for src in compile::SOURCES {
-            let compiled = if a.cache && !a.resources { compile::compile_cached(src, arch).map(|c| (c, String::new())) } else { compile::compile_with_log(src, arch, a.resources) };
+            let compiled = if a.cache { compile::compile_cached(src, arch).map(|c| (c, String::new())) } else { compile::compile_with_log(src, arch, a.resources) };
             match compiled {
                 Ok((cubin, log)) => {
                     println!("ok    {arch} {:<22} {:>7} bytes  {}", src.file, cubin.len(), src.entries.join(", "));

@@ -136,7 +136,7 @@ impl ThreadPool {
         // completed (`remaining == 0`), and workers never touch `f` after finishing a task.
         let f_static: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
         // Task indices fit the 32-bit halves of a share (a region has at most thousands).
-        assert!(tasks < 1 << 32, "{tasks} tasks in one region");
+        assert!(u32::try_from(tasks).is_ok(), "{tasks} tasks in one region");
         let t = self.threads;
         let shares = (0..t).map(|i| Share(AtomicU64::new(((tasks * i / t) as u64) << 32 | (tasks * (i + 1) / t) as u64))).collect();
         let job = Arc::new(Job { f: f_static, shares, remaining: AtomicUsize::new(tasks) });

@@ -38,7 +38,7 @@ pub const SOURCES: &[Source] = &[
 
 /// The options of docs/numerics.md §1, for `arch` (e.g. `sm_90`), then the `-D` definitions of
 /// `TENSORFOLD_CUDA_DEFINES` (space-separated `NAME=VALUE`): a tuning knob for kernel constants
-/// that change scheduling, never arithmetic (e.g. `T1_PREFETCH=8`).
+/// that change scheduling, never arithmetic (e.g. `T1_U1=8`, matmul.cu).
 pub fn options(arch: &str) -> Vec<String> {
     let mut o = vec![
         format!("--gpu-architecture={arch}"),

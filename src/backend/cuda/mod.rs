@@ -711,7 +711,7 @@ impl Cuda {
         (a.fmt, a.group, a.sdtype, a.cols) == (b.fmt, b.group, b.sdtype, b.cols)
     }
 
-    /// `y_i = W_i · x` over `rows` tokens (prompt steps, batched decode), adding each output to
+    /// `y_i = W_i · x` over `rows` tokens (one token, prompt steps, batched decode), adding each output to
     /// `res` when given.
     fn matmul_rows(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)], res: Option<&CudaTensor>) {
         if rows == 0 {

@@ -771,7 +771,7 @@ unsafe fn q4_half<V: V16, const MR: usize, const RB: usize>(q: &Q4, rows: [*cons
             bv[r] = V::permute8(sb[r].add(boff + g0), idx);
         }
         for r in 0..RB {
-            _mm_prefetch::<_MM_HINT_T0>(rows[r].add(first_word * 4 + PREFETCH_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(rows[r].wrapping_add(first_word * 4 + PREFETCH_BYTES) as *const i8);
         }
         let xb = xt.ptr().add(h * half + c * 8 * 16);
         q4_step::<V, MR, RB, 0>(xb, xstride, &wd, &sv, &bv, acc);
@@ -950,8 +950,8 @@ unsafe fn q4_lut_rows<const MR: usize, const RB: usize, const TWO: bool>(q: &Q4,
     let full = q.words / 32;
     for c in 0..full {
         for r in 0..RB {
-            _mm_prefetch::<_MM_HINT_T0>(rows[r].add(c * 128 + PREFETCH_BYTES) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(rows[r].add(c * 128 + 64 + PREFETCH_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(rows[r].wrapping_add(c * 128 + PREFETCH_BYTES) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(rows[r].wrapping_add(c * 128 + 64 + PREFETCH_BYTES) as *const i8);
         }
         q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, c, 0, &mut a0);
         q4_lut_step::<MR, RB, TWO>(q, rows, sb, xt, c, 1, &mut a1);

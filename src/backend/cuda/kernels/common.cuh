@@ -143,8 +143,11 @@ __device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }
 // anything and before it reads what the previous kernel may write. Before it a kernel reads
 // only weights, the tables the host writes before the step (rows, sequences, slots, KV page
 // pointers), and state that only this same kernel writes (a layer's GDN state, last written in
-// an earlier step: when this kernel starts, the previous one has passed its own pdl_enter(), so
-// every kernel before that has completed).
+// an earlier step: when this kernel starts, every block of the previous one has passed its own
+// pdl_enter() or exited, so every kernel before that one has completed, and a completed grid's
+// writes are visible to later grids). That needs at least one block of every kernel to reach
+// pdl_enter() (a block that exits first counts as triggered without waiting): every step
+// kernel's block 0 does.
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

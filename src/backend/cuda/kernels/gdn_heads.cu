@@ -2,8 +2,8 @@
 // the head's q, k and v channels, q/k L2 norms, gates, delta rule and gated RMSNorm. One block
 // per (value head, sequence), tokens in order. Per token, thread c < 2·dk + dv runs the conv of
 // the head's channel c (q channels of key head kappa, then its k channels, then the value head's
-// v channels) into shared memory; the conv window stays in that thread's registers and goes
-// back to the slot at the end. That needs each channel read by one block: with several value
+// v channels) into shared memory; the conv window stays with that thread (a small local array)
+// and goes back to the slot at the end. That needs each channel read by one block: with several value
 // heads per key head (Hv > Hk) the q/k windows are shared, so the host runs gdn_conv first and
 // passes its output (`conv_here` = 0), which the threads copy instead. Every warp normalises the head's q and k itself (the same
 // arithmetic in each, no block barrier). The head's state stays in registers for the whole
@@ -23,7 +23,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
                                                              const float* norm_w, float eps, u32 hk, u32 hv, u32 dk, u32 dv, u32 layer,
                                                              const SeqDesc* seqs, const SlotDesc* slots, float* out) {
     __shared__ float o[MAXR * 32];
-    __shared__ float yc[4 * 128];  // the token's conv outputs: q [dk], k [dk], v [dv]
+    __shared__ float yc[3 * 128];  // the token's conv outputs: q [dk], k [dk], v [dv]
     __shared__ float inv_s;
     u32 h = blockIdx.x;
     SeqDesc sq = seqs[blockIdx.y];
@@ -82,8 +82,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
             kv[e] = i < dk ? kh[i] * inv_k : 0.0f;
             qv[e] = i < dk ? (qh[i] * inv_q) * q_scale : 0.0f;
         }
-        // Decay, then mem = S·k, per row (lanes past dk hold 0 and add nothing... they are
-        // skipped: each lane only accumulates its own elements i < dk, in order).
+        // Decay, then mem = S·k, per row: each lane accumulates its own elements i < dk in order
+        // (elements past dk are skipped, not added as zeros).
         float mem[MAXR];
 #pragma unroll
         for (int q = 0; q < MAXR; q++) {

@@ -173,8 +173,8 @@ __device__ __forceinline__ void accumulate(const Mat* const* ms, const u32* rows
 }
 
 // Calls call(FMT, SDT) for the weight format `fmt` and scale dtype `sdt` of the warp's matrix
-// (a fused launch may mix formats; each warp works on one matrix): affine codes with each scale
-// dtype, or float weights.
+// (a fused prompt launch may mix formats, each warp working on one matrix; one-token launches
+// are split by format on the host): affine codes with each scale dtype, or float weights.
 #define LAYOUT_SWITCH(call)                    \
     switch (fmt) {                             \
         case 4:                                \
@@ -260,6 +260,9 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 #endif
 #ifndef T1_MINB
 #define T1_MINB 4
+#endif
+#if T1_U1 < 1 || T1_U2 < 1
+#error "T1_U1 and T1_U2 must be at least 1 (a batch of no words never ends)"
 #endif
 
 // Where a row group's weights are and where its outputs go.
