@@ -106,15 +106,9 @@ const DEFINITIONS: &[&str] = &[
     "decode generates greedily, one step per token, with the argmax taken where the logits are (on a GPU inside the step's CUDA graph); tokens/s counts the whole step as the host sees it",
 ];
 
+/// The commit the binary was built from (build.rs: `git describe --always --dirty`).
 fn commit() -> String {
-    let dir = env!("CARGO_MANIFEST_DIR");
-    std::process::Command::new("git")
-        .args(["-C", dir, "describe", "--always", "--dirty", "--abbrev=12"])
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+    env!("TENSORFOLD_GIT_COMMIT").to_string()
 }
 
 fn cpu_name() -> String {
