@@ -265,15 +265,14 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 #error "T1_U1 and T1_U2 must be at least 1 (a batch of no words never ends)"
 #endif
 
-// Where a row group's weights are and where its outputs go.
+// The codes and interleaved scales and biases of a warp's R rows.
 template <int R>
 struct Group {
     const u32* w[R];
     const u8* sb[R];
-    u32 mat, n0, nr;  // matrix index in the launch, first row, rows that exist
 };
 
-// Accumulates group g into acc[R] (each lane's partial sums), then calls done(g, acc).
+// Accumulates group g into acc[R] (each lane's partial sums), then calls done(acc).
 template <int R, int FMT, int SDT, class Done>
 __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& g, const float* x, Done&& done) {
     const int E = Fmt<FMT>::E, U = R == 1 ? T1_U1 : T1_U2;
@@ -330,55 +329,38 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
     };
     while (step(A, B) && step(B, A)) {
     }
-    done(g, acc);
+    done(acc);
 }
 
-// y = W·x (+ res) for one token: row group gi over the matrices of a launch, which share a
-// format (the host splits launches by format).
-template <int R, int FMT, int SDT>
-__device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 gi) {
+// y = W·x (+ res) for one token: row n of the launch's matrices (rows numbered on across
+// them), which share a format (the host splits launches by format).
+template <int FMT, int SDT>
+__device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
     const u32 words = ms.m[0].cols / Fmt<FMT>::E;
     const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? ms.m[0].group : 1);
-    const u32 lane = threadIdx.x & 31;
-    auto rows_of = [&](u32 gi) {
-        Group<R> g;
-        u32 n = gi * R, i = 0;
-        while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
-        const Mat& m = ms.m[i];
-        g.mat = i;
-        g.n0 = n - m.row0;
-        g.nr = m.rows - g.n0 < (u32)R ? m.rows - g.n0 : (u32)R;
-        u64 sbrow = (u64)(m.cols >> gshift) * sb_size(SDT);
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            u32 row = g.n0 + ((u32)r < g.nr ? r : 0);
-            g.w[r] = (const u32*)m.w + (u64)row * words;
-            g.sb[r] = m.sb + row * sbrow;
+    u32 i = 0;
+    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
+    const Mat& m = ms.m[i];
+    const u32 row = n - m.row0;
+    Group<1> g;
+    g.w[0] = (const u32*)m.w + (u64)row * words;
+    g.sb[0] = m.sb + (u64)row * (m.cols >> gshift) * sb_size(SDT);
+    group_t1<1, FMT, SDT>(words, gshift, g, x, [&](const float (&acc)[1]) {
+        float v = fold32(acc[0]);
+        if ((threadIdx.x & 31) == 0) {
+            m.y[row] = v;
+            if (m.res) m.res[row] = m.res[row] + v;
         }
-        return g;
-    };
-    auto done = [&](const Group<R>& g, const float (&acc)[R]) {
-        const Mat& m = ms.m[g.mat];
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            float v = fold32(acc[r]);
-            if (lane == 0 && (u32)r < g.nr) {
-                u32 o = g.n0 + r;
-                m.y[o] = v;
-                if (m.res) m.res[o] = m.res[o] + v;
-            }
-        }
-    };
-    group_t1<R, FMT, SDT>(words, gshift, rows_of(gi), x, done);
+    });
 }
 
 // Grid: ceil(rows / 8) over the launch's matrices (which share a format: the host splits
-// launches by format), block 256: warp gi computes row gi.
+// launches by format), block 256: warp n computes row n.
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) {
-    u32 gi = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (gi >= rows) return;  // having read nothing
+    u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (n >= rows) return;  // having read nothing
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
-#define CALL(F, S) t1_body<1, F, S>(ms, x, gi)
+#define CALL(F, S) t1_body<F, S>(ms, x, n)
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
@@ -429,33 +411,25 @@ template <int FMT, int SDT>
 __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, float* act) {
     const Mat& gm = ms.m[0];
     const Mat& um = ms.m[1];
-    const u32 words = gm.cols / Fmt<FMT>::E;
-    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? gm.group : 1);
-    const u32 lane = threadIdx.x & 31;
-    const u64 sbrow = (u64)(gm.cols >> gshift) * sb_size(SDT);
-    auto rows_of = [&](u32 n) {
-        Group<2> g;
-        g.mat = 0;
-        g.n0 = n;
-        g.nr = 2;
-        g.w[0] = (const u32*)gm.w + (u64)n * words;
-        g.w[1] = (const u32*)um.w + (u64)n * words;
-        g.sb[0] = gm.sb + n * sbrow;
-        g.sb[1] = um.sb + n * sbrow;
-        return g;
-    };
-    auto done = [&](const Group<2>& g, const float (&acc)[2]) {
-        float gv = fold32(acc[0]);
-        float uv = fold32(acc[1]);
-        if (lane == 0) {
-            gm.y[g.n0] = gv;
-            um.y[g.n0] = uv;
-            act[g.n0] = tf_silu(gv) * uv;
-        }
-    };
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= gm.rows) return;  // having read nothing
-    group_t1<2, FMT, SDT>(words, gshift, rows_of(n), x, done);
+    const u32 words = gm.cols / Fmt<FMT>::E;
+    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? gm.group : 1);
+    const u64 sbrow = (u64)(gm.cols >> gshift) * sb_size(SDT);
+    Group<2> g;
+    g.w[0] = (const u32*)gm.w + (u64)n * words;
+    g.w[1] = (const u32*)um.w + (u64)n * words;
+    g.sb[0] = gm.sb + n * sbrow;
+    g.sb[1] = um.sb + n * sbrow;
+    group_t1<2, FMT, SDT>(words, gshift, g, x, [&](const float (&acc)[2]) {
+        float gv = fold32(acc[0]);
+        float uv = fold32(acc[1]);
+        if ((threadIdx.x & 31) == 0) {
+            gm.y[n] = gv;
+            um.y[n] = uv;
+            act[n] = tf_silu(gv) * uv;
+        }
+    });
 }
 
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats ms, const float* x, float* act) {
