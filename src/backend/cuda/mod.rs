@@ -698,17 +698,46 @@ impl Cuda {
         let a = |n: usize| self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("allocating GDN temporaries", e));
         // Sized for the largest step seen (at least 256 rows), so graphs keep valid pointers.
         let cap = rows.max(256);
-        if need(&st.gdn_y, rows * cfg.conv_dim()) {
+        // The conv output goes through memory only when gdn_conv runs on its own.
+        if !Self::conv_in_heads(cfg) && need(&st.gdn_y, rows * cfg.conv_dim()) {
             st.gdn_y = Some(a(cap * cfg.conv_dim())?);
             st.graphs.clear();
         }
         Ok(())
     }
 
+    /// Whether `gdn_heads` runs the GDN conv itself: when every key head has one value head,
+    /// each conv channel belongs to one block; otherwise several value heads share q/k windows
+    /// and `gdn_conv` runs first.
+    fn conv_in_heads(cfg: &ModelConfig) -> bool {
+        cfg.linear_num_value_heads == cfg.linear_num_key_heads
+    }
+
     /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
     /// same input width.
     fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
         (a.fmt, a.group, a.sdtype, a.cols) == (b.fmt, b.group, b.sdtype, b.cols)
+    }
+
+    /// The descriptors of one product launch over `outs` (at most four), each matrix's rows
+    /// starting at a multiple of `r` (the kernel's rows per warp), each output added to the
+    /// residual stream at `res` when non-zero; and the padded rows of them all.
+    fn mat_descs(&self, outs: &[(&CudaMatrix, &mut CudaTensor)], res: u64, r: u32) -> (MatDescs, u32) {
+        let mut d = MatDescs::default();
+        let mut row0 = 0u32;
+        for (i, (m, y)) in outs.iter().enumerate() {
+            d.m[i] = MatDesc::new(m, y, row0, &self.stream);
+            d.m[i].res = res;
+            debug_assert_eq!(m.per_word, 32 / if m.fmt >= 4 { m.fmt as usize } else { 32 / [1, 2, 2][m.fmt as usize] });
+            row0 += (m.rows as u32).div_ceil(r) * r;
+        }
+        d.count = outs.len() as u32;
+        (d, row0)
+    }
+
+    /// A product launch's name in the eager profile (`name ROWSxCOLS [+res]`), when profiling.
+    fn profile_label(&self, name: &str, rows: u32, cols: usize, res: u64) -> Option<String> {
+        self.profiling().then(|| format!("{name} {rows}x{cols}{}", if res != 0 { " +res" } else { "" }))
     }
 
     /// `y_i = W_i · x` over `rows` tokens (one token, prompt steps, batched decode), adding each output to
@@ -727,36 +756,21 @@ impl Cuda {
                 while j < outs.len() && j - i < 4 && Self::same_format(outs[i].0, outs[j].0) {
                     j += 1;
                 }
-                let mut d = MatDescs::default();
-                let mut row0 = 0u32;
-                for (k, (m, y)) in outs[i..j].iter_mut().enumerate() {
-                    d.m[k] = MatDesc::new(m, y, row0, &self.stream);
-                    d.m[k].res = res;
-                    row0 += m.rows as u32;
-                }
-                d.count = (j - i) as u32;
+                let (d, row0) = self.mat_descs(&outs[i..j], res, 1);
                 let name = "matmul_t1r1";
                 let grid = (row0.div_ceil(8), 1, 1);
-                let label = self.profiling().then(|| format!("{name} {row0}x{}{}", outs[i].0.cols, if res != 0 { " +res" } else { "" }));
+                let label = self.profile_label(name, row0, outs[i].0.cols, res);
                 self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(row0)) });
                 i = j;
             }
             return;
         }
         let (name, t, r) = if rows <= 4 { ("matmul_t4r2", 4u32, 2u32) } else { ("matmul_t8r4", 8, 4) };
-        for group in outs.chunks_mut(4) {
-            let mut d = MatDescs::default();
-            let mut row0 = 0u32;
-            for (i, (m, y)) in group.iter_mut().enumerate() {
-                d.m[i] = MatDesc::new(m, y, row0, &self.stream);
-                d.m[i].res = res;
-                debug_assert_eq!(m.per_word, 32 / if m.fmt >= 4 { m.fmt as usize } else { 32 / [1, 2, 2][m.fmt as usize] });
-                row0 += (m.rows as u32).div_ceil(r) * r;
-            }
-            d.count = group.len() as u32;
+        for group in outs.chunks(4) {
+            let (d, row0) = self.mat_descs(group, res, r);
             let (ldx, n_tok) = (x.cols as u32, rows as u32);
             let grid = (row0.div_ceil(r * 8), n_tok.div_ceil(t), 1);
-            let label = self.profiling().then(|| format!("{name} {row0}x{}{}", group[0].0.cols, if res != 0 { " +res" } else { "" }));
+            let label = self.profile_label(name, row0, group[0].0.cols, res);
             self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok)) });
         }
     }
@@ -1239,9 +1253,7 @@ impl Backend for Cuda {
         let (hk, hv, dk, dv) = (cfg.linear_num_key_heads as u32, cfg.linear_num_value_heads as u32, cfg.linear_key_head_dim as u32, cfg.linear_value_head_dim as u32);
         let nseq = batch.seqs.len() as u32;
         let eps = cfg.rms_norm_eps;
-        // One kernel when every key head has one value head (each conv channel then belongs to
-        // one block of gdn_heads); else the conv first (several value heads share q/k windows).
-        let conv_here = u32::from(hv == hk);
+        let conv_here = u32::from(Self::conv_in_heads(cfg));
         if conv_here == 0 {
             self.launch("gdn_conv", |st| unsafe {
                 let a = self.args().buf(&qkv.buf).buf(&w.conv1d).val(kc).val(cd).val(l).buf(&st.seqs).buf(&st.slot_table).buf(st.gdn_y.as_ref().unwrap());
