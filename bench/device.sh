@@ -12,6 +12,7 @@
 #   bash bench/device.sh verify-all-bench  # every fixture and synthetic 0.8b/2b, then every bench
 #   bash bench/device.sh nsys              # per-kernel device time inside the 2b decode graph (nsys)
 #   bash bench/device.sh exact             # every exactness check and compute-sanitizer (final without bench)
+#   bash bench/device.sh probe             # 2b decode with kernel families skipped (attribution)
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -188,6 +189,20 @@ sanitizer() {
   compute-sanitizer --tool racecheck $TF run --device cuda -p "def fibonacci(n):" -n 2 --temp 0 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
 }
 
+# Which kernel families the 2b decode time goes to: the bench with each family compiled to
+# return right after pdl_enter() (TF_PROBE_*, common.cuh; results wrong, timing only), and with
+# the product's code-to-float subtraction removed. Cubins for these defines can be carried in
+# .device/cache.tar.xz (TENSORFOLD_CUDA_DEFINES=... tensorfold kernels --check --cache).
+PROBES=("" "TF_PROBE_NO_FSUB" "TF_PROBE_SKIP_GDN=1" "TF_PROBE_SKIP_NORM=1" "TF_PROBE_SKIP_ATTN=1" "TF_PROBE_SKIP_LMHEAD=1" "TF_PROBE_SKIP_T1=1"
+        "TF_PROBE_SKIP_GDN=1 TF_PROBE_SKIP_NORM=1 TF_PROBE_SKIP_ATTN=1 TF_PROBE_SKIP_T1=1")
+probe() {
+  PRESETS=2b synth_models
+  for d in "${PROBES[@]}"; do
+    log "probe: TENSORFOLD_CUDA_DEFINES='$d'"
+    TENSORFOLD_CUDA_DEFINES="$d" $TF bench --device cuda -m /tmp/tf/models/2b -p 16 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)" | tee -a "$OUT/summary.txt"
+  done
+}
+
 case "${1:-all}" in
   verify) verify_fixtures ;;
   synth-verify) synth_verify ;;
@@ -201,6 +216,7 @@ case "${1:-all}" in
   clocks) clocks ;;
   quick-verify) quick_verify ;;
   iterate) iterate ;;
+  probe) probe ;;
   checkpoint) checkpoint ;;
   verify-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; iterate_bench ;;
   verify-all-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; gpu_bench ;;

@@ -7,6 +7,7 @@ extern "C" __global__ void attn_combine(const float* part, const float* q_gate, 
     u32 r = blockIdx.x / hq, h = blockIdx.x % hq, d = threadIdx.x;
     u32 n_tiles = rows[r].pos / TILE + 1;  // host-written before the step: read before waiting
     pdl_enter();
+    PROBE_SKIP(ATTN);
     const float* pt = part + ((u64)r * hq + h) * max_tiles * (dh + 2);
     float big_m = __int_as_float(0xff800000);
     for (u32 t = 0; t < n_tiles; t++) big_m = fmaxf(big_m, pt[t * (dh + 2)]);

@@ -15,6 +15,7 @@ extern "C" __global__ void attn_write_kv(const float* k, const float* v, const f
     float* kd = (float*)pages[row.pos / TILE] + off;
     float* vd = (float*)pages[max_pages + row.pos / TILE] + off;
     pdl_enter();
+    PROBE_SKIP(ATTN);
     const float* kr = k + r * hkv * dh + (u64)g * dh;
     const float* vr = v + r * hkv * dh + (u64)g * dh;
     float inv = tf_rsqrt(warp_dot(kr, kr, dh) / (float)dh + eps);

@@ -22,6 +22,7 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
     // The row, slot and page tables come from the host before the step: read above without
     // waiting; the queries and the new key and value rows come from the previous kernels.
     pdl_enter();
+    PROBE_SKIP(ATTN);
     // q: RMSNorm with q_norm, then RoPE (attention_group).
     const float* qr = q_gate + (u64)r * hq * 2 * dh + (u64)h * 2 * dh;
     if (warp == 0) {

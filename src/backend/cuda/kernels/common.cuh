@@ -136,6 +136,27 @@ __device__ __forceinline__ float tf_sigmoid(float x) { return 1.0f / (1.0f + tf_
 __device__ __forceinline__ float tf_silu(float x) { return x / (1.0f + tf_exp(-x)); }
 __device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }
 
+// Attribution probes, for `bench/device.sh probe` only (the logits are wrong with any of them):
+// a kernel family compiled with -DTF_PROBE_SKIP_<FAMILY> (TENSORFOLD_CUDA_DEFINES) returns right
+// after pdl_enter(), so the decode time that disappears is that family's share of the chain.
+#define PROBE_SKIP(family) \
+    if (TF_PROBE_SKIP_##family) return
+#ifndef TF_PROBE_SKIP_GDN
+#define TF_PROBE_SKIP_GDN 0
+#endif
+#ifndef TF_PROBE_SKIP_NORM
+#define TF_PROBE_SKIP_NORM 0
+#endif
+#ifndef TF_PROBE_SKIP_ATTN
+#define TF_PROBE_SKIP_ATTN 0
+#endif
+#ifndef TF_PROBE_SKIP_T1
+#define TF_PROBE_SKIP_T1 0
+#endif
+#ifndef TF_PROBE_SKIP_LMHEAD  // one-token products of more than 65 536 rows
+#define TF_PROBE_SKIP_LMHEAD 0
+#endif
+
 // Programmatic dependent launch (sm_90 and later; elsewhere these compile to nothing and the
 // host launches without it). A kernel launched with it may start while the previous kernel of
 // the stream is still running: pdl_enter() waits until that kernel has completed and its writes

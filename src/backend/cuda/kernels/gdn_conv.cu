@@ -5,6 +5,7 @@
 extern "C" __global__ void gdn_conv(const float* qkv, const float* taps, u32 kc, u32 cd, u32 layer,
                                     const SeqDesc* seqs, const SlotDesc* slots, float* y) {
     pdl_enter();
+    PROBE_SKIP(GDN);
     u32 ch = blockIdx.x * blockDim.x + threadIdx.x;
     if (ch >= cd) return;
     SeqDesc s = seqs[blockIdx.y];

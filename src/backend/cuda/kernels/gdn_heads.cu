@@ -46,14 +46,25 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
             u32 j = warp + 32 * q, i = lane + 32 * e;
             S[q][e] = (j < dv && i < dk) ? state[(u64)j * dk + i] : 0.0f;
         }
+    // Per-head parameters (weights): read before waiting too.
+    const float a_neg_h = a_neg[h], dt_bias_h = dt_bias[h];
+    const float norm_wj = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f;
     // The recurrent state and conv windows were last written by this kernel in an earlier step,
     // which had completed before the kernel before this one began (stream order with
     // programmatic dependent launch), and the slot and sequence tables are written by the host
     // before the step: all may be read before waiting on the previous kernel (the projection
     // that writes the conv input, or gdn_conv).
     pdl_enter();
+    PROBE_SKIP(GDN);
     for (u32 t = 0; t < sq.len; t++) {
         u64 row = sq.first_row + t;
+        // The token's gates and output gate, requested together with its conv input (one
+        // round trip to L2 instead of three).
+        const float b_t = b[row * hv + h], a_t = a[row * hv + h];
+        const float zj = threadIdx.x < dv ? z[row * value_dim + (u64)h * dv + threadIdx.x] : 0.0f;
+        // The gates need only b and a: computed while the conv input is on its way.
+        const float beta = tf_sigmoid(b_t);
+        const float alpha = tf_exp(a_neg_h * tf_softplus(a_t + dt_bias_h));
         if (c < nch) {
             if (conv_here) {
                 win[kc - 1] = src[row * cd + ch];
@@ -66,8 +77,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
             }
         }
         __syncthreads();
-        float beta = tf_sigmoid(b[row * hv + h]);
-        float alpha = tf_exp(a_neg[h] * tf_softplus(a[row * hv + h] + dt_bias[h]));
         // q/k L2 norm of key head kappa (gdn_qk_norm's arithmetic)
         const float* qh = yc;
         const float* kh = yc + dk;
@@ -127,10 +136,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
         }
         __syncthreads();
         float inv = inv_s;
-        for (u32 j = threadIdx.x; j < dv; j += blockDim.x) {
-            float zj = z[row * value_dim + (u64)h * dv + j];
-            out[row * value_dim + (u64)h * dv + j] = ((o[j] * inv) * norm_w[j]) * tf_silu(zj);
-        }
+        u32 j = threadIdx.x;  // dv <= 128 < blockDim.x
+        if (j < dv) out[row * value_dim + (u64)h * dv + j] = ((o[j] * inv) * norm_wj) * tf_silu(zj);
         __syncthreads();
     }
 #pragma unroll

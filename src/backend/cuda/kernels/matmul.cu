@@ -46,7 +46,13 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 // 0x4B0000|byte k of v: selector bytes (from low) k, 4 (b.byte0 = 0), 5 (0), 7 (0x4B).
-__device__ __forceinline__ float byte_to_float(u32 v, int k) { return __uint_as_float(prmt(v, 0x4B000000u, 0x7540u | (u32)k)) - 8388608.0f; }
+__device__ __forceinline__ float byte_to_float(u32 v, int k) {
+#ifdef TF_PROBE_NO_FSUB  // attribution probe (wrong values): the cost of the subtraction
+    return __uint_as_float(prmt(v, 0x4B000000u, 0x7540u | (u32)k));
+#else
+    return __uint_as_float(prmt(v, 0x4B000000u, 0x7540u | (u32)k)) - 8388608.0f;
+#endif
+}
 
 template <int FMT>
 __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
@@ -357,6 +363,10 @@ __device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
 // Grid: ceil(rows / 8) over the launch's matrices (which share a format: the host splits
 // launches by format), block 256: warp n computes row n.
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) {
+    if (TF_PROBE_SKIP_T1 || (TF_PROBE_SKIP_LMHEAD && rows > 65536)) {
+        pdl_enter();
+        return;
+    }
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= rows) return;  // having read nothing
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
@@ -433,6 +443,10 @@ __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, flo
 }
 
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats ms, const float* x, float* act) {
+    if (TF_PROBE_SKIP_T1) {
+        pdl_enter();
+        return;
+    }
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
 #define CALL(F, S) pair_t1_body<F, S>(ms, x, act)
     LAYOUT_SWITCH(CALL)

@@ -5,8 +5,8 @@
 
 #define MAX_COLS 8192
 
-// out = RMSNorm(row) with the row already in shared memory (`row`, `cols` values).
-__device__ void norm_staged(const float* row, const float* w, float eps, u32 cols, float* outr) {
+// 1 / rms of a row already in shared memory (`row`, `cols` values), in every thread.
+__device__ float inv_rms_staged(const float* row, float eps, u32 cols) {
     __shared__ float inv_s;
     if (threadIdx.x < 32) {
         float acc = 0.0f;
@@ -24,16 +24,37 @@ __device__ void norm_staged(const float* row, const float* w, float eps, u32 col
         if (threadIdx.x == 0) inv_s = tf_rsqrt(ss / (float)cols + eps);
     }
     __syncthreads();
-    float inv = inv_s;
-    for (u32 i = threadIdx.x; i < cols; i += blockDim.x) outr[i] = (row[i] * inv) * w[i];
+    return inv_s;
 }
 
+// Norm weights held per thread when a row has at most WH values per thread (2048 columns at
+// block 512): they are read before waiting on the previous kernel, off the critical path.
+#define WH 4
+
 extern "C" __global__ void rms_norm_rows(const float* x, const float* w, float eps, u32 cols, float* out) {
-    pdl_enter();
     __shared__ float row[MAX_COLS];
+    const bool held = cols <= WH * blockDim.x;
+    float wv[WH];
+#pragma unroll
+    for (int k = 0; k < WH; k++) {
+        u32 i = threadIdx.x + k * blockDim.x;
+        wv[k] = held && i < cols ? w[i] : 0.0f;
+    }
+    pdl_enter();
+    PROBE_SKIP(NORM);
     u64 r = blockIdx.x;
     const float* xr = x + r * cols;
     for (u32 i = threadIdx.x; i < cols; i += blockDim.x) row[i] = xr[i];
     __syncthreads();
-    norm_staged(row, w, eps, cols, out + r * cols);
+    float inv = inv_rms_staged(row, eps, cols);
+    float* outr = out + r * cols;
+    if (held) {
+#pragma unroll
+        for (int k = 0; k < WH; k++) {
+            u32 i = threadIdx.x + k * blockDim.x;
+            if (i < cols) outr[i] = (row[i] * inv) * wv[k];
+        }
+    } else {
+        for (u32 i = threadIdx.x; i < cols; i += blockDim.x) outr[i] = (row[i] * inv) * w[i];
+    }
 }
