@@ -89,7 +89,8 @@ struct MatDesc {
     sdtype: u32,
     ldy: u32,
     row0: u32,
-    pad: u32,
+    /// 1: every group of these 4-bit codes passes [`offset_exact`] (matmul.cu's offset decode).
+    offset: u32,
 }
 impl MatDesc {
     /// The descriptor of product `y = m·x`, whose rows start at block row `row0` of the launch.
@@ -106,7 +107,7 @@ impl MatDesc {
             sdtype: m.sdtype,
             ldy: y.cols as u32,
             row0,
-            pad: 0,
+            offset: m.offset as u32,
         }
     }
 }
@@ -158,6 +159,8 @@ pub struct CudaMatrix {
     fmt: u32,
     group: u32,
     sdtype: u32,
+    /// Every group passes [`offset_exact`]: the one-token kernels may decode with one FMA less.
+    offset: bool,
     per_word: usize,
     w: CudaSlice<u8>,
     sb: CudaSlice<u8>,
@@ -716,7 +719,7 @@ impl Cuda {
     /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
     /// same input width.
     fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
-        (a.fmt, a.group, a.sdtype, a.cols) == (b.fmt, b.group, b.sdtype, b.cols)
+        (a.fmt, a.group, a.sdtype, a.offset, a.cols) == (b.fmt, b.group, b.sdtype, b.offset, b.cols)
     }
 
     /// The descriptors of one product launch over `outs` (at most four), each matrix's rows
@@ -815,6 +818,26 @@ fn interleave(scales: &[u8], biases: &[u8], size: usize) -> Vec<u8> {
     out
 }
 
+/// Whether a group's 4-bit values `fma(s, q, b)` (numerics §2) may be computed as
+/// `fma(256·s, 0.5 + q/256, b − 128·s)`: the float `0.5 + q/256` is one byte permute away from the
+/// code (matmul.cu `nib_to_float_offset`), where `float(q)` needs a subtraction more. The two are
+/// the same number before the one rounding, `256s·(0.5 + q/256) + (b − 128s) = s·q + b`, so the
+/// same bits, when `256·s` and `b − 128·s` are exact in f32. Also required: s and b finite and
+/// non-zero (a zero bias could change the sign of a zero weight) and within 2^20 of each other
+/// in magnitude, so the f64 difference below is itself exact.
+pub fn offset_exact(s: f32, b: f32) -> bool {
+    if !s.is_finite() || !b.is_finite() || s == 0.0 || b == 0.0 {
+        return false;
+    }
+    let ratio = (b as f64 / s as f64).abs();
+    if !(2f64.powi(-20)..=2f64.powi(20)).contains(&ratio) {
+        return false;
+    }
+    let big = 256.0 * s;
+    let diff = b as f64 - 128.0 * s as f64; // exact: two short significands within 2^27
+    big.is_finite() && (diff as f32) as f64 == diff && (diff as f32).is_finite()
+}
+
 fn fmt_codes(m: &Matrix) -> (u32, u32, u32) {
     let dt = |f: FloatType| match f {
         FloatType::F32 => 0,
@@ -849,11 +872,17 @@ impl Backend for Cuda {
             }
             self.stream.clone_htod(b).map_err(|e| dev_err(&format!("uploading {}", m.name), e))
         };
-        let (w, sb) = match &m.data {
-            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?),
-            MatrixData::Affine { weight, scales, biases, scale_dtype, .. } => (up(weight.as_slice())?, up(&interleave(scales.as_slice(), biases.as_slice(), scale_dtype.size()))?),
+        let (w, sb, offset) = match &m.data {
+            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?, false),
+            MatrixData::Affine { weight, scales, biases, scale_dtype, bits, .. } => {
+                let offset = *bits == 4 && *scale_dtype != FloatType::F32 && {
+                    let (ss, bs) = (scales.as_slice(), biases.as_slice());
+                    (0..ss.len() / scale_dtype.size()).all(|i| offset_exact(scale_dtype.get(ss, i), scale_dtype.get(bs, i)))
+                };
+                (up(weight.as_slice())?, up(&interleave(scales.as_slice(), biases.as_slice(), scale_dtype.size()))?, offset)
+            }
         };
-        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, per_word: m.elems_per_word(), w, sb })
+        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, offset, per_word: m.elems_per_word(), w, sb })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, BackendError> {
@@ -1423,5 +1452,76 @@ impl Backend for Cuda {
         drop(st);
         self.check()?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::offset_exact;
+    use crate::numerics::{bf16_to_f32, f16_to_f32};
+
+    /// The offset decode's value, as matmul.cu computes it from the code's float 0.5 + q/256.
+    fn offset_value(s: f32, b: f32, q: u32) -> f32 {
+        let f = f32::from_bits(0x3F00_0000 | (q << 16));
+        assert_eq!(f, 0.5 + q as f32 / 256.0);
+        (s * 256.0).mul_add(f, (-128.0f32).mul_add(s, b))
+    }
+
+    /// Every accepted group gives the documented value `fma(s, q, b)` bit for bit for all 16
+    /// codes; groups shaped like MLX's (bias about -8 scales, any sign and magnitude) are
+    /// accepted, so the one-token kernels use the offset decode on real checkpoints.
+    #[test]
+    fn offset_decode_matches_the_documented_value() {
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let (mut accepted, mut typical, mut typical_accepted) = (0, 0, 0);
+        for i in 0..200_000 {
+            let r = next();
+            let (s, b) = if i % 2 == 0 {
+                (bf16_to_f32(r as u16), bf16_to_f32((r >> 16) as u16))
+            } else {
+                (f16_to_f32(r as u16), f16_to_f32((r >> 16) as u16))
+            };
+            // Half of the pairs MLX-like: b = -k·s rounded to bf16, k in [0, 16).
+            let (s, b, mlx) = if i % 4 < 2 {
+                let k = (r >> 32) as u32 % 4096;
+                let b = bf16_to_f32(((-(k as f32) / 256.0 * s).to_bits() >> 16) as u16);
+                (s, b, s.is_finite() && s.abs() > 1e-30 && s.abs() < 1e30 && k >= 256)
+            } else {
+                (s, b, false)
+            };
+            if offset_exact(s, b) {
+                accepted += 1;
+                for q in 0..16 {
+                    let want = s.mul_add(q as f32, b);
+                    assert_eq!(offset_value(s, b, q).to_bits(), want.to_bits(), "s {s:e} b {b:e} q {q}");
+                }
+            }
+            if mlx {
+                typical += 1;
+                typical_accepted += offset_exact(s, b) as u32;
+            }
+        }
+        assert!(accepted > 50_000, "only {accepted} pairs accepted");
+        assert_eq!(typical_accepted, typical, "an MLX-like group was refused");
+    }
+
+    #[test]
+    fn offset_decode_refuses_what_it_cannot_reproduce() {
+        // A zero or negative-zero bias (the weight's zero sign), zero or non-finite scales.
+        for (s, b) in [(0.01f32, -0.0f32), (0.01, 0.0), (0.0, 1.0), (f32::INFINITY, 1.0), (1.0, f32::NAN)] {
+            assert!(!offset_exact(s, b), "{s} {b}");
+        }
+        // b - 128 s needs 25 significant bits: 2^17 - (1 + 2^-7).
+        assert!(!offset_exact(1024.0, -1.0078125));
+        // Magnitudes too far apart for the check's own arithmetic.
+        assert!(!offset_exact(2f32.powi(-80), 1.0));
+        // And a typical group is accepted.
+        assert!(offset_exact(0.0123291015625, -0.0986328125));
     }
 }

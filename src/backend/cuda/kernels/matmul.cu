@@ -15,7 +15,8 @@ struct Mat {
     const u8* sb;  // scales and biases interleaved per group, [rows, cols/group] pairs (affine; see load_sb)
     float* y;      // output [tokens, ldy]
     float* res;    // if set, the residual stream [tokens, ldy]: res += y (Cpu::matmul_residual)
-    u32 rows, cols, fmt, group, sdtype, ldy, row0, pad;
+    u32 rows, cols, fmt, group, sdtype, ldy, row0;
+    u32 offset;    // 4-bit codes whose every group passes offset_exact (nib_to_float_offset)
 };
 // fmt: 0 f32, 1 f16, 2 bf16 weights; 4 or 8: affine codes of that many bits.
 
@@ -53,6 +54,14 @@ __device__ __forceinline__ float byte_to_float(u32 v, int k) {
     return __uint_as_float(prmt(v, 0x4B000000u, 0x7540u | (u32)k)) - 8388608.0f;
 #endif
 }
+
+// The offset decode of 4-bit codes (one-token kernels, when the host's offset_exact holds for
+// every group of the matrix, CudaMatrix::offset): with S = 256·s and B = b − 128·s, both exact,
+// fma(S, 0.5 + q/256, B) rounds the same number s·q + b as fma(s, q, b), so it gives the same
+// bits, and 0.5 + q/256 is the code under exponent 126 (byte permute: 0x3F, code, 0, 0), with no
+// subtraction. S and B are computed once per group word: 256·s exactly, fmaf(-128, s, b) exact
+// by the host's check.
+__device__ __forceinline__ float nib_to_float_offset(u32 v, int k) { return __uint_as_float(prmt(v, 0x3F000000u, 0x7054u | ((u32)k << 8))); }
 
 template <int FMT>
 __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
@@ -279,7 +288,7 @@ struct Group {
 };
 
 // Accumulates group g into acc[R] (each lane's partial sums), then calls done(acc).
-template <int R, int FMT, int SDT, class Done>
+template <int R, int FMT, int SDT, bool OFS, class Done>
 __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& g, const float* x, Done&& done) {
     const int E = Fmt<FMT>::E, U = R == 1 ? T1_U1 : T1_U2;
     constexpr bool affine = FMT == 4 || FMT == 8;
@@ -314,10 +323,27 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
                 s[r] = b[r] = 0.0f;
                 if constexpr (affine) unpack_sb<SDT>(d.sb[u][r], s[r], b[r]);
             }
+            if constexpr (OFS) {
+                static_assert(FMT == 4, "the offset decode is for 4-bit codes");
+                u32 lo[R], hi[R];
 #pragma unroll
-            for (int e = 0; e < E; e++)
+                for (int r = 0; r < R; r++) {
+                    b[r] = fmaf(-128.0f, s[r], b[r]);
+                    s[r] = s[r] * 256.0f;
+                    lo[r] = d.wd[u][r] & 0x0F0F0F0Fu;
+                    hi[r] = (d.wd[u][r] >> 4) & 0x0F0F0F0Fu;
+                }
 #pragma unroll
-                for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(d.wd[u][r], e, s[r], b[r]), xv[e], acc[r]);
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++)
+                        acc[r] = fmaf(fmaf(s[r], nib_to_float_offset((e & 1) ? hi[r] : lo[r], e >> 1), b[r]), xv[e], acc[r]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < E; e++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(d.wd[u][r], e, s[r], b[r]), xv[e], acc[r]);
+            }
         });
     };
     Buf A, B;
@@ -340,7 +366,7 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
 
 // y = W·x (+ res) for one token: row n of the launch's matrices (rows numbered on across
 // them), which share a format (the host splits launches by format).
-template <int FMT, int SDT>
+template <int FMT, int SDT, bool OFS>
 __device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
     const u32 words = ms.m[0].cols / Fmt<FMT>::E;
     const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? ms.m[0].group : 1);
@@ -351,7 +377,7 @@ __device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
     Group<1> g;
     g.w[0] = (const u32*)m.w + (u64)row * words;
     g.sb[0] = m.sb + (u64)row * (m.cols >> gshift) * sb_size(SDT);
-    group_t1<1, FMT, SDT>(words, gshift, g, x, [&](const float (&acc)[1]) {
+    group_t1<1, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[1]) {
         float v = fold32(acc[0]);
         if ((threadIdx.x & 31) == 0) {
             m.y[row] = v;
@@ -370,7 +396,12 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, 
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= rows) return;  // having read nothing
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
-#define CALL(F, S) t1_body<F, S>(ms, x, n)
+    if (fmt == 4 && ms.m[0].offset) {  // launches are split by format, offset flag included
+        if (sdt == 2) t1_body<4, 2, true>(ms, x, n);
+        else t1_body<4, 1, true>(ms, x, n);
+        return;
+    }
+#define CALL(F, S) t1_body<F, S, false>(ms, x, n)
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
@@ -417,7 +448,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t4(Mats ms, cons
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t8(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<8>(ms, x, ldx, n_tok, act); }
 
 // One token: as matmul_t1r1, warp n computing row n of gate and of up. Grid ceil(rows / 8).
-template <int FMT, int SDT>
+template <int FMT, int SDT, bool OFS>
 __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, float* act) {
     const Mat& gm = ms.m[0];
     const Mat& um = ms.m[1];
@@ -431,7 +462,7 @@ __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, flo
     g.w[1] = (const u32*)um.w + (u64)n * words;
     g.sb[0] = gm.sb + n * sbrow;
     g.sb[1] = um.sb + n * sbrow;
-    group_t1<2, FMT, SDT>(words, gshift, g, x, [&](const float (&acc)[2]) {
+    group_t1<2, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[2]) {
         float gv = fold32(acc[0]);
         float uv = fold32(acc[1]);
         if ((threadIdx.x & 31) == 0) {
@@ -448,7 +479,12 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats
         return;
     }
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
-#define CALL(F, S) pair_t1_body<F, S>(ms, x, act)
+    if (fmt == 4 && ms.m[0].offset && ms.m[1].offset) {
+        if (sdt == 2) pair_t1_body<4, 2, true>(ms, x, act);
+        else pair_t1_body<4, 1, true>(ms, x, act);
+        return;
+    }
+#define CALL(F, S) pair_t1_body<F, S, false>(ms, x, act)
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
