@@ -258,10 +258,10 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 // ---- One token (decode) ----
 //
 // A warp computes one group of R rows, each row's words in batches of U per lane (words
-// jb + lane + 32u). Two register buffers alternate: the next batch's weights, scales and biases
-// are requested before the FMAs of the current one, so a row longer than one batch keeps a
-// batch in flight while the warp computes. The first batch is requested before pdl_enter():
-// weights only, so they arrive while the previous kernel ends. Each lane's words still come in
+// jb + lane + 32u). Two register buffers alternate: while the warp computes one batch the next
+// is in flight, so a row longer than one batch keeps loads going during the FMAs. The first two
+// batches are requested before pdl_enter(): weights only, so they arrive while the previous
+// kernel ends. Each lane's words still come in
 // the canonical order (numerics §2).
 
 // Words per lane per batch, for one row and for two; with 64 registers (4 blocks of 256 per
@@ -346,20 +346,23 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
             }
         });
     };
+    // Both buffers are filled before waiting on the previous kernel (weights only), so a row of
+    // up to two batches is entirely in flight while that kernel ends. Then each step computes
+    // one buffer (batch jb) and refills it with the batch after the other buffer's, keeping one
+    // batch in flight during every compute.
     Buf A, B;
     load(A, 0);
+    if (32 * U < words) load(B, 32 * U);
     pdl_enter();
-    // Computes `cur` (batch jb) after requesting the next batch into `nxt`.
     u32 jb = 0;
-    auto step = [&](const Buf& cur, Buf& nxt) -> bool {
-        u32 njb = jb + 32 * U;
-        bool more = njb < words;
-        if (more) load(nxt, njb);
+    auto step = [&](Buf& cur) -> bool {
         compute(cur, jb);
-        jb = njb;
-        return more;
+        u32 refill = jb + 64 * U;
+        if (refill < words) load(cur, refill);
+        jb += 32 * U;
+        return jb < words;
     };
-    while (step(A, B) && step(B, A)) {
+    while (step(A) && step(B)) {
     }
     done(acc);
 }
