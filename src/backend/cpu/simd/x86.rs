@@ -467,6 +467,46 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
     }
 }
 
+/// The GDN conv + SiLU ([`crate::backend::cpu::kernels::gdn_conv_taps`], then `silu`) of the
+/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane: the
+/// taps and the window live in registers across the tokens (each channel's FMAs in the
+/// reference's order, from +0.0). Returns the first channel not done (the rest is under 16).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) -> usize {
+    debug_assert!(taps.len() >= ch1 * K && conv.len() >= (K - 1) * cd && qkv.len() >= t_len * cd && y.len() >= t_len * cd);
+    let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
+    let mut cb = ch0;
+    while cb + 16 <= ch1 {
+        // Taps are [channel][K]: tap j of the block's 16 channels into one vector.
+        let mut tp = [V::zero(); K];
+        for (j, v) in tp.iter_mut().enumerate() {
+            let lanes: [f32; 16] = std::array::from_fn(|l| taps[(cb + l) * K + j]);
+            *v = V::load(lanes.as_ptr());
+        }
+        let mut win = [V::zero(); K];
+        for j in 0..K - 1 {
+            win[j] = V::load(cp.add(j * cd + cb));
+        }
+        for t in 0..t_len {
+            win[K - 1] = V::load(qp.add(t * cd + cb));
+            let mut acc = V::zero();
+            for j in 0..K {
+                acc = V::fma(tp[j], win[j], acc);
+            }
+            silu_v(acc).store(yp.add(t * cd + cb));
+            for j in 0..K - 1 {
+                win[j] = win[j + 1];
+            }
+        }
+        for j in 0..K - 1 {
+            win[j].store(cp.add(j * cd + cb));
+        }
+        cb += 16;
+    }
+    cb
+}
+
 // ---------------------------------------------------------------------------------------------
 // Canonical dots, the delta rule, attention.
 
@@ -483,45 +523,180 @@ unsafe fn dot1<V: V16>(a: *const f32, b: *const f32, n: usize) -> f32 {
     V::fold(p0, p1)
 }
 
+/// One state row `r` (`NV · 16` values) of the delta rule (numerics §4, step 4), held in
+/// registers between its passes: `S = S·α; mem = dot(S, k); δ = (v − mem)·β; S = fma(k, δ, S)`;
+/// returns `dot(S, q)`.
+#[inline(always)]
+unsafe fn gdn_row<V: V16, const NV: usize>(r: *mut f32, kv: &[V; NV], qv: &[V; NV], av: V, vj: f32, beta: f32) -> f32 {
+    let mut row = [V::zero(); NV];
+    for i in 0..NV {
+        row[i] = V::mul(V::load(r.add(16 * i)), av);
+    }
+    // mem = dot(S, k): lanes 0..16 and 16..32 of each 32-element block.
+    let (mut p0, mut p1) = (V::zero(), V::zero());
+    for i in (0..NV).step_by(2) {
+        p0 = V::fma(row[i], kv[i], p0);
+        p1 = V::fma(row[i + 1], kv[i + 1], p1);
+    }
+    let mem = V::fold(p0, p1);
+    let delta = (vj - mem) * beta;
+    let dv = V::splat(delta);
+    let (mut p0, mut p1) = (V::zero(), V::zero());
+    for i in (0..NV).step_by(2) {
+        row[i] = V::fma(kv[i], dv, row[i]);
+        row[i + 1] = V::fma(kv[i + 1], dv, row[i + 1]);
+        p0 = V::fma(row[i], qv[i], p0);
+        p1 = V::fma(row[i + 1], qv[i + 1], p1);
+    }
+    for i in 0..NV {
+        row[i].store(r.add(16 * i));
+    }
+    V::fold(p0, p1)
+}
+
+/// `dk / 16` vectors from `p`.
+#[inline(always)]
+unsafe fn load_n<V: V16, const NV: usize>(p: *const f32) -> [V; NV] {
+    let mut v = [V::zero(); NV];
+    for i in 0..NV {
+        v[i] = V::load(p.add(16 * i));
+    }
+    v
+}
+
 /// The delta rule of one value head over its `dv` state rows (numerics §4, step 4), a state row
 /// of `dk` values held in `dk / 16` registers between the passes.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gdn_rows_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
-    let dk = NV * 16;
+    let (kv, qv) = (load_n::<V, NV>(k.as_ptr()), load_n::<V, NV>(q.as_ptr()));
     let av = V::splat(alpha);
-    let mut kv = [V::zero(); NV];
-    let mut qv = [V::zero(); NV];
-    for i in 0..NV {
-        kv[i] = V::load(k.as_ptr().add(16 * i));
-        qv[i] = V::load(q.as_ptr().add(16 * i));
-    }
     for (j, oj) in o.iter_mut().enumerate() {
-        let r = s.as_mut_ptr().add(j * dk);
-        let mut row = [V::zero(); NV];
-        for i in 0..NV {
-            row[i] = V::mul(V::load(r.add(16 * i)), av);
+        *oj = gdn_row::<V, NV>(s.as_mut_ptr().add(j * NV * 16), &kv, &qv, av, v[j], beta);
+    }
+}
+
+/// 16 state rows of the delta rule (numerics §4, step 4) for `n` tokens, one row per vector lane:
+/// the rows `r[0..16]` (`NV · 16` values each, `[16][dk]` from `r`) are transposed into `t`
+/// (`t[i]` = element `i` of the 16 rows), run through the tokens, and transposed back.
+///
+/// Each row's arithmetic is [`gdn_row`]'s, lane for lane: canonical lane `l` of a row's dot
+/// product (elements `l, l + 32, …`) is accumulator `l` here, over the 16 rows at once, and
+/// the halving fold adds whole accumulators (`p[l] + p[l + h]`) instead of shuffling lanes of
+/// one row. So no shuffles, no serial fold per row (the row-wise loop was bound by the
+/// latency of its two folds), and `δ = (v − mem)·β` is one vector operation. `S·α` is
+/// recomputed in the update pass rather than stored (the same product, the same bits).
+/// Token `i`'s inputs are as in [`super::gdn_rows_tokens`], `v` and `o` pointing at the first
+/// row's element.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_rows16<V: V16, const NV: usize>(r: *mut f32, n: usize, k: *const f32, q: *const f32, alpha: &[f32], beta: &[f32], v: *const f32, v_stride: usize, o: *mut f32, o_stride: usize) {
+    const { assert!(NV <= 8 && NV % 2 == 0) };
+    let dk = NV * 16;
+    // 64-byte aligned: a vector split across two cache lines costs two accesses.
+    #[repr(align(64))]
+    struct Rows([f32; 16 * 128]);
+    let mut tb = Rows([0.0; 16 * 128]);
+    let t = tb.0.as_mut_ptr();
+    for row in 0..16 {
+        for i in 0..dk {
+            *t.add(i * 16 + row) = *r.add(row * dk + i);
         }
-        // mem = dot(S, k): lanes 0..16 and 16..32 of each 32-element block.
-        let (mut p0, mut p1) = (V::zero(), V::zero());
-        for i in (0..NV).step_by(2) {
-            p0 = V::fma(row[i], kv[i], p0);
-            p1 = V::fma(row[i + 1], kv[i + 1], p1);
+    }
+    for tok in 0..n {
+        let (kt, qt) = (k.add(tok * dk), q.add(tok * dk));
+        let av = V::splat(alpha[tok]);
+        // mem = dot(S·α, k): lane sums, the fold's first level as they finish.
+        let mut p = [V::zero(); 16];
+        for (l, pl) in p.iter_mut().enumerate() {
+            let mut half = [V::zero(); 2];
+            for (hh, acc) in half.iter_mut().enumerate() {
+                for m in 0..NV / 2 {
+                    let i = l + 16 * hh + 32 * m;
+                    *acc = V::fma(V::mul(V::load(t.add(i * 16)), av), V::splat(*kt.add(i)), *acc);
+                }
+            }
+            *pl = V::add(half[0], half[1]);
         }
-        let mem = V::fold(p0, p1);
-        let delta = (v[j] - mem) * beta;
-        let dv = V::splat(delta);
-        let (mut p0, mut p1) = (V::zero(), V::zero());
-        for i in (0..NV).step_by(2) {
-            row[i] = V::fma(kv[i], dv, row[i]);
-            row[i + 1] = V::fma(kv[i + 1], dv, row[i + 1]);
-            p0 = V::fma(row[i], qv[i], p0);
-            p1 = V::fma(row[i + 1], qv[i + 1], p1);
+        let mem = fold_halves(&mut p);
+        let delta = V::mul(V::sub(V::load(v.add(tok * v_stride)), mem), V::splat(beta[tok]));
+        // S = fma(k, δ, S·α); o = dot(S, q).
+        let mut p = [V::zero(); 16];
+        for (l, pl) in p.iter_mut().enumerate() {
+            let mut half = [V::zero(); 2];
+            for (hh, acc) in half.iter_mut().enumerate() {
+                for m in 0..NV / 2 {
+                    let i = l + 16 * hh + 32 * m;
+                    let si = V::fma(V::splat(*kt.add(i)), delta, V::mul(V::load(t.add(i * 16)), av));
+                    si.store(t.add(i * 16));
+                    *acc = V::fma(si, V::splat(*qt.add(i)), *acc);
+                }
+            }
+            *pl = V::add(half[0], half[1]);
         }
-        for i in 0..NV {
-            row[i].store(r.add(16 * i));
+        fold_halves(&mut p).store(o.add(tok * o_stride));
+    }
+    for row in 0..16 {
+        for i in 0..dk {
+            *r.add(row * dk + i) = *t.add(i * 16 + row);
         }
-        *oj = V::fold(p0, p1);
+    }
+}
+
+/// The fold's levels after the first (`p[i] + p[i + h]`, `h = 8, 4, 2, 1`) over 16 whole
+/// accumulators; returns `p[0]`.
+#[inline(always)]
+unsafe fn fold_halves<V: V16>(p: &mut [V; 16]) -> V {
+    let mut h = 8;
+    while h > 0 {
+        for i in 0..h {
+            p[i] = V::add(p[i], p[i + h]);
+        }
+        h /= 2;
+    }
+    p[0]
+}
+
+/// [`gdn_rows_regs`] for `alpha.len()` tokens (see [`super::gdn_rows_tokens`] for the layout):
+/// groups of 16 rows run through every token at once ([`gdn_rows16`]), the rows past the last
+/// group one at a time. A row's updates are those of one token at a time, in token order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_tokens_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+    let dk = NV * 16;
+    let (dv, n) = (s.len() / dk, alpha.len());
+    let (sp, vp, op) = (s.as_mut_ptr(), v.as_ptr(), o.as_mut_ptr());
+    let mut j = 0;
+    while j + 16 <= dv {
+        gdn_rows16::<V, NV>(sp.add(j * dk), n, k.as_ptr(), q.as_ptr(), alpha, beta, vp.add(j), v_stride, op.add(j), o_stride);
+        j += 16;
+    }
+    if j < dv {
+        for t in 0..n {
+            let (kv, qv) = (load_n::<V, NV>(k.as_ptr().add(t * dk)), load_n::<V, NV>(q.as_ptr().add(t * dk)));
+            let av = V::splat(alpha[t]);
+            for j in j..dv {
+                *op.add(t * o_stride + j) = gdn_row::<V, NV>(sp.add(j * dk), &kv, &qv, av, *vp.add(t * v_stride + j), beta[t]);
+            }
+        }
+    }
+}
+
+/// The delta rule of one value head for several tokens ([`super::gdn_rows_tokens`]), `dk` a
+/// multiple of 32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_tokens<V: V16>(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+    match dk {
+        64 => gdn_tokens_regs::<V, 4>(s, k, q, alpha, beta, v, v_stride, o, o_stride),
+        128 => gdn_tokens_regs::<V, 8>(s, k, q, alpha, beta, v, v_stride, o, o_stride),
+        _ => {
+            let dv = s.len() / dk;
+            for t in 0..alpha.len() {
+                let o_t = &mut o[t * o_stride..t * o_stride + dv];
+                gdn_rows::<V>(s, dk, &k[t * dk..(t + 1) * dk], &q[t * dk..(t + 1) * dk], alpha[t], beta[t], &v[t * v_stride..t * v_stride + dv], o_t);
+            }
+        }
     }
 }
 
@@ -1256,6 +1431,11 @@ macro_rules! isa_module {
             pub(crate) unsafe fn gdn(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
                 gdn_rows::<$v>(s, dk, k, q, alpha, beta, v, o)
             }
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(crate) unsafe fn gdn_tokens(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+                super::gdn_tokens::<$v>(s, dk, k, q, alpha, beta, v, v_stride, o, o_stride)
+            }
             /// `g` heads (1, 2, 4 or 8) of one KV group; false when `g` has no instance.
             #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
@@ -1298,9 +1478,12 @@ macro_rules! isa_module {
             #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
             pub(crate) unsafe fn gdn_conv(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
-                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1);
+                // Kernel size 4 (every Qwen3.5) in vectors of 16 channels; the rest as the
+                // reference, vectorised by the compiler.
+                let ch = if kc == 4 { super::gdn_conv16::<$v, 4>(cd, taps, conv, qkv, t_len, y, ch0, ch1) } else { ch0 };
+                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch, ch1);
                 for t in 0..t_len {
-                    silu_slice::<$v>(&mut y[t * cd + ch0..t * cd + ch1]);
+                    silu_slice::<$v>(&mut y[t * cd + ch..t * cd + ch1]);
                 }
             }
             #[target_feature(enable = $feat)]
