@@ -48,6 +48,13 @@ pub(super) trait V16: Copy {
     unsafe fn exp(a: Self) -> Self;
     /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
     unsafe fn fold(a: Self, b: Self) -> f32;
+    /// [`V16::fold16_halved`] of 8 outputs.
+    #[inline(always)]
+    unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
+        let w: [Self; 16] = std::array::from_fn(|k| v[k % 8]);
+        let f = Self::fold16_halved(&w);
+        std::array::from_fn(|k| f[k])
+    }
     /// The rest of the fold of 16 outputs whose first level (`p[i] + p[i + 16]`) is done:
     /// `v[k]` holds output `k`'s 16 lanes; then `p[i] + p[i + h]` for `h = 8, 4, 2, 1`.
     #[inline(always)]
@@ -197,6 +204,28 @@ impl V16 for Z {
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
         _mm_cvtss_f32(s1)
+    }
+    #[inline(always)]
+    unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
+        // The levels of fold16_halved on 8 outputs (see there).
+        let mut c = [_mm512_setzero_ps(); 4];
+        for k in 0..4 {
+            let (x, y) = (v[2 * k].0, v[2 * k + 1].0);
+            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(x, y), _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y));
+        }
+        let mut g = [_mm512_setzero_ps(); 2];
+        for k in 0..2 {
+            let (x, y) = (c[2 * k], c[2 * k + 1]);
+            g[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y));
+        }
+        // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
+        let j2 = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(g[0], g[1]), _mm512_shuffle_ps::<0b11_10_11_10>(g[0], g[1]));
+        // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
+        let r = _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(j2, j2), _mm512_shuffle_ps::<0b11_01_11_01>(j2, j2));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r)));
+        out
     }
     #[inline(always)]
     unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
@@ -1257,23 +1286,28 @@ unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &m
     }
 }
 
+/// Where the last K block of the second half puts its outputs: the first half's finished lane
+/// sums (`[MR][NR][16]` at `half0[i·ld + r·16]`), and the output block in `y` (`y[i·ldy + r]`
+/// for the `mr` valid tokens and `nr` valid rows).
+#[derive(Clone, Copy)]
+struct Finish {
+    half0: *const f32,
+    y: *mut f32,
+    ldy: usize,
+    mr: usize,
+    nr: usize,
+}
+
 /// One half of `MR` tokens × `NR` decoded rows over `steps` steps: `xs[i]`, `ws[r]` point at
 /// the half's first step (16 lanes, contiguous), each output has one accumulator. The partial
 /// lane sums start at +0.0 (`first`) or come from `acc` (`[MR][NR][16]` at `acc[i·ld + r·16]`)
-/// and go back there. With `half0` (the other half's finished lane sums, same layout) the
-/// first level of the fold is added on the way out, `half0[l] + acc[l]` (numerics §2: lane
-/// `l` plus lane `l + 16`); the rest of the fold runs later over many outputs at once.
+/// and go back there, except with `finish` (the second half's last K block): then the first
+/// half's lane sums are added (`half0[l] + acc[l]`, the fold's first level: numerics §2, lane
+/// `l` plus lane `l + 16`), the rest of the fold runs on the registers 16 (or 8) outputs at a
+/// time, and the valid outputs go to `y`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
-    xs: [*const f32; MR],
-    ws: [*const f32; NR],
-    steps: usize,
-    acc_p: *mut f32,
-    ld: usize,
-    first: bool,
-    half0: Option<*const f32>,
-) {
+unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize, acc_p: *mut f32, ld: usize, first: bool, finish: Option<Finish>) {
     let mut acc = [[V::zero(); NR]; MR];
     if !first {
         for i in 0..MR {
@@ -1294,13 +1328,42 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
             }
         }
     }
-    for i in 0..MR {
-        for r in 0..NR {
-            let v = match half0 {
-                None => acc[i][r],
-                Some(h0) => V::add(V::load(h0.add(i * ld + r * 16)), acc[i][r]),
-            };
-            v.store(acc_p.add(i * ld + r * 16));
+    match finish {
+        None => {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r].store(acc_p.add(i * ld + r * 16));
+                }
+            }
+        }
+        Some(f) => {
+            // Token-major: output k is token k / NR, row k % NR. (Only constant indices into
+            // `acc`, so it stays in registers through the loop above.)
+            let mut lane_sums = [V::zero(); 2 * MAX_NR];
+            for i in 0..MR {
+                for r in 0..NR {
+                    lane_sums[i * NR + r] = V::add(V::load(f.half0.add(i * ld + r * 16)), acc[i][r]);
+                }
+            }
+            let mut out = [0.0f32; 2 * MAX_NR];
+            let n = MR * NR;
+            let mut k0 = 0;
+            while k0 + 16 <= n {
+                out[k0..k0 + 16].copy_from_slice(&V::fold16_halved(lane_sums[k0..k0 + 16].try_into().unwrap()));
+                k0 += 16;
+            }
+            while k0 < n {
+                // A group of fewer than 8 repeats its last output (folded, not stored).
+                let g = 8.min(n - k0);
+                let v: [V; 8] = std::array::from_fn(|j| lane_sums[k0 + j.min(g - 1)]);
+                out[k0..k0 + g].copy_from_slice(&V::fold8_halved(&v)[..g]);
+                k0 += g;
+            }
+            for i in 0..f.mr {
+                for r in 0..f.nr {
+                    *f.y.add(i * f.ldy + r) = out[i * NR + r];
+                }
+            }
         }
     }
 }
@@ -1312,20 +1375,19 @@ const TOKEN_BLOCK: usize = 16;
 /// in L1 while every token of the token block passes over them. The lane sums are parked
 /// between K blocks (2 memory accesses per output per 64 FMAs).
 const K_STEPS: usize = 64;
-/// The largest row block of the panel kernel (`NR`).
+/// The largest row block of the panel kernel (`NR`); `MR · NR` outputs of [`micro`] are at most
+/// `2 · MAX_NR`.
 const MAX_NR: usize = 16;
 
 /// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
 /// in the lane order of `xt`; then per token block, half and K block, `NR` rows × `MR` tokens at
 /// a time run [`micro`], the partial lane sums parked in a buffer between K blocks (stored and
 /// reloaded f32 values: the per-lane order of numerics §2 is unchanged), the first half's
-/// finished sums kept until the second half adds them (the fold's first level); each row block
-/// then folds its token block's outputs 16 at a time (a batch keeps the shuffle tree's latency
-/// off the FMA loop). Partial blocks repeat the last valid token or row and store only valid
-/// outputs.
+/// finished sums kept until the second half's last K block adds them and folds its outputs in
+/// registers. Partial blocks repeat the last valid token or row and store only valid outputs.
 #[inline(always)]
 unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
-    const { assert!(NR <= MAX_NR) };
+    const { assert!(NR <= MAX_NR && MR * NR <= 2 * MAX_NR) };
     let (plen, half, steps) = (xt.stride(), xt.half(), xt.steps());
     let rows_pad = count.div_ceil(NR) * NR;
     // Panel rows, then the lane sums of each half, [TOKEN_BLOCK + MR][rows_pad][16] each.
@@ -1376,32 +1438,9 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
                             *xp = xt.ptr().add((t + i.min(mr - 1)) * plen + h * half + k0 * 16);
                         }
                         let at = (t - tb) * ld + r * 16;
-                        let fold = if h == 1 && last { Some(acc[0].add(at) as *const f32) } else { None };
-                        micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, fold);
+                        let finish = (h == 1 && last).then(|| Finish { half0: acc[0].add(at), y: y.add(t * ldy + n0 + r), ldy, mr, nr });
+                        micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, finish);
                         t += mr;
-                    }
-                    if h == 1 && last {
-                        // The rest of the fold of this row block's outputs in the token block,
-                        // 16 at a time, from the first-level sums `micro` left in `acc[1]`.
-                        // Offsets of output k (token-major) in `acc[1]` and in `y`.
-                        let mut src = [0usize; TOKEN_BLOCK * MAX_NR];
-                        let mut dst = [0usize; TOKEN_BLOCK * MAX_NR];
-                        let mut n = 0;
-                        for i in 0..t_end - tb {
-                            for j in 0..nr {
-                                src[n] = i * ld + (r + j) * 16;
-                                dst[n] = (tb + i) * ldy + n0 + r + j;
-                                n += 1;
-                            }
-                        }
-                        for o0 in (0..n).step_by(16) {
-                            // A short last group repeats its last output (folded, not stored).
-                            let v: [V; 16] = std::array::from_fn(|k| V::load(acc[1].add(src[(o0 + k).min(n - 1)])));
-                            let f = V::fold16_halved(&v);
-                            for k in 0..(n - o0).min(16) {
-                                *y.add(dst[o0 + k]) = f[k];
-                            }
-                        }
                     }
                     r += nr;
                 }
@@ -1538,6 +1577,10 @@ mod tests {
             let a: [V; 16] = std::array::from_fn(|k| V::load(lanes[k].as_ptr()));
             let b: [V; 16] = std::array::from_fn(|k| V::load(lanes[k].as_ptr().add(16)));
             let got = V::fold16_halved(&std::array::from_fn(|k| V::add(a[k], b[k])));
+            let got8 = V::fold8_halved(&std::array::from_fn(|k| V::add(a[k + 8], b[k + 8])));
+            for k in 0..8 {
+                assert_eq!(got8[k].to_bits(), crate::numerics::fold_lanes(lanes[k + 8]).to_bits(), "fold8 output {k}");
+            }
             for k in 0..16 {
                 let want = crate::numerics::fold_lanes(lanes[k]);
                 assert_eq!(got[k].to_bits(), want.to_bits(), "output {k}");
