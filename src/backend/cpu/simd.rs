@@ -629,10 +629,10 @@ mod tests {
         use crate::backend::cpu::kernels::gdn_rows_ref;
         let mut rng = Rng(19);
         // dk 64 and 128 (the register paths), 96 (the generic vector path), 48 (portable); dv
-        // not a multiple of the row block (100), small (5); one token, a few, and more than one
-        // block of rows would hold in L1.
+        // not a multiple of 16 rows (100), small (5); one token and a few (rows one at a time),
+        // 8 and 70 (16-row groups).
         for (dk, dv) in [(128usize, 128usize), (128, 100), (64, 5), (64, 130), (96, 40), (48, 7)] {
-            for n in [1usize, 3, 70] {
+            for n in [1usize, 3, 8, 70] {
                 let (vs, os) = (dv + 3, dv + 5);
                 let s0: Vec<f32> = (0..dv * dk).map(|_| rng.f()).collect();
                 let k: Vec<f32> = (0..n * dk).map(|_| rng.f() * 0.1).collect();

@@ -686,9 +686,13 @@ unsafe fn fold_halves<V: V16>(p: &mut [V; 16]) -> V {
     p[0]
 }
 
+/// Tokens from which [`gdn_tokens_regs`] transposes 16-row groups ([`gdn_rows16`]).
+const GDN_MIN_TOKENS: usize = 8;
+
 /// [`gdn_rows_regs`] for `alpha.len()` tokens (see [`super::gdn_rows_tokens`] for the layout):
-/// groups of 16 rows run through every token at once ([`gdn_rows16`]), the rows past the last
-/// group one at a time. A row's updates are those of one token at a time, in token order.
+/// from [`GDN_MIN_TOKENS`] tokens, groups of 16 rows run through every token at once
+/// ([`gdn_rows16`]); other rows (all of them for fewer tokens) one at a time. A row's updates
+/// are those of one token at a time, in token order.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gdn_tokens_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
@@ -696,7 +700,8 @@ unsafe fn gdn_tokens_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: 
     let (dv, n) = (s.len() / dk, alpha.len());
     let (sp, vp, op) = (s.as_mut_ptr(), v.as_ptr(), o.as_mut_ptr());
     let mut j = 0;
-    while j + 16 <= dv {
+    // The transposes cost about as much as 4 tokens of updates: decode keeps to rows.
+    while n >= GDN_MIN_TOKENS && j + 16 <= dv {
         gdn_rows16::<V, NV>(sp.add(j * dk), n, k.as_ptr(), q.as_ptr(), alpha, beta, vp.add(j), v_stride, op.add(j), o_stride);
         j += 16;
     }
