@@ -174,6 +174,9 @@ pub fn gdn_rows_ref(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, 
 /// token) sit in scratch while the delta rule runs over them in blocks of state rows.
 const GDN_TOKENS: usize = 64;
 
+/// Tokens ahead that [`gdn_head`] asks the cache for a token's inputs.
+const PREFETCH_TOKENS: usize = 4;
+
 /// Value head `h` of one sequence for `t_len` tokens (spec G5–G12, numerics §4 steps 2–5): q/k
 /// norms of its key head, gates, delta rule on `state_h` (`[dv, dk]`, updated), gated RMSNorm
 /// with `z`. `y` holds the `silu(conv)` rows `[T, conv_dim]` (q/k of key head `kappa` at
@@ -216,6 +219,15 @@ pub fn gdn_head(
         let n = GDN_TOKENS.min(t_len - t0);
         for i in 0..n {
             let t = t0 + i;
+            // The head's slices of token rows kilobytes apart come from L3 one miss at a time
+            // unless asked for ahead: q, k, v and z of the token PREFETCH_TOKENS on.
+            if t + PREFETCH_TOKENS < t_len {
+                let (yr, zr) = (&y[(t + PREFETCH_TOKENS) * cd..(t + PREFETCH_TOKENS + 1) * cd], &z[(t + PREFETCH_TOKENS) * value_dim..(t + PREFETCH_TOKENS + 1) * value_dim]);
+                simd::prefetch(&yr[kappa * dk..(kappa + 1) * dk]);
+                simd::prefetch(&yr[key_dim + kappa * dk..key_dim + (kappa + 1) * dk]);
+                simd::prefetch(&yr[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv]);
+                simd::prefetch(&zr[h * dv..(h + 1) * dv]);
+            }
             gdn_qk_norm_head(isa, cfg, &y[t * cd..(t + 1) * cd], kappa, &mut qn[i * dk..(i + 1) * dk], &mut kn[i * dk..(i + 1) * dk]);
             beta[i] = sigmoid(b[t * hv + h]);
             alpha[i] = exp(w.a[h] * softplus(a[t * hv + h] + w.dt_bias[h]));

@@ -249,6 +249,18 @@ macro_rules! dispatch {
     };
 }
 
+/// Asks the cache for the lines of `x` (a hint: no effect on any value; nothing off x86-64).
+#[inline(always)]
+pub fn prefetch(x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..x.len()).step_by(16) {
+        // SAFETY: a prefetch reads nothing architecturally; the address lies inside `x`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(x.as_ptr().add(i) as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// Canonical dot of two f32 vectors (numerics §2 with one element per word).
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
