@@ -276,10 +276,17 @@ impl Backend for Cpu {
     fn matmul_residual(&self, x: &Tensor, rows: usize, w: &Matrix, y: &mut Tensor, h: &mut Tensor) {
         debug_assert_eq!(h.cols, y.cols);
         self.matmul(x, rows, &mut [(w, &mut *y)]);
-        let n = rows * h.cols;
-        for (a, &b) in h.data[..n].iter_mut().zip(&y.data[..n]) {
-            *a += b;
-        }
+        // Element-wise, so prompt rows split across the threads (the add was serial).
+        let c = h.cols;
+        assert!(rows * c <= h.data.len() && rows * c <= y.data.len(), "matmul_residual: {rows} rows of {c}");
+        let (h_p, y) = (SendPtr(h.data.as_mut_ptr()), &*y);
+        self.row_blocks(rows, &|r0, r1| {
+            // SAFETY: this block writes only rows r0..r1 of `h`, inside its first rows · c floats.
+            let hr = unsafe { std::slice::from_raw_parts_mut(h_p.get().add(r0 * c), (r1 - r0) * c) };
+            for (a, &b) in hr.iter_mut().zip(&y.data[r0 * c..r1 * c]) {
+                *a += b;
+            }
+        });
     }
 
     fn matmul(&self, x: &Tensor, rows: usize, outs: &mut [(&Matrix, &mut Tensor)]) {
