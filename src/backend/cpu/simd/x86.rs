@@ -620,7 +620,7 @@ unsafe fn gdn_rows_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gdn_rows16<V: V16, const NV: usize>(r: *mut f32, n: usize, k: *const f32, q: *const f32, alpha: &[f32], beta: &[f32], v: *const f32, v_stride: usize, o: *mut f32, o_stride: usize) {
-    const { assert!(NV <= 8 && NV % 2 == 0) };
+    const { assert!(NV <= 8 && NV.is_multiple_of(2)) };
     let dk = NV * 16;
     // 64-byte aligned: a vector split across two cache lines costs two accesses.
     #[repr(align(64))]
