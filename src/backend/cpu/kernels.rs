@@ -134,22 +134,20 @@ fn gdn_conv_taps_any(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: 
     }
 }
 
-/// q/k L2 normalisation of one token (spec G5, numerics §4 step 2): `y` is the token's
-/// `silu(conv)` row; writes `qn`, `kn` (`[Hk·dk]` each), q also scaled by `dk^−1/2`.
-pub fn gdn_qk_norm(isa: Isa, cfg: &ModelConfig, y: &[f32], qn: &mut [f32], kn: &mut [f32]) {
-    let (hk, dk, key_dim) = (cfg.linear_num_key_heads, cfg.linear_key_head_dim, cfg.key_dim());
+/// q/k L2 normalisation of key head `kappa` of one token (spec G5, numerics §4 step 2): `y` is
+/// the token's `silu(conv)` row; writes `qn`, `kn` (`dk` each), q also scaled by `dk^−1/2`.
+pub fn gdn_qk_norm_head(isa: Isa, cfg: &ModelConfig, y: &[f32], kappa: usize, qn: &mut [f32], kn: &mut [f32]) {
+    let (dk, key_dim) = (cfg.linear_key_head_dim, cfg.key_dim());
     let q_scale = rsqrt(dk as f32);
-    for i in 0..hk {
-        let q = &y[i * dk..(i + 1) * dk];
-        let inv = rsqrt(simd::dot(isa, q, q) + L2_NORM_EPS);
-        for e in 0..dk {
-            qn[i * dk + e] = (q[e] * inv) * q_scale;
-        }
-        let k = &y[key_dim + i * dk..key_dim + (i + 1) * dk];
-        let inv = rsqrt(simd::dot(isa, k, k) + L2_NORM_EPS);
-        for e in 0..dk {
-            kn[i * dk + e] = k[e] * inv;
-        }
+    let q = &y[kappa * dk..(kappa + 1) * dk];
+    let inv = rsqrt(simd::dot(isa, q, q) + L2_NORM_EPS);
+    for e in 0..dk {
+        qn[e] = (q[e] * inv) * q_scale;
+    }
+    let k = &y[key_dim + kappa * dk..key_dim + (kappa + 1) * dk];
+    let inv = rsqrt(simd::dot(isa, k, k) + L2_NORM_EPS);
+    for e in 0..dk {
+        kn[e] = k[e] * inv;
     }
 }
 
@@ -172,10 +170,21 @@ pub fn gdn_rows_ref(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, 
     }
 }
 
-/// Value head `h` of one sequence for `t_len` tokens (spec G6–G12, numerics §4 steps 3–5):
-/// gates, delta rule on `state_h` (`[dv, dk]`, updated), gated RMSNorm with `z`. `y` holds the
-/// `silu(conv)` rows `[T, conv_dim]` (values at `2·key_dim + h·dv`), `qn`/`kn` the normalised
-/// q/k `[T, key_dim]`; writes `out[t][h·dv ..]` of `[T, value_dim]`.
+/// Tokens per pass of [`gdn_head`]: the pass's gates and normalised q/k (`2·dk` floats per
+/// token) sit in scratch while the delta rule runs over them in blocks of state rows.
+const GDN_TOKENS: usize = 64;
+
+/// Tokens ahead that [`gdn_head`] asks the cache for a token's inputs.
+const PREFETCH_TOKENS: usize = 4;
+
+/// Value head `h` of one sequence for `t_len` tokens (spec G5–G12, numerics §4 steps 2–5): q/k
+/// norms of its key head, gates, delta rule on `state_h` (`[dv, dk]`, updated), gated RMSNorm
+/// with `z`. `y` holds the `silu(conv)` rows `[T, conv_dim]` (q/k of key head `kappa` at
+/// `kappa·dk` and `key_dim + kappa·dk`, values at `2·key_dim + h·dv`); writes `out[t][h·dv ..]`
+/// of `[T, value_dim]`. Tokens run in passes of [`GDN_TOKENS`]; within a pass the delta rule
+/// runs token after token for each state row ([`simd::gdn_rows_tokens`]: rows are independent,
+/// so this is the arithmetic of one token at a time), its outputs parked in `out` until the
+/// gated norm of each token replaces them. `scratch` holds the pass's normalised q and k.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_head(
     isa: Isa,
@@ -184,17 +193,19 @@ pub fn gdn_head(
     h: usize,
     state_h: &mut [f32],
     y: &[f32],
-    qn: &[f32],
-    kn: &[f32],
     z: &[f32],
     b: &[f32],
     a: &[f32],
     t_len: usize,
+    scratch: &mut Vec<f32>,
     out: &mut [f32],
 ) {
     let (hk, hv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let (key_dim, value_dim, cd) = (cfg.key_dim(), cfg.value_dim(), cfg.conv_dim());
     let kappa = h / (hv / hk);
+    scratch.resize(2 * GDN_TOKENS * dk, 0.0);
+    let (qn, kn) = scratch.split_at_mut(GDN_TOKENS * dk);
+    let (mut alpha, mut beta) = ([0.0f32; GDN_TOKENS], [0.0f32; GDN_TOKENS]);
     let mut small = [0.0f32; 256];
     let mut large = Vec::new();
     let o: &mut [f32] = if dv <= small.len() {
@@ -203,17 +214,36 @@ pub fn gdn_head(
         large.resize(dv, 0.0);
         &mut large
     };
-    for t in 0..t_len {
-        let beta = sigmoid(b[t * hv + h]);
-        let alpha = exp(w.a[h] * softplus(a[t * hv + h] + w.dt_bias[h]));
-        let kh = &kn[t * key_dim + kappa * dk..t * key_dim + (kappa + 1) * dk];
-        let qh = &qn[t * key_dim + kappa * dk..t * key_dim + (kappa + 1) * dk];
-        let v = &y[t * cd + 2 * key_dim + h * dv..t * cd + 2 * key_dim + (h + 1) * dv];
-        simd::gdn_rows(isa, state_h, kh, qh, alpha, beta, v, o);
-        let inv = rsqrt(simd::dot(isa, o, o) / dv as f32 + cfg.rms_norm_eps);
-        let zr = &z[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-        let orow = &mut out[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-        simd::gated_norm(isa, o, inv, &w.norm, zr, orow);
+    let mut t0 = 0;
+    while t0 < t_len {
+        let n = GDN_TOKENS.min(t_len - t0);
+        for i in 0..n {
+            let t = t0 + i;
+            // The head's slices of token rows kilobytes apart come from L3 one miss at a time
+            // unless asked for ahead: q, k, v and z of the token PREFETCH_TOKENS on.
+            if t + PREFETCH_TOKENS < t_len {
+                let (yr, zr) = (&y[(t + PREFETCH_TOKENS) * cd..(t + PREFETCH_TOKENS + 1) * cd], &z[(t + PREFETCH_TOKENS) * value_dim..(t + PREFETCH_TOKENS + 1) * value_dim]);
+                simd::prefetch(&yr[kappa * dk..(kappa + 1) * dk]);
+                simd::prefetch(&yr[key_dim + kappa * dk..key_dim + (kappa + 1) * dk]);
+                simd::prefetch(&yr[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv]);
+                simd::prefetch(&zr[h * dv..(h + 1) * dv]);
+            }
+            gdn_qk_norm_head(isa, cfg, &y[t * cd..(t + 1) * cd], kappa, &mut qn[i * dk..(i + 1) * dk], &mut kn[i * dk..(i + 1) * dk]);
+            beta[i] = sigmoid(b[t * hv + h]);
+            alpha[i] = exp(w.a[h] * softplus(a[t * hv + h] + w.dt_bias[h]));
+        }
+        let last = t0 + n - 1;
+        let v = &y[t0 * cd + 2 * key_dim + h * dv..last * cd + 2 * key_dim + (h + 1) * dv];
+        let o_rows = &mut out[t0 * value_dim + h * dv..last * value_dim + (h + 1) * dv];
+        simd::gdn_rows_tokens(isa, state_h, dk, &kn[..n * dk], &qn[..n * dk], &alpha[..n], &beta[..n], v, cd, o_rows, value_dim);
+        for t in t0..t0 + n {
+            let orow = &mut out[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
+            o.copy_from_slice(orow);
+            let inv = rsqrt(simd::dot(isa, o, o) / dv as f32 + cfg.rms_norm_eps);
+            let zr = &z[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
+            simd::gated_norm(isa, o, inv, &w.norm, zr, orow);
+        }
+        t0 += n;
     }
 }
 

@@ -34,16 +34,15 @@ struct Scratch {
     xts: Vec<Transposed>,
     /// `(output, first row, rows)` of each task of a product.
     tasks: Vec<(usize, usize, usize)>,
-    /// GDN: `silu(conv)` rows and the normalised q and k.
+    /// GDN: `silu(conv)` rows.
     y: Vec<f32>,
-    qn: Vec<f32>,
-    kn: Vec<f32>,
 }
 
 thread_local! {
-    /// Per-thread scratch of the kernels: the decoded panel of a product; attention's queries
-    /// and scores.
+    /// Per-thread scratch of the kernels: the decoded panel of a product; a GDN head's
+    /// normalised q and k; attention's queries and scores.
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static GDN: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static ATTN: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
 
@@ -277,10 +276,17 @@ impl Backend for Cpu {
     fn matmul_residual(&self, x: &Tensor, rows: usize, w: &Matrix, y: &mut Tensor, h: &mut Tensor) {
         debug_assert_eq!(h.cols, y.cols);
         self.matmul(x, rows, &mut [(w, &mut *y)]);
-        let n = rows * h.cols;
-        for (a, &b) in h.data[..n].iter_mut().zip(&y.data[..n]) {
-            *a += b;
-        }
+        // Element-wise, so prompt rows split across the threads (the add was serial).
+        let c = h.cols;
+        assert!(rows * c <= h.data.len() && rows * c <= y.data.len(), "matmul_residual: {rows} rows of {c}");
+        let (h_p, y) = (SendPtr(h.data.as_mut_ptr()), &*y);
+        self.row_blocks(rows, &|r0, r1| {
+            // SAFETY: this block writes only rows r0..r1 of `h`, inside its first rows · c floats.
+            let hr = unsafe { std::slice::from_raw_parts_mut(h_p.get().add(r0 * c), (r1 - r0) * c) };
+            for (a, &b) in hr.iter_mut().zip(&y.data[r0 * c..r1 * c]) {
+                *a += b;
+            }
+        });
     }
 
     fn matmul(&self, x: &Tensor, rows: usize, outs: &mut [(&Matrix, &mut Tensor)]) {
@@ -378,18 +384,20 @@ impl Backend for Cpu {
         a: &Tensor,
         out: &mut Tensor,
     ) {
-        let (cd, key_dim, hv) = (cfg.conv_dim(), cfg.key_dim(), cfg.linear_num_value_heads);
+        let (cd, hv) = (cfg.conv_dim(), cfg.linear_num_value_heads);
         let head_state = cfg.linear_value_head_dim * cfg.linear_key_head_dim;
         let isa = self.isa;
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { y, qn, kn, .. } = &mut *guard;
+        let Scratch { y, .. } = &mut *guard;
         for s in &batch.seqs {
             let st = states.get_mut(s.slot).expect("slot checked in begin_step");
             let (r0, n) = (s.first_row as usize, s.len as usize);
             let rows = |t: &Tensor| r0 * t.cols..(r0 + n) * t.cols;
-            // Step 1: conv + SiLU, channels split across threads.
-            y.clear();
-            y.resize(n * cd, 0.0);
+            // Step 1: conv + SiLU, channels split across threads (they write every value of y,
+            // so it is only grown, never cleared).
+            if y.len() < n * cd {
+                y.resize(n * cd, 0.0);
+            }
             let blocks = (n * cd).div_ceil(16 * 1024).clamp(1, 4 * self.threads());
             let (conv_p, y_p) = (SendPtr(st.conv[layer].as_mut_ptr()), SendPtr(y.as_mut_ptr()));
             let (conv_len, qkv_rows) = (st.conv[layer].len(), &qkv.data[rows(qkv)]);
@@ -400,25 +408,17 @@ impl Backend for Cpu {
                 let (conv, y) = unsafe { (std::slice::from_raw_parts_mut(conv_p.get(), conv_len), std::slice::from_raw_parts_mut(y_p.get(), n * cd)) };
                 kernels::gdn_conv(isa, cfg, &w.conv1d, conv, qkv_rows, n, y, ch0, ch1);
             });
-            // Step 2: q/k L2 norms per token.
-            for b in [&mut *qn, &mut *kn] {
-                b.clear();
-                b.resize(n * key_dim, 0.0);
-            }
-            for t in 0..n {
-                kernels::gdn_qk_norm(isa, cfg, &y[t * cd..(t + 1) * cd], &mut qn[t * key_dim..(t + 1) * key_dim], &mut kn[t * key_dim..(t + 1) * key_dim]);
-            }
-            // Steps 3–5: one task per value head.
+            // Steps 2–5: one task per value head (each normalises its key head's q and k).
             let (state_p, out_p) = (SendPtr(st.recurrent[layer].as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
             let out_range = rows(out);
             let (zr, br, ar) = (&z.data[rows(z)], &b.data[rows(b)], &a.data[rows(a)]);
-            let (y, qn, kn) = (&*y, &*qn, &*kn);
+            let y = &*y;
             self.pool.run(hv, &|h| {
                 // SAFETY: head h owns state rows h·dv.., and writes only its dv columns of each
                 // output row; the output buffer holds `out_range`.
                 let state_h = unsafe { std::slice::from_raw_parts_mut(state_p.get().add(h * head_state), head_state) };
                 let out_rows = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(out_range.start), out_range.len()) };
-                kernels::gdn_head(isa, cfg, w, h, state_h, y, qn, kn, zr, br, ar, n, out_rows);
+                GDN.with(|qk| kernels::gdn_head(isa, cfg, w, h, state_h, y, zr, br, ar, n, &mut qk.borrow_mut(), out_rows));
             });
         }
     }

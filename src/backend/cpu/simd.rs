@@ -249,6 +249,18 @@ macro_rules! dispatch {
     };
 }
 
+/// Asks the cache for the lines of `x` (a hint: no effect on any value; nothing off x86-64).
+#[inline(always)]
+pub fn prefetch(x: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..x.len()).step_by(16) {
+        // SAFETY: a prefetch reads nothing architecturally; the address lies inside `x`.
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(x.as_ptr().add(i) as *const i8) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = x;
+}
+
 /// Canonical dot of two f32 vectors (numerics §2 with one element per word).
 pub fn dot(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -263,6 +275,30 @@ pub fn gdn_rows(isa: Isa, s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta:
     let dk = k.len();
     assert!(s.len() == dk * o.len() && q.len() == dk && v.len() == o.len());
     dispatch!(isa, dk.is_multiple_of(32), gdn(s, dk, k, q, alpha, beta, v, o), super::kernels::gdn_rows_ref(s, k, q, alpha, beta, v, o))
+}
+
+/// The delta rule of one value head for `n = alpha.len()` consecutive tokens (numerics §4 step
+/// 4, token after token): `s` is the head's `[dv, dk]` state, token `t` reads its normalised key
+/// and query at `k[t·dk..]`, `q[t·dk..]`, gates `alpha[t]`, `beta[t]` and values
+/// `v[t·v_stride..][..dv]`, and writes `o[t·o_stride..][..dv]`. The bits of
+/// [`super::kernels::gdn_rows_ref`] applied token after token on every ISA; the fast paths run
+/// each block of state rows through all `n` tokens while it stays in L1 (every row's update
+/// reads only that row and the token's inputs).
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_rows_tokens(isa: Isa, s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+    let n = alpha.len();
+    if n == 0 {
+        return;
+    }
+    let dv = s.len() / dk;
+    assert!(s.len() == dk * dv && beta.len() == n && k.len() >= n * dk && q.len() >= n * dk);
+    assert!(o_stride >= dv && v.len() >= (n - 1) * v_stride + dv && o.len() >= (n - 1) * o_stride + dv);
+    dispatch!(isa, dk.is_multiple_of(32), gdn_tokens(s, dk, k, q, alpha, beta, v, v_stride, o, o_stride), {
+        for t in 0..n {
+            let (kt, qt) = (&k[t * dk..(t + 1) * dk], &q[t * dk..(t + 1) * dk]);
+            super::kernels::gdn_rows_ref(s, kt, qt, alpha[t], beta[t], &v[t * v_stride..t * v_stride + dv], &mut o[t * o_stride..t * o_stride + dv]);
+        }
+    })
 }
 
 /// Attention of `g` query heads sharing one KV head (at `head_off`) at position `p`: `q` is
@@ -600,6 +636,38 @@ mod tests {
         }
     }
 
+    #[test]
+    fn gdn_rows_tokens_match_the_reference_token_after_token() {
+        use crate::backend::cpu::kernels::gdn_rows_ref;
+        let mut rng = Rng(19);
+        // dk 64 and 128 (the register paths), 96 (the generic vector path), 48 (portable); dv
+        // not a multiple of 16 rows (100), small (5); one token and a few (rows one at a time),
+        // 8 and 70 (16-row groups).
+        for (dk, dv) in [(128usize, 128usize), (128, 100), (64, 5), (64, 130), (96, 40), (48, 7)] {
+            for n in [1usize, 3, 8, 70] {
+                let (vs, os) = (dv + 3, dv + 5);
+                let s0: Vec<f32> = (0..dv * dk).map(|_| rng.f()).collect();
+                let k: Vec<f32> = (0..n * dk).map(|_| rng.f() * 0.1).collect();
+                let q: Vec<f32> = (0..n * dk).map(|_| rng.f() * 0.1).collect();
+                let alpha: Vec<f32> = (0..n).map(|_| 0.9 + 0.1 * rng.f()).collect();
+                let beta: Vec<f32> = (0..n).map(|_| 0.5 + 0.5 * rng.f()).collect();
+                let v: Vec<f32> = (0..n * vs).map(|_| rng.f()).collect();
+                let mut want_s = s0.clone();
+                let mut want_o = vec![f32::NAN; n * os];
+                for t in 0..n {
+                    gdn_rows_ref(&mut want_s, &k[t * dk..(t + 1) * dk], &q[t * dk..(t + 1) * dk], alpha[t], beta[t], &v[t * vs..t * vs + dv], &mut want_o[t * os..t * os + dv]);
+                }
+                for isa in Isa::available() {
+                    let mut got_s = s0.clone();
+                    let mut got_o = vec![f32::NAN; n * os];
+                    gdn_rows_tokens(isa, &mut got_s, dk, &k, &q, &alpha, &beta, &v, vs, &mut got_o, os);
+                    assert!(same_bits(&got_s, &want_s), "{isa:?} state dk={dk} dv={dv} n={n}");
+                    assert!(same_bits(&got_o, &want_o), "{isa:?} out dk={dk} dv={dv} n={n}");
+                }
+            }
+        }
+    }
+
     /// Inputs that reach every branch of `exp`: NaN, ±inf, ±0, the overflow and underflow
     /// thresholds and their neighbours, results in the subnormal range, ties of `rint`, and
     /// random bit patterns over the whole f32 range.
@@ -678,21 +746,27 @@ mod tests {
                 }
             }
         }
-        // Conv + SiLU over 5 tokens of 100 channels, kernel 4, split into two channel ranges.
-        let (kc, cd, t) = (4usize, 100usize, 5usize);
-        let taps: Vec<f32> = (0..kc * cd).map(|_| rng.f()).collect();
-        let conv0: Vec<f32> = (0..(kc - 1) * cd).map(|_| rng.f() * 5.0).collect();
-        let qkv: Vec<f32> = (0..t * cd).map(|_| rng.f() * 5.0).collect();
-        let mut want_conv = conv0.clone();
-        let mut want_y = vec![0.0f32; t * cd];
-        gdn_conv_taps(kc, cd, &taps, &mut want_conv, &qkv, t, &mut want_y, 0, cd);
-        want_y.iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
-        for isa in Isa::available() {
-            let mut conv = conv0.clone();
-            let mut y = vec![0.0f32; t * cd];
-            gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 0, 48);
-            gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 48, cd);
-            assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv");
+        // Conv + SiLU over 5 tokens of 100 channels, split into two channel ranges (at a whole
+        // 16-channel block and not), kernel 4 (the vector path: blocks, then a tail of under 16
+        // channels) and 3 (the reference's loop).
+        for kc in [4usize, 3] {
+            let (cd, t) = (100usize, 5usize);
+            let taps: Vec<f32> = (0..kc * cd).map(|_| rng.f()).collect();
+            let conv0: Vec<f32> = (0..(kc - 1) * cd).map(|_| rng.f() * 5.0).collect();
+            let qkv: Vec<f32> = (0..t * cd).map(|_| rng.f() * 5.0).collect();
+            let mut want_conv = conv0.clone();
+            let mut want_y = vec![0.0f32; t * cd];
+            gdn_conv_taps(kc, cd, &taps, &mut want_conv, &qkv, t, &mut want_y, 0, cd);
+            want_y.iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
+            for isa in Isa::available() {
+                for split in [48usize, 37] {
+                    let mut conv = conv0.clone();
+                    let mut y = vec![0.0f32; t * cd];
+                    gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 0, split);
+                    gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, split, cd);
+                    assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv kc={kc} split={split}");
+                }
+            }
         }
     }
 

@@ -48,6 +48,13 @@ pub(super) trait V16: Copy {
     unsafe fn exp(a: Self) -> Self;
     /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
     unsafe fn fold(a: Self, b: Self) -> f32;
+    /// [`V16::fold16_halved`] of 8 outputs.
+    #[inline(always)]
+    unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
+        let w: [Self; 16] = std::array::from_fn(|k| v[k % 8]);
+        let f = Self::fold16_halved(&w);
+        std::array::from_fn(|k| f[k])
+    }
     /// The rest of the fold of 16 outputs whose first level (`p[i] + p[i + 16]`) is done:
     /// `v[k]` holds output `k`'s 16 lanes; then `p[i] + p[i + h]` for `h = 8, 4, 2, 1`.
     #[inline(always)]
@@ -197,6 +204,28 @@ impl V16 for Z {
         let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
         let s1 = _mm_add_ss(s2, _mm_shuffle_ps::<0b01>(s2, s2));
         _mm_cvtss_f32(s1)
+    }
+    #[inline(always)]
+    unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
+        // The levels of fold16_halved on 8 outputs (see there).
+        let mut c = [_mm512_setzero_ps(); 4];
+        for k in 0..4 {
+            let (x, y) = (v[2 * k].0, v[2 * k + 1].0);
+            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(x, y), _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y));
+        }
+        let mut g = [_mm512_setzero_ps(); 2];
+        for k in 0..2 {
+            let (x, y) = (c[2 * k], c[2 * k + 1]);
+            g[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y));
+        }
+        // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
+        let j2 = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(g[0], g[1]), _mm512_shuffle_ps::<0b11_10_11_10>(g[0], g[1]));
+        // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
+        let r = _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(j2, j2), _mm512_shuffle_ps::<0b11_01_11_01>(j2, j2));
+        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+        let mut out = [0.0f32; 8];
+        _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r)));
+        out
     }
     #[inline(always)]
     unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
@@ -467,6 +496,46 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
     }
 }
 
+/// The GDN conv + SiLU ([`crate::backend::cpu::kernels::gdn_conv_taps`], then `silu`) of the
+/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane: the
+/// taps and the window live in registers across the tokens (each channel's FMAs in the
+/// reference's order, from +0.0). Returns the first channel not done (the rest is under 16).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) -> usize {
+    debug_assert!(taps.len() >= ch1 * K && conv.len() >= (K - 1) * cd && qkv.len() >= t_len * cd && y.len() >= t_len * cd);
+    let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
+    let mut cb = ch0;
+    while cb + 16 <= ch1 {
+        // Taps are [channel][K]: tap j of the block's 16 channels into one vector.
+        let mut tp = [V::zero(); K];
+        for (j, v) in tp.iter_mut().enumerate() {
+            let lanes: [f32; 16] = std::array::from_fn(|l| taps[(cb + l) * K + j]);
+            *v = V::load(lanes.as_ptr());
+        }
+        let mut win = [V::zero(); K];
+        for j in 0..K - 1 {
+            win[j] = V::load(cp.add(j * cd + cb));
+        }
+        for t in 0..t_len {
+            win[K - 1] = V::load(qp.add(t * cd + cb));
+            let mut acc = V::zero();
+            for j in 0..K {
+                acc = V::fma(tp[j], win[j], acc);
+            }
+            silu_v(acc).store(yp.add(t * cd + cb));
+            for j in 0..K - 1 {
+                win[j] = win[j + 1];
+            }
+        }
+        for j in 0..K - 1 {
+            win[j].store(cp.add(j * cd + cb));
+        }
+        cb += 16;
+    }
+    cb
+}
+
 // ---------------------------------------------------------------------------------------------
 // Canonical dots, the delta rule, attention.
 
@@ -483,45 +552,185 @@ unsafe fn dot1<V: V16>(a: *const f32, b: *const f32, n: usize) -> f32 {
     V::fold(p0, p1)
 }
 
+/// One state row `r` (`NV · 16` values) of the delta rule (numerics §4, step 4), held in
+/// registers between its passes: `S = S·α; mem = dot(S, k); δ = (v − mem)·β; S = fma(k, δ, S)`;
+/// returns `dot(S, q)`.
+#[inline(always)]
+unsafe fn gdn_row<V: V16, const NV: usize>(r: *mut f32, kv: &[V; NV], qv: &[V; NV], av: V, vj: f32, beta: f32) -> f32 {
+    let mut row = [V::zero(); NV];
+    for i in 0..NV {
+        row[i] = V::mul(V::load(r.add(16 * i)), av);
+    }
+    // mem = dot(S, k): lanes 0..16 and 16..32 of each 32-element block.
+    let (mut p0, mut p1) = (V::zero(), V::zero());
+    for i in (0..NV).step_by(2) {
+        p0 = V::fma(row[i], kv[i], p0);
+        p1 = V::fma(row[i + 1], kv[i + 1], p1);
+    }
+    let mem = V::fold(p0, p1);
+    let delta = (vj - mem) * beta;
+    let dv = V::splat(delta);
+    let (mut p0, mut p1) = (V::zero(), V::zero());
+    for i in (0..NV).step_by(2) {
+        row[i] = V::fma(kv[i], dv, row[i]);
+        row[i + 1] = V::fma(kv[i + 1], dv, row[i + 1]);
+        p0 = V::fma(row[i], qv[i], p0);
+        p1 = V::fma(row[i + 1], qv[i + 1], p1);
+    }
+    for i in 0..NV {
+        row[i].store(r.add(16 * i));
+    }
+    V::fold(p0, p1)
+}
+
+/// `dk / 16` vectors from `p`.
+#[inline(always)]
+unsafe fn load_n<V: V16, const NV: usize>(p: *const f32) -> [V; NV] {
+    let mut v = [V::zero(); NV];
+    for i in 0..NV {
+        v[i] = V::load(p.add(16 * i));
+    }
+    v
+}
+
 /// The delta rule of one value head over its `dv` state rows (numerics §4, step 4), a state row
 /// of `dk` values held in `dk / 16` registers between the passes.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gdn_rows_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
-    let dk = NV * 16;
+    let (kv, qv) = (load_n::<V, NV>(k.as_ptr()), load_n::<V, NV>(q.as_ptr()));
     let av = V::splat(alpha);
-    let mut kv = [V::zero(); NV];
-    let mut qv = [V::zero(); NV];
-    for i in 0..NV {
-        kv[i] = V::load(k.as_ptr().add(16 * i));
-        qv[i] = V::load(q.as_ptr().add(16 * i));
-    }
     for (j, oj) in o.iter_mut().enumerate() {
-        let r = s.as_mut_ptr().add(j * dk);
-        let mut row = [V::zero(); NV];
-        for i in 0..NV {
-            row[i] = V::mul(V::load(r.add(16 * i)), av);
+        *oj = gdn_row::<V, NV>(s.as_mut_ptr().add(j * NV * 16), &kv, &qv, av, v[j], beta);
+    }
+}
+
+/// 16 state rows of the delta rule (numerics §4, step 4) for `n` tokens, one row per vector lane:
+/// the rows `r[0..16]` (`NV · 16` values each, `[16][dk]` from `r`) are transposed into `t`
+/// (`t[i]` = element `i` of the 16 rows), run through the tokens, and transposed back.
+///
+/// Each row's arithmetic is [`gdn_row`]'s, lane for lane: canonical lane `l` of a row's dot
+/// product (elements `l, l + 32, …`) is accumulator `l` here, over the 16 rows at once, and
+/// the halving fold adds whole accumulators (`p[l] + p[l + h]`) instead of shuffling lanes of
+/// one row. So no shuffles, no serial fold per row (the row-wise loop was bound by the
+/// latency of its two folds), and `δ = (v − mem)·β` is one vector operation. `S·α` is
+/// recomputed in the update pass rather than stored (the same product, the same bits).
+/// Token `i`'s inputs are as in [`super::gdn_rows_tokens`], `v` and `o` pointing at the first
+/// row's element.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_rows16<V: V16, const NV: usize>(r: *mut f32, n: usize, k: *const f32, q: *const f32, alpha: &[f32], beta: &[f32], v: *const f32, v_stride: usize, o: *mut f32, o_stride: usize) {
+    const { assert!(NV <= 8 && NV.is_multiple_of(2)) };
+    let dk = NV * 16;
+    // 64-byte aligned: a vector split across two cache lines costs two accesses.
+    #[repr(align(64))]
+    struct Rows([f32; 16 * 128]);
+    let mut tb = Rows([0.0; 16 * 128]);
+    let t = tb.0.as_mut_ptr();
+    for row in 0..16 {
+        for i in 0..dk {
+            *t.add(i * 16 + row) = *r.add(row * dk + i);
         }
-        // mem = dot(S, k): lanes 0..16 and 16..32 of each 32-element block.
-        let (mut p0, mut p1) = (V::zero(), V::zero());
-        for i in (0..NV).step_by(2) {
-            p0 = V::fma(row[i], kv[i], p0);
-            p1 = V::fma(row[i + 1], kv[i + 1], p1);
+    }
+    for tok in 0..n {
+        let (kt, qt) = (k.add(tok * dk), q.add(tok * dk));
+        let av = V::splat(alpha[tok]);
+        // mem = dot(S·α, k): lane sums, the fold's first level as they finish.
+        let mut p = [V::zero(); 16];
+        for (l, pl) in p.iter_mut().enumerate() {
+            let mut half = [V::zero(); 2];
+            for (hh, acc) in half.iter_mut().enumerate() {
+                for m in 0..NV / 2 {
+                    let i = l + 16 * hh + 32 * m;
+                    *acc = V::fma(V::mul(V::load(t.add(i * 16)), av), V::splat(*kt.add(i)), *acc);
+                }
+            }
+            *pl = V::add(half[0], half[1]);
         }
-        let mem = V::fold(p0, p1);
-        let delta = (v[j] - mem) * beta;
-        let dv = V::splat(delta);
-        let (mut p0, mut p1) = (V::zero(), V::zero());
-        for i in (0..NV).step_by(2) {
-            row[i] = V::fma(kv[i], dv, row[i]);
-            row[i + 1] = V::fma(kv[i + 1], dv, row[i + 1]);
-            p0 = V::fma(row[i], qv[i], p0);
-            p1 = V::fma(row[i + 1], qv[i + 1], p1);
+        let mem = fold_halves(&mut p);
+        let delta = V::mul(V::sub(V::load(v.add(tok * v_stride)), mem), V::splat(beta[tok]));
+        // S = fma(k, δ, S·α); o = dot(S, q).
+        let mut p = [V::zero(); 16];
+        for (l, pl) in p.iter_mut().enumerate() {
+            let mut half = [V::zero(); 2];
+            for (hh, acc) in half.iter_mut().enumerate() {
+                for m in 0..NV / 2 {
+                    let i = l + 16 * hh + 32 * m;
+                    let si = V::fma(V::splat(*kt.add(i)), delta, V::mul(V::load(t.add(i * 16)), av));
+                    si.store(t.add(i * 16));
+                    *acc = V::fma(si, V::splat(*qt.add(i)), *acc);
+                }
+            }
+            *pl = V::add(half[0], half[1]);
         }
-        for i in 0..NV {
-            row[i].store(r.add(16 * i));
+        fold_halves(&mut p).store(o.add(tok * o_stride));
+    }
+    for row in 0..16 {
+        for i in 0..dk {
+            *r.add(row * dk + i) = *t.add(i * 16 + row);
         }
-        *oj = V::fold(p0, p1);
+    }
+}
+
+/// The fold's levels after the first (`p[i] + p[i + h]`, `h = 8, 4, 2, 1`) over 16 whole
+/// accumulators; returns `p[0]`.
+#[inline(always)]
+unsafe fn fold_halves<V: V16>(p: &mut [V; 16]) -> V {
+    let mut h = 8;
+    while h > 0 {
+        for i in 0..h {
+            p[i] = V::add(p[i], p[i + h]);
+        }
+        h /= 2;
+    }
+    p[0]
+}
+
+/// Tokens from which [`gdn_tokens_regs`] transposes 16-row groups ([`gdn_rows16`]).
+const GDN_MIN_TOKENS: usize = 8;
+
+/// [`gdn_rows_regs`] for `alpha.len()` tokens (see [`super::gdn_rows_tokens`] for the layout):
+/// from [`GDN_MIN_TOKENS`] tokens, groups of 16 rows run through every token at once
+/// ([`gdn_rows16`]); other rows (all of them for fewer tokens) one at a time. A row's updates
+/// are those of one token at a time, in token order.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_tokens_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+    let dk = NV * 16;
+    let (dv, n) = (s.len() / dk, alpha.len());
+    let (sp, vp, op) = (s.as_mut_ptr(), v.as_ptr(), o.as_mut_ptr());
+    let mut j = 0;
+    // The transposes cost about as much as 4 tokens of updates: decode keeps to rows.
+    while n >= GDN_MIN_TOKENS && j + 16 <= dv {
+        gdn_rows16::<V, NV>(sp.add(j * dk), n, k.as_ptr(), q.as_ptr(), alpha, beta, vp.add(j), v_stride, op.add(j), o_stride);
+        j += 16;
+    }
+    if j < dv {
+        for t in 0..n {
+            let (kv, qv) = (load_n::<V, NV>(k.as_ptr().add(t * dk)), load_n::<V, NV>(q.as_ptr().add(t * dk)));
+            let av = V::splat(alpha[t]);
+            for j in j..dv {
+                *op.add(t * o_stride + j) = gdn_row::<V, NV>(sp.add(j * dk), &kv, &qv, av, *vp.add(t * v_stride + j), beta[t]);
+            }
+        }
+    }
+}
+
+/// The delta rule of one value head for several tokens ([`super::gdn_rows_tokens`]), `dk` a
+/// multiple of 32.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn gdn_tokens<V: V16>(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+    match dk {
+        64 => gdn_tokens_regs::<V, 4>(s, k, q, alpha, beta, v, v_stride, o, o_stride),
+        128 => gdn_tokens_regs::<V, 8>(s, k, q, alpha, beta, v, v_stride, o, o_stride),
+        _ => {
+            let dv = s.len() / dk;
+            for t in 0..alpha.len() {
+                let o_t = &mut o[t * o_stride..t * o_stride + dv];
+                gdn_rows::<V>(s, dk, &k[t * dk..(t + 1) * dk], &q[t * dk..(t + 1) * dk], alpha[t], beta[t], &v[t * v_stride..t * v_stride + dv], o_t);
+            }
+        }
     }
 }
 
@@ -1082,23 +1291,28 @@ unsafe fn decode_row_lanes<V: V16>(w: &Matrix, n: usize, xt: &Transposed, rs: &m
     }
 }
 
+/// Where the last K block of the second half puts its outputs: the first half's finished lane
+/// sums (`[MR][NR][16]` at `half0[i·ld + r·16]`), and the output block in `y` (`y[i·ldy + r]`
+/// for the `mr` valid tokens and `nr` valid rows).
+#[derive(Clone, Copy)]
+struct Finish {
+    half0: *const f32,
+    y: *mut f32,
+    ldy: usize,
+    mr: usize,
+    nr: usize,
+}
+
 /// One half of `MR` tokens × `NR` decoded rows over `steps` steps: `xs[i]`, `ws[r]` point at
 /// the half's first step (16 lanes, contiguous), each output has one accumulator. The partial
 /// lane sums start at +0.0 (`first`) or come from `acc` (`[MR][NR][16]` at `acc[i·ld + r·16]`)
-/// and go back there. With `half0` (the other half's finished lane sums, same layout) the
-/// first level of the fold is added on the way out, `half0[l] + acc[l]` (numerics §2: lane
-/// `l` plus lane `l + 16`); the rest of the fold runs later over many outputs at once.
+/// and go back there, except with `finish` (the second half's last K block): then the first
+/// half's lane sums are added (`half0[l] + acc[l]`, the fold's first level: numerics §2, lane
+/// `l` plus lane `l + 16`), the rest of the fold runs on the registers 16 (or 8) outputs at a
+/// time, and the valid outputs go to `y`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
-    xs: [*const f32; MR],
-    ws: [*const f32; NR],
-    steps: usize,
-    acc_p: *mut f32,
-    ld: usize,
-    first: bool,
-    half0: Option<*const f32>,
-) {
+unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize, acc_p: *mut f32, ld: usize, first: bool, finish: Option<Finish>) {
     let mut acc = [[V::zero(); NR]; MR];
     if !first {
         for i in 0..MR {
@@ -1119,13 +1333,42 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
             }
         }
     }
-    for i in 0..MR {
-        for r in 0..NR {
-            let v = match half0 {
-                None => acc[i][r],
-                Some(h0) => V::add(V::load(h0.add(i * ld + r * 16)), acc[i][r]),
-            };
-            v.store(acc_p.add(i * ld + r * 16));
+    match finish {
+        None => {
+            for i in 0..MR {
+                for r in 0..NR {
+                    acc[i][r].store(acc_p.add(i * ld + r * 16));
+                }
+            }
+        }
+        Some(f) => {
+            // Token-major: output k is token k / NR, row k % NR. (Only constant indices into
+            // `acc`, so it stays in registers through the loop above.)
+            let mut lane_sums = [V::zero(); 2 * MAX_NR];
+            for i in 0..MR {
+                for r in 0..NR {
+                    lane_sums[i * NR + r] = V::add(V::load(f.half0.add(i * ld + r * 16)), acc[i][r]);
+                }
+            }
+            let mut out = [0.0f32; 2 * MAX_NR];
+            let n = MR * NR;
+            let mut k0 = 0;
+            while k0 + 16 <= n {
+                out[k0..k0 + 16].copy_from_slice(&V::fold16_halved(lane_sums[k0..k0 + 16].try_into().unwrap()));
+                k0 += 16;
+            }
+            while k0 < n {
+                // A group of fewer than 8 repeats its last output (folded, not stored).
+                let g = 8.min(n - k0);
+                let v: [V; 8] = std::array::from_fn(|j| lane_sums[k0 + j.min(g - 1)]);
+                out[k0..k0 + g].copy_from_slice(&V::fold8_halved(&v)[..g]);
+                k0 += g;
+            }
+            for i in 0..f.mr {
+                for r in 0..f.nr {
+                    *f.y.add(i * f.ldy + r) = out[i * NR + r];
+                }
+            }
         }
     }
 }
@@ -1137,20 +1380,19 @@ const TOKEN_BLOCK: usize = 16;
 /// in L1 while every token of the token block passes over them. The lane sums are parked
 /// between K blocks (2 memory accesses per output per 64 FMAs).
 const K_STEPS: usize = 64;
-/// The largest row block of the panel kernel (`NR`).
+/// The largest row block of the panel kernel (`NR`); `MR · NR` outputs of [`micro`] are at most
+/// `2 · MAX_NR`.
 const MAX_NR: usize = 16;
 
 /// Many tokens (prompt processing), any format: the task's rows are decoded once into a panel
 /// in the lane order of `xt`; then per token block, half and K block, `NR` rows × `MR` tokens at
 /// a time run [`micro`], the partial lane sums parked in a buffer between K blocks (stored and
 /// reloaded f32 values: the per-lane order of numerics §2 is unchanged), the first half's
-/// finished sums kept until the second half adds them (the fold's first level); each row block
-/// then folds its token block's outputs 16 at a time (a batch keeps the shuffle tree's latency
-/// off the FMA loop). Partial blocks repeat the last valid token or row and store only valid
-/// outputs.
+/// finished sums kept until the second half's last K block adds them and folds its outputs in
+/// registers. Partial blocks repeat the last valid token or row and store only valid outputs.
 #[inline(always)]
 unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transposed, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Vec<f32>) {
-    const { assert!(NR <= MAX_NR) };
+    const { assert!(NR <= MAX_NR && MR * NR <= 2 * MAX_NR) };
     let (plen, half, steps) = (xt.stride(), xt.half(), xt.steps());
     let rows_pad = count.div_ceil(NR) * NR;
     // Panel rows, then the lane sums of each half, [TOKEN_BLOCK + MR][rows_pad][16] each.
@@ -1201,32 +1443,9 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
                             *xp = xt.ptr().add((t + i.min(mr - 1)) * plen + h * half + k0 * 16);
                         }
                         let at = (t - tb) * ld + r * 16;
-                        let fold = if h == 1 && last { Some(acc[0].add(at) as *const f32) } else { None };
-                        micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, fold);
+                        let finish = (h == 1 && last).then(|| Finish { half0: acc[0].add(at), y: y.add(t * ldy + n0 + r), ldy, mr, nr });
+                        micro::<V, MR, NR>(xs, ws, ks, acc[h].add(at), ld, k0 == 0, finish);
                         t += mr;
-                    }
-                    if h == 1 && last {
-                        // The rest of the fold of this row block's outputs in the token block,
-                        // 16 at a time, from the first-level sums `micro` left in `acc[1]`.
-                        // Offsets of output k (token-major) in `acc[1]` and in `y`.
-                        let mut src = [0usize; TOKEN_BLOCK * MAX_NR];
-                        let mut dst = [0usize; TOKEN_BLOCK * MAX_NR];
-                        let mut n = 0;
-                        for i in 0..t_end - tb {
-                            for j in 0..nr {
-                                src[n] = i * ld + (r + j) * 16;
-                                dst[n] = (tb + i) * ldy + n0 + r + j;
-                                n += 1;
-                            }
-                        }
-                        for o0 in (0..n).step_by(16) {
-                            // A short last group repeats its last output (folded, not stored).
-                            let v: [V; 16] = std::array::from_fn(|k| V::load(acc[1].add(src[(o0 + k).min(n - 1)])));
-                            let f = V::fold16_halved(&v);
-                            for k in 0..(n - o0).min(16) {
-                                *y.add(dst[o0 + k]) = f[k];
-                            }
-                        }
                     }
                     r += nr;
                 }
@@ -1255,6 +1474,11 @@ macro_rules! isa_module {
             #[allow(clippy::too_many_arguments)]
             pub(crate) unsafe fn gdn(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: f32, beta: f32, v: &[f32], o: &mut [f32]) {
                 gdn_rows::<$v>(s, dk, k, q, alpha, beta, v, o)
+            }
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(crate) unsafe fn gdn_tokens(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+                super::gdn_tokens::<$v>(s, dk, k, q, alpha, beta, v, v_stride, o, o_stride)
             }
             /// `g` heads (1, 2, 4 or 8) of one KV group; false when `g` has no instance.
             #[target_feature(enable = $feat)]
@@ -1298,9 +1522,12 @@ macro_rules! isa_module {
             #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
             pub(crate) unsafe fn gdn_conv(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
-                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1);
+                // Kernel size 4 (every Qwen3.5) in vectors of 16 channels; the rest as the
+                // reference, vectorised by the compiler.
+                let ch = if kc == 4 { super::gdn_conv16::<$v, 4>(cd, taps, conv, qkv, t_len, y, ch0, ch1) } else { ch0 };
+                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch, ch1);
                 for t in 0..t_len {
-                    silu_slice::<$v>(&mut y[t * cd + ch0..t * cd + ch1]);
+                    silu_slice::<$v>(&mut y[t * cd + ch..t * cd + ch1]);
                 }
             }
             #[target_feature(enable = $feat)]
@@ -1355,6 +1582,10 @@ mod tests {
             let a: [V; 16] = std::array::from_fn(|k| V::load(lanes[k].as_ptr()));
             let b: [V; 16] = std::array::from_fn(|k| V::load(lanes[k].as_ptr().add(16)));
             let got = V::fold16_halved(&std::array::from_fn(|k| V::add(a[k], b[k])));
+            let got8 = V::fold8_halved(&std::array::from_fn(|k| V::add(a[k + 8], b[k + 8])));
+            for k in 0..8 {
+                assert_eq!(got8[k].to_bits(), crate::numerics::fold_lanes(lanes[k + 8]).to_bits(), "fold8 output {k}");
+            }
             for k in 0..16 {
                 let want = crate::numerics::fold_lanes(lanes[k]);
                 assert_eq!(got[k].to_bits(), want.to_bits(), "output {k}");

@@ -10,7 +10,7 @@
 // step: warp w holds rows w, w+32, ... (up to 4), lane l holds elements l, l+32, ... (up to 4)
 // of each, which is the canonical lane order of the row's dot products; the warp's rows are
 // processed together.
-// CPU twin: backend::cpu::kernels::gdn_conv, gdn_qk_norm, then gdn_head with gdn_rows_ref
+// CPU twin: backend::cpu::kernels::gdn_conv, then gdn_head (gdn_qk_norm_head, gdn_rows_ref)
 // (numerics §4 steps 1-5).
 // Grid: (Hv, n_seqs), block 1024 (32 warps). Needs dk <= 128, dv <= 128 and kc <= 8 (checked on
 // the host).
