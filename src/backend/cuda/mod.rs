@@ -89,8 +89,11 @@ struct MatDesc {
     sdtype: u32,
     ldy: u32,
     row0: u32,
-    /// 1: every group of these 4-bit codes passes [`offset_exact`] (matmul.cu's offset decode).
+    /// 1: `offset_rows` is set (4-bit codes with 16-bit scales).
     offset: u32,
+    /// Bit `r % 32` of word `r / 32`: every group of row `r` passes [`offset_exact`], so the
+    /// one-token kernels may decode that row with matmul.cu's offset decode (0: none).
+    offset_rows: u64,
 }
 impl MatDesc {
     /// The descriptor of product `y = m·x`, whose rows start at block row `row0` of the launch.
@@ -107,7 +110,8 @@ impl MatDesc {
             sdtype: m.sdtype,
             ldy: y.cols as u32,
             row0,
-            offset: m.offset as u32,
+            offset: m.offset_rows.is_some() as u32,
+            offset_rows: m.offset_rows.as_ref().map_or(0, |r| ptr(r, stream)),
         }
     }
 }
@@ -159,8 +163,9 @@ pub struct CudaMatrix {
     fmt: u32,
     group: u32,
     sdtype: u32,
-    /// Every group passes [`offset_exact`]: the one-token kernels may decode with one FMA less.
-    offset: bool,
+    /// For 4-bit codes with 16-bit scales, a bit per row: every group of the row passes
+    /// [`offset_exact`], so the one-token kernels may decode it without a subtraction.
+    offset_rows: Option<CudaSlice<u32>>,
     per_word: usize,
     w: CudaSlice<u8>,
     sb: CudaSlice<u8>,
@@ -719,7 +724,7 @@ impl Cuda {
     /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
     /// same input width.
     fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
-        (a.fmt, a.group, a.sdtype, a.offset, a.cols) == (b.fmt, b.group, b.sdtype, b.offset, b.cols)
+        (a.fmt, a.group, a.sdtype, a.offset_rows.is_some(), a.cols) == (b.fmt, b.group, b.sdtype, b.offset_rows.is_some(), b.cols)
     }
 
     /// The descriptors of one product launch over `outs` (at most four), each matrix's rows
@@ -872,17 +877,25 @@ impl Backend for Cuda {
             }
             self.stream.clone_htod(b).map_err(|e| dev_err(&format!("uploading {}", m.name), e))
         };
-        let (w, sb, offset) = match &m.data {
-            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?, false),
+        let (w, sb, offset_rows) = match &m.data {
+            MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?, None),
             MatrixData::Affine { weight, scales, biases, scale_dtype, bits, .. } => {
-                let offset = *bits == 4 && *scale_dtype != FloatType::F32 && {
+                let offset_rows = if *bits == 4 && *scale_dtype != FloatType::F32 {
                     let (ss, bs) = (scales.as_slice(), biases.as_slice());
-                    (0..ss.len() / scale_dtype.size()).all(|i| offset_exact(scale_dtype.get(ss, i), scale_dtype.get(bs, i)))
+                    let groups = ss.len() / scale_dtype.size() / m.rows.max(1);
+                    let mut bits = vec![0u32; m.rows.div_ceil(32)];
+                    for r in 0..m.rows {
+                        let ok = (r * groups..(r + 1) * groups).all(|i| offset_exact(scale_dtype.get(ss, i), scale_dtype.get(bs, i)));
+                        bits[r / 32] |= (ok as u32) << (r % 32);
+                    }
+                    Some(self.stream.clone_htod(&bits).map_err(|e| dev_err(&format!("uploading {}", m.name), e))?)
+                } else {
+                    None
                 };
-                (up(weight.as_slice())?, up(&interleave(scales.as_slice(), biases.as_slice(), scale_dtype.size()))?, offset)
+                (up(weight.as_slice())?, up(&interleave(scales.as_slice(), biases.as_slice(), scale_dtype.size()))?, offset_rows)
             }
         };
-        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, offset, per_word: m.elems_per_word(), w, sb })
+        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, offset_rows, per_word: m.elems_per_word(), w, sb })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, BackendError> {

@@ -16,7 +16,8 @@ struct Mat {
     float* y;      // output [tokens, ldy]
     float* res;    // if set, the residual stream [tokens, ldy]: res += y (Cpu::matmul_residual)
     u32 rows, cols, fmt, group, sdtype, ldy, row0;
-    u32 offset;    // 4-bit codes whose every group passes offset_exact (nib_to_float_offset)
+    u32 offset;    // 1: offset_rows is set (4-bit codes, 16-bit scales)
+    const u32* offset_rows;  // bit r: every group of row r passes offset_exact (nib_to_float_offset)
 };
 // fmt: 0 f32, 1 f16, 2 bf16 weights; 4 or 8: affine codes of that many bits.
 
@@ -55,8 +56,8 @@ __device__ __forceinline__ float byte_to_float(u32 v, int k) {
 #endif
 }
 
-// The offset decode of 4-bit codes (one-token kernels, when the host's offset_exact holds for
-// every group of the matrix, CudaMatrix::offset): with S = 256·s and B = b − 128·s, both exact,
+// The offset decode of 4-bit codes (one-token kernels, for a row whose every group passes the
+// host's offset_exact, CudaMatrix::offset_rows): with S = 256·s and B = b − 128·s, both exact,
 // fma(S, 0.5 + q/256, B) rounds the same number s·q + b as fma(s, q, b), so it gives the same
 // bits, and 0.5 + q/256 is the code under exponent 126 (byte permute: 0x3F, code, 0, 0), with no
 // subtraction. S and B are computed once per group word: 256·s exactly, fmaf(-128, s, b) exact
@@ -389,6 +390,14 @@ __device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
     });
 }
 
+// Whether launch row n (rows numbered on across the launch's matrices) may use the offset decode.
+__device__ __forceinline__ bool row_offset_ok(const Mats& ms, u32 n) {
+    u32 i = 0;
+    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
+    u32 row = n - ms.m[i].row0;
+    return (ms.m[i].offset_rows[row >> 5] >> (row & 31)) & 1u;
+}
+
 // Grid: ceil(rows / 8) over the launch's matrices (which share a format: the host splits
 // launches by format), block 256: warp n computes row n.
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) {
@@ -400,9 +409,11 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, 
     if (n >= rows) return;  // having read nothing
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
     if (fmt == 4 && ms.m[0].offset) {  // launches are split by format, offset flag included
-        if (sdt == 2) t1_body<4, 2, true>(ms, x, n);
-        else t1_body<4, 1, true>(ms, x, n);
-        return;
+        if (row_offset_ok(ms, n)) {
+            if (sdt == 2) t1_body<4, 2, true>(ms, x, n);
+            else t1_body<4, 1, true>(ms, x, n);
+            return;
+        }
     }
 #define CALL(F, S) t1_body<F, S, false>(ms, x, n)
     LAYOUT_SWITCH(CALL)
@@ -482,10 +493,14 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats
         return;
     }
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
-    if (fmt == 4 && ms.m[0].offset && ms.m[1].offset) {
-        if (sdt == 2) pair_t1_body<4, 2, true>(ms, x, act);
-        else pair_t1_body<4, 1, true>(ms, x, act);
-        return;
+    u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    if (fmt == 4 && ms.m[0].offset && ms.m[1].offset && n < ms.m[0].rows) {
+        const u32 *g = ms.m[0].offset_rows, *u = ms.m[1].offset_rows;
+        if ((g[n >> 5] >> (n & 31)) & (u[n >> 5] >> (n & 31)) & 1u) {
+            if (sdt == 2) pair_t1_body<4, 2, true>(ms, x, act);
+            else pair_t1_body<4, 1, true>(ms, x, act);
+            return;
+        }
     }
 #define CALL(F, S) pair_t1_body<F, S, false>(ms, x, act)
     LAYOUT_SWITCH(CALL)
