@@ -208,20 +208,12 @@ impl V16 for Z {
     #[inline(always)]
     unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
         // The levels of fold16_halved on 8 outputs (see there).
-        let mut c = [_mm512_setzero_ps(); 4];
-        for k in 0..4 {
-            let (x, y) = (v[2 * k].0, v[2 * k + 1].0);
-            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(x, y), _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y));
-        }
-        let mut g = [_mm512_setzero_ps(); 2];
-        for k in 0..2 {
-            let (x, y) = (c[2 * k], c[2 * k + 1]);
-            g[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y));
-        }
+        let c: [__m512; 4] = std::array::from_fn(|k| halve8(v[2 * k].0, v[2 * k + 1].0));
+        let g: [__m512; 2] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
         // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
-        let j2 = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(g[0], g[1]), _mm512_shuffle_ps::<0b11_10_11_10>(g[0], g[1]));
+        let j2 = halve2(g[0], g[1]);
         // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
-        let r = _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(j2, j2), _mm512_shuffle_ps::<0b11_01_11_01>(j2, j2));
+        let r = halve1(j2, j2);
         let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
         let mut out = [0.0f32; 8];
         _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r)));
@@ -229,32 +221,42 @@ impl V16 for Z {
     }
     #[inline(always)]
     unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
-        let v16: [__m512; 16] = std::array::from_fn(|k| v[k].0);
         // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
-        let mut c = [_mm512_setzero_ps(); 8];
-        for k in 0..8 {
-            let (x, y) = (v16[2 * k], v16[2 * k + 1]);
-            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(x, y), _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y));
-        }
+        let c: [__m512; 8] = std::array::from_fn(|k| halve8(v[2 * k].0, v[2 * k + 1].0));
         // h = 4: g[k] = 128-bit blocks of o(4k), o(4k+1), o(4k+2), o(4k+3).
-        let mut g = [_mm512_setzero_ps(); 4];
-        for k in 0..4 {
-            let (x, y) = (c[2 * k], c[2 * k + 1]);
-            g[k] = _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y));
-        }
+        let g: [__m512; 4] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
         // h = 2: block j of j2[k] = [o(4·2k + j) lanes 0, 1 | o(4·(2k+1) + j) lanes 0, 1].
-        let mut j2 = [_mm512_setzero_ps(); 2];
-        for k in 0..2 {
-            let (x, y) = (g[2 * k], g[2 * k + 1]);
-            j2[k] = _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(x, y), _mm512_shuffle_ps::<0b11_10_11_10>(x, y));
-        }
+        let j2: [__m512; 2] = std::array::from_fn(|k| halve2(g[2 * k], g[2 * k + 1]));
         // h = 1: block j = [o(j), o(4 + j), o(8 + j), o(12 + j)].
-        let r = _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(j2[0], j2[1]), _mm512_shuffle_ps::<0b11_01_11_01>(j2[0], j2[1]));
+        let r = halve1(j2[0], j2[1]);
         let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         let mut out = [0.0f32; 16];
         _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, r));
         out
     }
+}
+
+// One level of the halving fold of two vectors x, y at once (fold16_halved, fold8_halved): each
+// adds the lanes h apart within its blocks and packs x's sums beside y's.
+/// h = 8: 256-bit halves.
+#[inline(always)]
+unsafe fn halve8(x: __m512, y: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0b01_00_01_00>(x, y), _mm512_shuffle_f32x4::<0b11_10_11_10>(x, y))
+}
+/// h = 4: 128-bit blocks.
+#[inline(always)]
+unsafe fn halve4(x: __m512, y: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0b10_00_10_00>(x, y), _mm512_shuffle_f32x4::<0b11_01_11_01>(x, y))
+}
+/// h = 2: pairs of lanes within each 128-bit block.
+#[inline(always)]
+unsafe fn halve2(x: __m512, y: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_ps::<0b01_00_01_00>(x, y), _mm512_shuffle_ps::<0b11_10_11_10>(x, y))
+}
+/// h = 1: single lanes within each 128-bit block.
+#[inline(always)]
+unsafe fn halve1(x: __m512, y: __m512) -> __m512 {
+    _mm512_add_ps(_mm512_shuffle_ps::<0b10_00_10_00>(x, y), _mm512_shuffle_ps::<0b11_01_11_01>(x, y))
 }
 
 #[derive(Clone, Copy)]
