@@ -368,16 +368,11 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
     done(acc);
 }
 
-// y = W·x (+ res) for one token: row n of the launch's matrices (rows numbered on across
-// them), which share a format (the host splits launches by format).
+// y = W·x (+ res) for one token: row `row` of matrix m.
 template <int FMT, int SDT, bool OFS>
-__device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
-    const u32 words = ms.m[0].cols / Fmt<FMT>::E;
-    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? ms.m[0].group : 1);
-    u32 i = 0;
-    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
-    const Mat& m = ms.m[i];
-    const u32 row = n - m.row0;
+__device__ __forceinline__ void t1_body(const Mat& m, const float* x, u32 row) {
+    const u32 words = m.cols / Fmt<FMT>::E;
+    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? m.group : 1);
     Group<1> g;
     g.w[0] = (const u32*)m.w + (u64)row * words;
     g.sb[0] = m.sb + (u64)row * (m.cols >> gshift) * sb_size(SDT);
@@ -390,13 +385,8 @@ __device__ __forceinline__ void t1_body(const Mats& ms, const float* x, u32 n) {
     });
 }
 
-// Whether launch row n (rows numbered on across the launch's matrices) may use the offset decode.
-__device__ __forceinline__ bool row_offset_ok(const Mats& ms, u32 n) {
-    u32 i = 0;
-    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
-    u32 row = n - ms.m[i].row0;
-    return (ms.m[i].offset_rows[row >> 5] >> (row & 31)) & 1u;
-}
+// Whether row `row` of m may use the offset decode (CudaMatrix::offset_rows).
+__device__ __forceinline__ bool offset_row(const Mat& m, u32 row) { return m.offset && ((m.offset_rows[row >> 5] >> (row & 31)) & 1u); }
 
 // Grid: ceil(rows / 8) over the launch's matrices (which share a format: the host splits
 // launches by format), block 256: warp n computes row n.
@@ -407,15 +397,17 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, 
     }
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (n >= rows) return;  // having read nothing
-    u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
-    if (fmt == 4 && ms.m[0].offset) {  // launches are split by format, offset flag included
-        if (row_offset_ok(ms, n)) {
-            if (sdt == 2) t1_body<4, 2, true>(ms, x, n);
-            else t1_body<4, 1, true>(ms, x, n);
-            return;
-        }
+    u32 i = 0;  // warp n computes row n of the launch, rows numbered on across its matrices
+    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
+    const Mat& m = ms.m[i];
+    const u32 row = n - m.row0;
+    u32 fmt = m.fmt, sdt = m.sdtype;
+    if (fmt == 4 && offset_row(m, row)) {
+        if (sdt == 2) t1_body<4, 2, true>(m, x, row);
+        else t1_body<4, 1, true>(m, x, row);
+        return;
     }
-#define CALL(F, S) t1_body<F, S, false>(ms, x, n)
+#define CALL(F, S) t1_body<F, S, false>(m, x, row)
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
@@ -494,13 +486,10 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats
     }
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (fmt == 4 && ms.m[0].offset && ms.m[1].offset && n < ms.m[0].rows) {
-        const u32 *g = ms.m[0].offset_rows, *u = ms.m[1].offset_rows;
-        if ((g[n >> 5] >> (n & 31)) & (u[n >> 5] >> (n & 31)) & 1u) {
-            if (sdt == 2) pair_t1_body<4, 2, true>(ms, x, act);
-            else pair_t1_body<4, 1, true>(ms, x, act);
-            return;
-        }
+    if (fmt == 4 && n < ms.m[0].rows && offset_row(ms.m[0], n) && offset_row(ms.m[1], n)) {
+        if (sdt == 2) pair_t1_body<4, 2, true>(ms, x, act);
+        else pair_t1_body<4, 1, true>(ms, x, act);
+        return;
     }
 #define CALL(F, S) pair_t1_body<F, S, false>(ms, x, act)
     LAYOUT_SWITCH(CALL)
