@@ -13,6 +13,7 @@
 #   bash bench/device.sh nsys              # per-kernel device time inside the 2b decode graph (nsys)
 #   bash bench/device.sh exact             # every exactness check and compute-sanitizer (final without bench)
 #   bash bench/device.sh probe             # 2b decode with kernel families skipped (attribution)
+#   SWEEP='A=1;A=2 B=3' bash bench/device.sh sweep   # 2b decode under each environment setting
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -203,6 +204,17 @@ probe() {
   done
 }
 
+# 2b decode under each setting of SWEEP (settings separated by ';', each a list of VAR=VALUE for
+# the bench's environment), e.g. SWEEP='TENSORFOLD_CUDA_PREFETCH_MB=0;TENSORFOLD_CUDA_PREFETCH_MB=16'.
+env_sweep() {
+  PRESETS=2b synth_models
+  IFS=';' read -ra settings <<< "${SWEEP:-}"
+  for e in "${settings[@]}"; do
+    log "bench 2b, $e"
+    env $e $TF bench --device cuda -m /tmp/tf/models/2b -p 16 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)" | tee -a "$OUT/summary.txt"
+  done
+}
+
 case "${1:-all}" in
   verify) verify_fixtures ;;
   synth-verify) synth_verify ;;
@@ -217,6 +229,7 @@ case "${1:-all}" in
   quick-verify) quick_verify ;;
   iterate) iterate ;;
   probe) probe ;;
+  sweep) env_sweep ;;
   checkpoint) checkpoint ;;
   verify-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; iterate_bench ;;
   verify-all-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; gpu_bench ;;

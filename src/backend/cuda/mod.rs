@@ -331,6 +331,10 @@ pub struct Cuda {
     /// it off): a kernel's blocks are scheduled while the previous kernel ends, hiding the
     /// launch gap between the nodes of a decode graph.
     pdl: bool,
+    /// One-token launches of at least this many rows compute two rows per warp (`matmul_t1r2`,
+    /// `TENSORFOLD_T1R2_MIN_ROWS`, default 4096): the x loads halve; smaller launches keep a
+    /// warp per row for the warps (measured on the H200, bench/results README "Fourth pass").
+    t1r2_min_rows: usize,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -428,6 +432,7 @@ impl Cuda {
             cfg_cache: Mutex::new(None),
             use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
             pdl,
+            t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
         })
     }
 
@@ -764,9 +769,11 @@ impl Cuda {
                 while j < outs.len() && j - i < 4 && Self::same_format(outs[i].0, outs[j].0) {
                     j += 1;
                 }
-                let (d, row0) = self.mat_descs(&outs[i..j], res, 1);
-                let name = "matmul_t1r1";
-                let grid = (row0.div_ceil(8), 1, 1);
+                let total: usize = outs[i..j].iter().map(|(m, _)| m.rows).sum();
+                let r = if total >= self.t1r2_min_rows { 2 } else { 1 };
+                let (d, row0) = self.mat_descs(&outs[i..j], res, r);
+                let name = if r == 2 { "matmul_t1r2" } else { "matmul_t1r1" };
+                let grid = (row0.div_ceil(8 * r), 1, 1);
                 let label = self.profile_label(name, row0, outs[i].0.cols, res);
                 self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(row0)) });
                 i = j;

@@ -412,6 +412,61 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, 
 #undef CALL
 }
 
+// Two rows per warp (row and row + 1 of one matrix): the input values a lane loads serve both
+// rows, halving the L1 traffic of x; same arithmetic per row as matmul_t1r1. Grid
+// ceil(padded rows / 16) (the host pads each matrix's first row to an even launch row).
+template <int FMT, int SDT, bool OFS>
+__device__ __forceinline__ void t1r2_body(const Mat& m, const float* x, u32 row) {
+    const u32 words = m.cols / Fmt<FMT>::E;
+    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? m.group : 1);
+    const u64 sbrow = (u64)(m.cols >> gshift) * sb_size(SDT);
+    // A last odd row is computed twice (its second copy reads the same words), written once.
+    const u32 r1 = row + 1 < m.rows ? row + 1 : row;
+    Group<2> g;
+    g.w[0] = (const u32*)m.w + (u64)row * words;
+    g.w[1] = (const u32*)m.w + (u64)r1 * words;
+    g.sb[0] = m.sb + row * sbrow;
+    g.sb[1] = m.sb + r1 * sbrow;
+    group_t1<2, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[2]) {
+        float v[2] = {fold32(acc[0]), fold32(acc[1])};
+        if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                u32 o = row + r;
+                if (o < m.rows) {
+                    m.y[o] = v[r];
+                    if (m.res) m.res[o] = m.res[o] + v[r];
+                }
+            }
+        }
+    });
+}
+
+// (At 64 registers ptxas spills a few values outside the loop; 3 blocks per multiprocessor and
+// no spills measured slower on the H200.)
+extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r2(Mats ms, const float* x, u32 rows) {
+    if (TF_PROBE_SKIP_T1 || (TF_PROBE_SKIP_LMHEAD && rows > 65536)) {
+        pdl_enter();
+        return;
+    }
+    u32 n = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 2;
+    if (n >= rows) return;  // having read nothing
+    u32 i = 0;
+    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
+    const Mat& m = ms.m[i];
+    const u32 row = n - m.row0;
+    if (row >= m.rows) return;  // a padding row
+    u32 fmt = m.fmt, sdt = m.sdtype;
+    if (fmt == 4 && offset_row(m, row) && (row + 1 >= m.rows || offset_row(m, row + 1))) {
+        if (sdt == 2) t1r2_body<4, 2, true>(m, x, row);
+        else t1r2_body<4, 1, true>(m, x, row);
+        return;
+    }
+#define CALL(F, S) t1r2_body<F, S, false>(m, x, row)
+    LAYOUT_SWITCH(CALL)
+#undef CALL
+}
+
 // The MLP's gate and up projections with SwiGLU fused: a warp computes row n of both (same
 // arithmetic as two matmul outputs) and writes gate[n], up[n] and act[n] = silu(gate)·up
 // (CPU twin of the pair: Cpu::matmul then Cpu::swiglu). ms.m[0] is gate_proj, ms.m[1] up_proj,
