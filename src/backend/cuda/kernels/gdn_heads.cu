@@ -25,6 +25,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
     __shared__ float o[MAXR * 32];
     __shared__ float yc[3 * 128];  // the token's conv outputs: q [dk], k [dk], v [dv]
     __shared__ float inv_s;
+    __shared__ float tap_s[8 * 384];  // this thread's conv taps, tap_s[j * 384 + c] (weights)
     u32 h = blockIdx.x;
     SeqDesc sq = seqs[blockIdx.y];
     u32 key_dim = hk * dk, value_dim = hv * dv, cd = 2 * key_dim + value_dim;
@@ -36,8 +37,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
     u32 ch = c < dk ? kappa * dk + c : c < 2 * dk ? key_dim + kappa * dk + (c - dk) : 2 * key_dim + h * dv + (c - 2 * dk);
     float* conv = (float*)slots[sq.slot].conv + (u64)layer * (kc - 1) * cd;
     float win[8];
-    if (conv_here && c < nch)
+    if (conv_here && c < nch) {
         for (u32 j = 0; j + 1 < kc; j++) win[j] = conv[(u64)j * cd + ch];
+        // Each thread reads back only the taps it wrote itself: no barrier needed.
+        for (u32 j = 0; j < kc; j++) tap_s[j * 384 + c] = taps[(u64)ch * kc + j];
+    }
     float S[MAXR][MAXL];
 #pragma unroll
     for (int q = 0; q < MAXR; q++)
@@ -46,7 +50,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
             u32 j = warp + 32 * q, i = lane + 32 * e;
             S[q][e] = (j < dv && i < dk) ? state[(u64)j * dk + i] : 0.0f;
         }
-    // Per-head parameters (weights): read before waiting too.
+    // Per-head parameters (weights; the conv taps above too): read before waiting.
     const float a_neg_h = a_neg[h], dt_bias_h = dt_bias[h];
     const float norm_wj = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f;
     // The recurrent state and conv windows were last written by this kernel in an earlier step,
@@ -69,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
             if (conv_here) {
                 win[kc - 1] = src[row * cd + ch];
                 float acc = 0.0f;
-                for (u32 j = 0; j < kc; j++) acc = fmaf(taps[(u64)ch * kc + j], win[j], acc);
+                for (u32 j = 0; j < kc; j++) acc = fmaf(tap_s[j * 384 + c], win[j], acc);
                 yc[c] = tf_silu(acc);
                 for (u32 j = 0; j + 1 < kc; j++) win[j] = win[j + 1];
             } else {
