@@ -55,6 +55,9 @@ struct MachineFigures {
     /// Copy bandwidth samples, bytes/s.
     copy_bandwidth: Vec<f64>,
     copy_bandwidth_method: String,
+    /// Read bandwidth samples, bytes/s (CPU only: the ceiling of a phase that only reads).
+    read_bandwidth: Vec<f64>,
+    read_bandwidth_method: String,
     /// FLOP/s.
     fma_peak: f64,
     fma_peak_method: String,
@@ -72,6 +75,8 @@ struct PhaseReport {
     /// Decode: achieved GB/s (1e9 bytes) and % of the median copy bandwidth.
     gb_per_second: Option<Spread>,
     percent_of_bandwidth: Option<f64>,
+    /// Decode on the CPU: achieved GB/s as % of the median read bandwidth.
+    percent_of_read_bandwidth: Option<f64>,
     /// Prompt: achieved GFLOP/s and % of the FMA peak.
     gflop_per_second: Option<Spread>,
     percent_of_fma_peak: Option<f64>,
@@ -88,6 +93,7 @@ struct Report {
     backend: String,
     machine: MachineFigures,
     copy_bandwidth_gb_s: Spread,
+    read_bandwidth_gb_s: Option<Spread>,
     fma_peak_gflop_s: f64,
     chunk: usize,
     decode_tokens: usize,
@@ -101,6 +107,7 @@ struct Report {
 const DEFINITIONS: &[&str] = &[
     "decode bytes per token = every weight byte the token reads (packed codes, scales and biases of every projection, the whole LM head, one embedding row, the f32 norm/conv/gate vectors) + GDN conv and recurrent state read and written + KV cache read at the token's context + the new KV row written",
     "bandwidth = (bytes read + bytes written) / time of copying a large buffer into another with the whole device (CPU: memcpy of 512 MiB with every thread; GPU: a 1 GiB device-to-device copy), median; the machine line gives the method",
+    "read bandwidth (CPU) = bytes / time of every thread summing its share of a 512 MiB buffer, median: a decode token mostly reads, so this is its ceiling; '% read' is decode GB/s over it",
     "prompt FLOPs = 2 x multiply-adds of every layer projection per token + the LM head for each chunk's last row + attention 4*Hq*Dh per (query, key) pair + delta rule 7*Hv*dv*dk per token per GDN layer (norms, conv, activations not counted)",
     "FMA peak = every core running independent chains of f32 FMAs, 2 FLOP per FMA (CPU: 12 chains per thread on the selected ISA; GPU: 8 chains per thread, 8 blocks of 256 per multiprocessor), best of 3",
     "decode generates greedily, one step per token, with the argmax taken where the logits are (on a GPU inside the step's CUDA graph); tokens/s counts the whole step as the host sees it",
@@ -129,6 +136,8 @@ fn cpu_machine(cpu: &Cpu) -> MachineFigures {
         description: format!("{} thread(s), {}", cpu.threads(), cpu.isa().name()),
         copy_bandwidth: cpu.copy_bandwidth(5),
         copy_bandwidth_method: format!("memcpy of {} MiB with {} thread(s)", machine::COPY_BUFFER_BYTES >> 20, cpu.threads()),
+        read_bandwidth: cpu.read_bandwidth(5),
+        read_bandwidth_method: format!("sum of a {} MiB buffer as 64-bit words with {} thread(s)", machine::COPY_BUFFER_BYTES >> 20, cpu.threads()),
         fma_peak: peak,
         fma_peak_method: format!("12 chains x {} lanes of {} FMAs per thread, {} thread(s)", machine::lanes(cpu.isa()), cpu.isa().name(), cpu.threads()),
     }
@@ -165,6 +174,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                 description: gpu.device_name(),
                 copy_bandwidth: gpu.copy_bandwidth(1 << 30, 10)?,
                 copy_bandwidth_method: "device-to-device copy of a 1 GiB buffer, bytes read + written, event-timed, 10 copies".into(),
+                read_bandwidth: Vec::new(),
+                read_bandwidth_method: String::new(),
                 fma_peak: gpu.fma_peak()?,
                 fma_peak_method: "8 independent fmaf chains per thread, 8 blocks of 256 threads per multiprocessor, event-timed, best of 3".into(),
             };
@@ -220,6 +231,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             // Bandwidth again after the phases (drift, other load).
             let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
             m.copy_bandwidth.extend(cpu.copy_bandwidth(5));
+            m.read_bandwidth.extend(cpu.read_bandwidth(5));
             report(&a, &dir, model_summary, describe, m, phases, Vec::new())
         }
     }
@@ -232,6 +244,7 @@ fn run<B: Backend>(model: Model<B>, costs: &Costs, a: &BenchArgs, plan: &Plan) -
 
 fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: String, m: MachineFigures, phases: Vec<Phase>, notes: Vec<String>) -> Result<()> {
     let bw = Spread::of(&m.copy_bandwidth);
+    let rbw = (!m.read_bandwidth.is_empty()).then(|| Spread::of(&m.read_bandwidth));
     let date = jiff::fmt::strtime::format("%Y-%m-%d %H:%M:%S %Z", &jiff::ZonedDateTime::now()).unwrap_or_default();
     let mut rows = Vec::new();
     for p in phases {
@@ -239,13 +252,14 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         let n = p.tokens as f64;
         let tps = t.map_decreasing(|s| n / s);
         let ms = Spread { median: 1e3 * t.median / n, min: 1e3 * t.min / n, max: 1e3 * t.max / n };
-        let (mut bpt, mut gbs, mut pbw, mut gfs, mut ppk) = (None, None, None, None, None);
+        let (mut bpt, mut gbs, mut pbw, mut prd, mut gfs, mut ppk) = (None, None, None, None, None, None);
         match p.kind {
             Kind::Decode => {
                 let bytes = p.bytes as f64;
                 bpt = Some(bytes / n);
                 let g = t.map_decreasing(|s| bytes / s / 1e9);
                 pbw = Some(100.0 * g.median * 1e9 / bw.median);
+                prd = rbw.map(|r| 100.0 * g.median * 1e9 / r.median);
                 gbs = Some(g);
             }
             Kind::Prompt => {
@@ -255,7 +269,7 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
                 gfs = Some(g);
             }
         }
-        rows.push(PhaseReport { name: p.name(), phase: p, tokens_per_second: tps, ms_per_token: ms, bytes_per_token: bpt, gb_per_second: gbs, percent_of_bandwidth: pbw, gflop_per_second: gfs, percent_of_fma_peak: ppk });
+        rows.push(PhaseReport { name: p.name(), phase: p, tokens_per_second: tps, ms_per_token: ms, bytes_per_token: bpt, gb_per_second: gbs, percent_of_bandwidth: pbw, percent_of_read_bandwidth: prd, gflop_per_second: gfs, percent_of_fma_peak: ppk });
     }
     let r = Report {
         tool: "tensorfold bench",
@@ -266,6 +280,7 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         model_summary,
         backend,
         copy_bandwidth_gb_s: Spread { median: bw.median / 1e9, min: bw.min / 1e9, max: bw.max / 1e9 },
+        read_bandwidth_gb_s: rbw.map(|r| Spread { median: r.median / 1e9, min: r.min / 1e9, max: r.max / 1e9 }),
         fma_peak_gflop_s: m.fma_peak / 1e9,
         machine: m,
         chunk: a.chunk,
@@ -282,13 +297,17 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         "machine  copy bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {})",
         r.copy_bandwidth_gb_s.median, r.copy_bandwidth_gb_s.min, r.copy_bandwidth_gb_s.max, r.machine.copy_bandwidth_method
     );
+    if let Some(g) = &r.read_bandwidth_gb_s {
+        println!("         read bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {}): the ceiling of decode, which mostly reads", g.median, g.min, g.max, r.machine.read_bandwidth_method);
+    }
     println!("         f32 FMA peak {:.1} GFLOP/s ({})", r.fma_peak_gflop_s, r.machine.fma_peak_method);
     for n in &r.notes {
         println!("         {n}");
     }
     println!("{} repetitions per phase; median (min-max)", r.repetitions);
     println!();
-    println!("{:<12} {:>22} {:>9} {:>13} {:>20} {:>8}", "phase", "tokens/s", "ms/tok", "bytes/tok", "GB/s | GFLOP/s", "% peak");
+    let read_col = r.read_bandwidth_gb_s.is_some();
+    println!("{:<12} {:>22} {:>9} {:>13} {:>20} {:>8}{}", "phase", "tokens/s", "ms/tok", "bytes/tok", "GB/s | GFLOP/s", "% peak", if read_col { "   % read" } else { "" });
     for p in &r.phases {
         let tps = format!("{:.1} ({:.1}-{:.1})", p.tokens_per_second.median, p.tokens_per_second.min, p.tokens_per_second.max);
         let (bytes, rate, pct) = match p.phase.kind {
@@ -301,7 +320,8 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
                 ("-".to_string(), format!("{:.1} GFLOP/s", g.median), format!("{:.0}% fma", p.percent_of_fma_peak.unwrap()))
             }
         };
-        println!("{:<12} {:>22} {:>9.2} {:>13} {:>20} {:>8}", p.name, tps, p.ms_per_token.median, bytes, rate, pct);
+        let read = p.percent_of_read_bandwidth.map_or(String::new(), |x| format!(" {:>8}", format!("{x:.0}% rd")));
+        println!("{:<12} {:>22} {:>9.2} {:>13} {:>20} {:>8}{read}", p.name, tps, p.ms_per_token.median, bytes, rate, pct);
     }
     println!();
     for d in DEFINITIONS {

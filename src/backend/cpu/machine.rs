@@ -40,6 +40,42 @@ pub fn copy_bandwidth(pool: &ThreadPool, repeats: usize) -> Vec<f64> {
     out
 }
 
+/// Memory read bandwidth in bytes per second: bytes read / time of summing a
+/// [`COPY_BUFFER_BYTES`] buffer (as 64-bit words, eight independent sums) with every thread of
+/// `pool`, each thread a contiguous slice. Not what the bench's percentages are taken of (that is
+/// [`copy_bandwidth`], the definition), but the ceiling of a phase that mostly reads, as
+/// decode does: on some machines reading alone streams slower than a copy's reads and writes
+/// together. Returns each of `repeats` passes' figure.
+pub fn read_bandwidth(pool: &ThreadPool, repeats: usize) -> Vec<f64> {
+    let words: Vec<u64> = (0..COPY_BUFFER_BYTES / 8).map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect();
+    let threads = pool.threads();
+    let sums: Vec<AtomicUsize> = (0..threads).map(|_| AtomicUsize::new(0)).collect();
+    let read = || {
+        pool.run(threads, &|i| {
+            let (a, b) = (words.len() * i / threads, words.len() * (i + 1) / threads);
+            let mut acc = [0u64; 8];
+            let chunks = words[a..b].chunks_exact(8);
+            let tail: u64 = chunks.remainder().iter().fold(0, |s, &w| s.wrapping_add(w));
+            for c in chunks {
+                for k in 0..8 {
+                    acc[k] = acc[k].wrapping_add(c[k]);
+                }
+            }
+            let total = acc.iter().fold(tail, |s, &w| s.wrapping_add(w));
+            sums[i].store(total as usize, Ordering::Relaxed);
+        });
+    };
+    read();
+    let mut out = Vec::with_capacity(repeats);
+    for _ in 0..repeats {
+        let t = Instant::now();
+        read();
+        out.push(COPY_BUFFER_BYTES as f64 / t.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&sums);
+    out
+}
+
 /// Independent FMA chains per thread in the peak loop: more than the FMA latency times the
 /// number of FMA ports, so the loop is bound by FMA throughput.
 const CHAINS: usize = 12;

@@ -91,6 +91,12 @@ impl Cpu {
         machine::copy_bandwidth(&self.pool, repeats)
     }
 
+    /// Read bandwidth samples in bytes/s with this backend's threads
+    /// ([`machine::read_bandwidth`]).
+    pub fn read_bandwidth(&self, repeats: usize) -> Vec<f64> {
+        machine::read_bandwidth(&self.pool, repeats)
+    }
+
     /// Float32 FMA peak of this backend's instruction set and threads, FLOP/s
     /// ([`machine::fma_peak`]).
     pub fn fma_peak(&self, iters: usize) -> f64 {
