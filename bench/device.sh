@@ -204,14 +204,17 @@ probe() {
   done
 }
 
-# 2b decode under each setting of SWEEP (settings separated by ';', each a list of VAR=VALUE for
-# the bench's environment), e.g. SWEEP='TENSORFOLD_CUDA_PREFETCH_MB=0;TENSORFOLD_CUDA_PREFETCH_MB=16'.
+# Decode of SWEEP_MODELS (default 2b) under each setting of SWEEP (settings separated by ';', each
+# a list of VAR=VALUE for the bench's environment), e.g. SWEEP='TENSORFOLD_CUDA_PREFETCH_MB=0;TENSORFOLD_CUDA_PREFETCH_MB=16'.
 env_sweep() {
-  PRESETS=2b synth_models
+  local models=${SWEEP_MODELS:-2b}
+  PRESETS="$models" synth_models
   IFS=';' read -ra settings <<< "${SWEEP:-}"
-  for e in "${settings[@]}"; do
-    log "bench 2b, $e"
-    env $e $TF bench --device cuda -m /tmp/tf/models/2b -p 16 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^(tg|pp)" | tee -a "$OUT/summary.txt"
+  for p in $models; do
+    for e in "${settings[@]}"; do
+      log "bench $p, $e"
+      env $e $TF bench --device cuda -m /tmp/tf/models/$p -p 16 -c ${SWEEP_CONTEXTS:-0,4096} -n 128 -r 3 2>&1 | grep -E "^tg" | tee -a "$OUT/summary.txt"
+    done
   done
 }
 

@@ -331,9 +331,11 @@ pub struct Cuda {
     /// it off): a kernel's blocks are scheduled while the previous kernel ends, hiding the
     /// launch gap between the nodes of a decode graph.
     pdl: bool,
-    /// One-token launches of at least this many rows compute two rows per warp (`matmul_t1r2`,
-    /// `TENSORFOLD_T1R2_MIN_ROWS`, default 4096): the x loads halve; smaller launches keep a
-    /// warp per row for the warps (measured on the H200, bench/results README "Fourth pass").
+    /// One-token launches of at least this many rows of at most 2048 columns, or of 16384 rows
+    /// or more, compute two rows per warp (`matmul_t1r2`; `TENSORFOLD_T1R2_MIN_ROWS`, default
+    /// 4096): the x loads halve. Smaller launches, and 4096-row launches of long rows (9B's
+    /// output and down projections: 3.55 -> 3.85 ms), keep a warp per row for the warps
+    /// (measured on the H200, bench/results README "Fourth pass").
     t1r2_min_rows: usize,
 }
 
@@ -770,7 +772,10 @@ impl Cuda {
                     j += 1;
                 }
                 let total: usize = outs[i..j].iter().map(|(m, _)| m.rows).sum();
-                let r = if total >= self.t1r2_min_rows { 2 } else { 1 };
+                // Two rows per warp halve the warps: worth it where many warps remain and each
+                // has little to do (short rows), or the launch is huge (the LM head).
+                let short = outs[i].0.cols <= 2048;
+                let r = if total >= self.t1r2_min_rows && (short || total >= 16384) { 2 } else { 1 };
                 let (d, row0) = self.mat_descs(&outs[i..j], res, r);
                 let name = if r == 2 { "matmul_t1r2" } else { "matmul_t1r1" };
                 let grid = (row0.div_ceil(8 * r), 1, 1);
