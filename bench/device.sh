@@ -118,14 +118,16 @@ clocks() {
 ncu_profile() {
   PRESETS=2b synth_models
   local secs="--section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats --section LaunchStats --section MemoryWorkloadAnalysis --section InstructionStats"
-  # 2b after a 3-token prompt, eager: the prompt's LM head (the first one-row product), the
-  # first decode token's gate/up and in_proj, its first GDN and attention kernels.
-  for k in "matmul_t1r1 0" "matmul_swiglu_t1 0" "matmul_t1r1 1" "gdn_heads 18" "attn_tiles 6"; do
-    set -- $k
+  # 2b after a 3-token prompt, eager: the prompt's LM head (the first one-row product, two rows
+  # per warp), the first decode token's in_proj, gate/up, output and down projections, its
+  # first GDN and attention kernels.
+  # NCU_KERNELS: NAME:N items (the N+1-th launch of kernel NAME), space-separated.
+  for k in ${NCU_KERNELS:-matmul_t1r2:0 matmul_t1r2:1 matmul_swiglu_t1:0 matmul_t1r1:0 matmul_t1r1:1 gdn_heads:18 attn_tiles:6}; do
+    set -- ${k/:/ }
     log "ncu: $1 (launch $2 of the first decode token)"
     TENSORFOLD_CUDA_GRAPHS=0 ncu --clock-control none -k regex:"^$1\$" -s $2 -c 1 $secs \
       $TF run --device cuda -m /tmp/tf/models/2b --prompt-ids 1,2,3 -n 2 --temp 0 > "$OUT/ncu-$1-$2.txt" 2>&1
-    grep -E "^  [a-z_]+ |Duration|DRAM Throughput|Issued Warp|Eligible Warps|Active Warps Per|Achieved Active|Warp Cycles Per Issued|Grid Size|Registers Per|Dynamic Shared|Block Limit|Executed Ipc A|stalled|Stall" "$OUT/ncu-$1-$2.txt" | head -40 | tee -a "$OUT/summary.txt"
+    grep -E "^  [a-z_]+ |Duration|DRAM Throughput|Memory Throughput|Compute \(SM\) Throughput|L1/TEX Cache Throughput|L2 Cache Throughput|Executed Instructions  |Issued Warp|Eligible Warps|Active Warps Per|Achieved Active|Warp Cycles Per Issued|Grid Size|Registers Per|Dynamic Shared|Block Limit|Executed Ipc A|stalled|Stall" "$OUT/ncu-$1-$2.txt" | head -40 | tee -a "$OUT/summary.txt"
   done
 }
 
