@@ -61,8 +61,11 @@ __device__ __forceinline__ float byte_to_float(u32 v, int k) {
 // fma(S, 0.5 + q/256, B) rounds the same number s·q + b as fma(s, q, b), so it gives the same
 // bits, and 0.5 + q/256 is the code under exponent 126 (byte permute: 0x3F, code, 0, 0), with no
 // subtraction. S and B are computed once per group word: 256·s exactly, fmaf(-128, s, b) exact
-// by the host's check.
-__device__ __forceinline__ float nib_to_float_offset(u32 v, int k) { return __uint_as_float(prmt(v, 0x3F000000u, 0x7054u | ((u32)k << 8))); }
+// by the host's check. The constant is the permute's first operand and the code word its second
+// (selector bytes 0, 1, 4 + k, 3): ptxas then keeps 0x3F000000 in one register and encodes each
+// selector as an immediate, where the other order made it copy a selector into a register
+// before every permute (one extra instruction per weight).
+__device__ __forceinline__ float nib_to_float_offset(u32 v, int k) { return __uint_as_float(prmt(0x3F000000u, v, 0x3010u | ((u32)(4 + k) << 8))); }
 
 template <int FMT>
 __device__ __forceinline__ float decode(u32 wd, int e, float s, float b) {
