@@ -199,6 +199,16 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let mut notes = vec![
                 format!("a decode token: 1 CUDA graph launch of {nodes} kernels + {launches:.1} other kernel launches, {waits:.1} host wait(s)"),
             ];
+            // What limits decode: the chain of dependent kernels (timed empty) and the bytes
+            // (at the copy bandwidth) are the two floors; the rest is work inside the kernels.
+            if nodes > 0 {
+                let chain = b.chain_floor(nodes as usize, 256)?;
+                let bytes = phases.iter().find(|p| p.kind == Kind::Decode).map(|p| p.bytes as f64 / p.tokens as f64);
+                let floor = bytes.map_or(String::new(), |b| format!("; its bytes at the median copy bandwidth take {:.3} ms", 1e3 * b / Spread::of(&m.copy_bandwidth).median));
+                notes.push(format!(
+                    "what limits decode: {nodes} dependent kernels cost {chain:.3} ms per token even empty (a graph of {nodes} kernels of 256 idle blocks){floor}; the rest of a token is the kernels' own latency and instruction issue"
+                ));
+            }
             if a.profile {
                 // The same tokens eagerly, each kernel between two events.
                 b.set_graphs(false);

@@ -32,7 +32,7 @@ pub const SOURCES: &[Source] = &[
     Source { file: "attention_combine.cu", text: include_str!("kernels/attention_combine.cu"), entries: &["attn_combine"] },
     Source { file: "argmax.cu", text: include_str!("kernels/argmax.cu"), entries: &["argmax_part", "argmax_rows"] },
     Source { file: "sample.cu", text: include_str!("kernels/sample.cu"), entries: &["sample_rows"] },
-    Source { file: "machine.cu", text: include_str!("kernels/machine.cu"), entries: &["fma_peak"] },
+    Source { file: "machine.cu", text: include_str!("kernels/machine.cu"), entries: &["fma_peak", "chain_link"] },
     Source { file: "numerics_check.cu", text: include_str!("kernels/numerics_check.cu"), entries: &["numerics_check"] },
 ];
 

@@ -508,6 +508,37 @@ impl Cuda {
         Ok(best)
     }
 
+    /// Milliseconds one replay of a graph of `kernels` empty kernels takes (`chain_link`, each
+    /// `blocks` blocks of 256 threads, launched as the decode graph launches its kernels, with
+    /// programmatic dependent launch where on): the cost of a decode token's chain of dependent
+    /// kernels before any work. Median of 20 replays, event-timed.
+    pub fn chain_floor(&self, kernels: usize, blocks: u32) -> Result<f64, BackendError> {
+        self._ctx.bind_to_thread().map_err(|e| dev_err("context", e))?;
+        self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(|e| dev_err("beginning graph capture", e))?;
+        let mut launched = Ok(());
+        for _ in 0..kernels {
+            // SAFETY: chain_link takes no arguments and touches no memory.
+            launched = launched.and(unsafe { self.kernel("chain_link", (blocks, 1, 1), 256, 0, self.args()) });
+        }
+        let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| dev_err("ending graph capture", e))?;
+        launched.map_err(|e| dev_err("chain_link", e))?;
+        let graph = graph.ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
+        let ctx = self.stream.context();
+        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let mut ms = Vec::new();
+        for i in 0..21 {
+            e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            graph.launch().map_err(|e| dev_err("launching a graph", e))?;
+            e1.record(&self.stream).map_err(|e| dev_err("event", e))?;
+            let t = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))? as f64;
+            if i > 0 {
+                ms.push(t);
+            }
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok(ms[ms.len() / 2])
+    }
+
     /// Host waits (synchronisations) issued so far.
     pub fn host_waits(&self) -> u64 {
         self.step.lock().unwrap().waits

@@ -10,3 +10,8 @@ extern "C" __global__ void fma_peak(float* out, u32 iters, float a, float b) {
     }
     out[blockIdx.x * blockDim.x + threadIdx.x] = x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7;
 }
+
+// A step kernel that does nothing but take its turn in the stream (pdl_enter, common.cuh):
+// `tensorfold bench` times a graph of as many of them as a decode token launches, the floor
+// that a chain of dependent kernels costs before any of them does work.
+extern "C" __global__ void chain_link() { pdl_enter(); }
