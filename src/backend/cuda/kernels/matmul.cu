@@ -371,71 +371,30 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
     done(acc);
 }
 
-// y = W·x (+ res) for one token: row `row` of matrix m.
-template <int FMT, int SDT, bool OFS>
+// y = W·x (+ res) for one token: rows row .. row + R - 1 of matrix m, R per warp (R = 2: the
+// input values a lane loads serve both rows, halving the L1 traffic of x; the arithmetic of
+// each row is the same for any R). A last odd row is computed twice (its second copy reads the
+// same words) and written once.
+template <int R, int FMT, int SDT, bool OFS>
 __device__ __forceinline__ void t1_body(const Mat& m, const float* x, u32 row) {
     const u32 words = m.cols / Fmt<FMT>::E;
     const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? m.group : 1);
-    Group<1> g;
-    g.w[0] = (const u32*)m.w + (u64)row * words;
-    g.sb[0] = m.sb + (u64)row * (m.cols >> gshift) * sb_size(SDT);
-    group_t1<1, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[1]) {
-        float v = fold32(acc[0]);
-        if ((threadIdx.x & 31) == 0) {
-            m.y[row] = v;
-            if (m.res) m.res[row] = m.res[row] + v;
-        }
-    });
-}
-
-// Whether row `row` of m may use the offset decode (CudaMatrix::offset_rows).
-__device__ __forceinline__ bool offset_row(const Mat& m, u32 row) { return m.offset && ((m.offset_rows[row >> 5] >> (row & 31)) & 1u); }
-
-// Grid: ceil(rows / 8) over the launch's matrices (which share a format: the host splits
-// launches by format), block 256: warp n computes row n.
-extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) {
-    if (TF_PROBE_SKIP_T1 || (TF_PROBE_SKIP_LMHEAD && rows > 65536)) {
-        pdl_enter();
-        return;
-    }
-    u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    if (n >= rows) return;  // having read nothing
-    u32 i = 0;  // warp n computes row n of the launch, rows numbered on across its matrices
-    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
-    const Mat& m = ms.m[i];
-    const u32 row = n - m.row0;
-    u32 fmt = m.fmt, sdt = m.sdtype;
-    if (fmt == 4 && offset_row(m, row)) {
-        if (sdt == 2) t1_body<4, 2, true>(m, x, row);
-        else t1_body<4, 1, true>(m, x, row);
-        return;
-    }
-#define CALL(F, S) t1_body<F, S, false>(m, x, row)
-    LAYOUT_SWITCH(CALL)
-#undef CALL
-}
-
-// Two rows per warp (row and row + 1 of one matrix): the input values a lane loads serve both
-// rows, halving the L1 traffic of x; same arithmetic per row as matmul_t1r1. Grid
-// ceil(padded rows / 16) (the host pads each matrix's first row to an even launch row).
-template <int FMT, int SDT, bool OFS>
-__device__ __forceinline__ void t1r2_body(const Mat& m, const float* x, u32 row) {
-    const u32 words = m.cols / Fmt<FMT>::E;
-    const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? m.group : 1);
     const u64 sbrow = (u64)(m.cols >> gshift) * sb_size(SDT);
-    // A last odd row is computed twice (its second copy reads the same words), written once.
-    const u32 r1 = row + 1 < m.rows ? row + 1 : row;
-    Group<2> g;
-    g.w[0] = (const u32*)m.w + (u64)row * words;
-    g.w[1] = (const u32*)m.w + (u64)r1 * words;
-    g.sb[0] = m.sb + row * sbrow;
-    g.sb[1] = m.sb + r1 * sbrow;
-    group_t1<2, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[2]) {
-        float v[2] = {fold32(acc[0]), fold32(acc[1])};
+    Group<R> g;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        const u32 rr = row + r < m.rows ? row + r : row;
+        g.w[r] = (const u32*)m.w + (u64)rr * words;
+        g.sb[r] = m.sb + rr * sbrow;
+    }
+    group_t1<R, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[R]) {
+        float v[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) v[r] = fold32(acc[r]);
         if ((threadIdx.x & 31) == 0) {
 #pragma unroll
-            for (int r = 0; r < 2; r++) {
-                u32 o = row + r;
+            for (int r = 0; r < R; r++) {
+                const u32 o = row + r;
                 if (o < m.rows) {
                     m.y[o] = v[r];
                     if (m.res) m.res[o] = m.res[o] + v[r];
@@ -445,14 +404,20 @@ __device__ __forceinline__ void t1r2_body(const Mat& m, const float* x, u32 row)
     });
 }
 
-// (At 64 registers ptxas spills a few values outside the loop; 3 blocks per multiprocessor and
-// no spills measured slower on the H200.)
-extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r2(Mats ms, const float* x, u32 rows) {
+// Whether row `row` of m may use the offset decode (CudaMatrix::offset_rows).
+__device__ __forceinline__ bool offset_row(const Mat& m, u32 row) { return m.offset && ((m.offset_rows[row >> 5] >> (row & 31)) & 1u); }
+
+// Grid: ceil(padded rows / (8·R)) over the launch's matrices (which share a format: the host
+// splits launches by format and pads each matrix's first row to a multiple of R), block 256:
+// warp n computes launch rows R·n .. R·n + R - 1, numbered on across the matrices. The offset
+// decode is chosen per warp: every row it computes must pass.
+template <int R>
+__device__ __forceinline__ void t1_rows(const Mats& ms, const float* x, u32 rows) {
     if (TF_PROBE_SKIP_T1 || (TF_PROBE_SKIP_LMHEAD && rows > 65536)) {
         pdl_enter();
         return;
     }
-    u32 n = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 2;
+    u32 n = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;
     if (n >= rows) return;  // having read nothing
     u32 i = 0;
     while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
@@ -460,15 +425,23 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r2(Mats ms, 
     const u32 row = n - m.row0;
     if (row >= m.rows) return;  // a padding row
     u32 fmt = m.fmt, sdt = m.sdtype;
-    if (fmt == 4 && offset_row(m, row) && (row + 1 >= m.rows || offset_row(m, row + 1))) {
-        if (sdt == 2) t1r2_body<4, 2, true>(m, x, row);
-        else t1r2_body<4, 1, true>(m, x, row);
+    bool ofs = fmt == 4;
+#pragma unroll
+    for (int r = 0; r < R; r++) ofs = ofs && (row + r >= m.rows || offset_row(m, row + r));
+    if (ofs) {
+        if (sdt == 2) t1_body<R, 4, 2, true>(m, x, row);
+        else t1_body<R, 4, 1, true>(m, x, row);
         return;
     }
-#define CALL(F, S) t1r2_body<F, S, false>(m, x, row)
+#define CALL(F, S) t1_body<R, F, S, false>(m, x, row)
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
+
+extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) { t1_rows<1>(ms, x, rows); }
+// (At 64 registers ptxas spills a few values of the two-row kernel outside the loop; 3 blocks
+// per multiprocessor and no spills measured slower on the H200.)
+extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r2(Mats ms, const float* x, u32 rows) { t1_rows<2>(ms, x, rows); }
 
 // The MLP's gate and up projections with SwiGLU fused: a warp computes row n of both (same
 // arithmetic as two matmul outputs) and writes gate[n], up[n] and act[n] = silu(gate)·up
