@@ -29,13 +29,7 @@ pub fn copy_bandwidth(pool: &ThreadPool, repeats: usize) -> Vec<f64> {
             unsafe { std::ptr::copy_nonoverlapping((sp + a) as *const u8, (dp + a) as *mut u8, b - a) };
         });
     };
-    copy();
-    let mut out = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        let t = Instant::now();
-        copy();
-        out.push(2.0 * n as f64 / t.elapsed().as_secs_f64());
-    }
+    let out = timed_passes(repeats, 2.0 * n as f64, copy);
     std::hint::black_box(&dst);
     out
 }
@@ -65,15 +59,22 @@ pub fn read_bandwidth(pool: &ThreadPool, repeats: usize) -> Vec<f64> {
             sums[i].store(total as usize, Ordering::Relaxed);
         });
     };
-    read();
-    let mut out = Vec::with_capacity(repeats);
-    for _ in 0..repeats {
-        let t = Instant::now();
-        read();
-        out.push(COPY_BUFFER_BYTES as f64 / t.elapsed().as_secs_f64());
-    }
+    let out = timed_passes(repeats, COPY_BUFFER_BYTES as f64, read);
     std::hint::black_box(&sums);
     out
+}
+
+/// Runs `pass` once untimed (page faults, caches), then `repeats` times: `bytes` per second of
+/// each timed pass.
+fn timed_passes(repeats: usize, bytes: f64, pass: impl Fn()) -> Vec<f64> {
+    pass();
+    (0..repeats)
+        .map(|_| {
+            let t = Instant::now();
+            pass();
+            bytes / t.elapsed().as_secs_f64()
+        })
+        .collect()
 }
 
 /// Independent FMA chains per thread in the peak loop: more than the FMA latency times the
