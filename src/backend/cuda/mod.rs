@@ -464,14 +464,20 @@ impl Cuda {
         self.step.lock().unwrap().graphs.iter().filter(|(k, _)| k.rows == 1).map(|(_, r)| r.nodes).max()
     }
 
+    /// Two events for timing a span of the stream (the machine measurements).
+    fn timing_events(&self) -> Result<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent), BackendError> {
+        let ctx = self.stream.context();
+        let ev = || ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e));
+        Ok((ev()?, ev()?))
+    }
+
     /// Device copy bandwidth in bytes/s, counting bytes read plus bytes written: the median of
     /// `reps` device-to-device copies of `bytes` (event-timed).
     pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> Result<Vec<f64>, BackendError> {
         let n = bytes / 4;
         let src = self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("alloc", e))?;
         let mut dst = self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("alloc", e))?;
-        let ctx = self.stream.context();
-        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let (e0, e1) = self.timing_events()?;
         let mut out = Vec::new();
         for i in 0..reps + 1 {
             e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
@@ -491,8 +497,7 @@ impl Cuda {
         let sms = self.stream.context().attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("attribute", e))? as u32;
         let (blocks, threads, iters) = (sms * 8, 256u32, 20_000u32);
         let mut out = self.stream.alloc_zeros::<f32>((blocks * threads) as usize).map_err(|e| dev_err("alloc", e))?;
-        let ctx = self.stream.context();
-        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let (e0, e1) = self.timing_events()?;
         let f = &self.funcs["fma_peak"];
         let (a, b) = (0.999_f32, 0.001_f32);
         let mut best = 0.0f64;
@@ -523,8 +528,7 @@ impl Cuda {
         let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| dev_err("ending graph capture", e))?;
         launched.map_err(|e| dev_err("chain_link", e))?;
         let graph = graph.ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
-        let ctx = self.stream.context();
-        let (e0, e1) = (ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?, ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| dev_err("event", e))?);
+        let (e0, e1) = self.timing_events()?;
         let mut ms = Vec::new();
         for i in 0..21 {
             e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
