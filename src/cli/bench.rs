@@ -201,7 +201,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             ];
             // What limits decode: the chain of dependent kernels (timed empty) and the bytes
             // (at the copy bandwidth) are the two floors; the rest is work inside the kernels.
-            // (Not yet run on a GPU at this commit: a failure only drops the line.)
+            // (A failure to time the empty graph only drops the line.)
             if let (true, Ok(chain)) = (nodes > 0, b.chain_floor(nodes as usize, 256)) {
                 let bytes = phases.iter().find(|p| p.kind == Kind::Decode).map(|p| p.bytes as f64 / p.tokens as f64);
                 let floor = bytes.map_or(String::new(), |b| format!("; its bytes at the median copy bandwidth take {:.3} ms", 1e3 * b / Spread::of(&m.copy_bandwidth).median));
