@@ -4,6 +4,7 @@
 //! thread (and, for the large ones, on the thread pool), with the arithmetic of
 //! [`kernels`], which is the executable form of docs/numerics.md.
 
+pub mod columns;
 pub mod kernels;
 pub mod machine;
 pub mod pool;
