@@ -67,6 +67,14 @@ impl<'a> ColumnsMut<'a> {
         unsafe { std::slice::from_raw_parts_mut(self.base.add(r * self.stride + self.cols.start), self.cols.len()) }
     }
 
+    /// Element `(0, 0)` of the whole buffer, for kernels that address it with raw pointers
+    /// (`base + r·stride() + c`): through it, only elements with `r < rows()` and `c` in `cols()`
+    /// may be accessed, and only while this value stays borrowed. Accesses through a raw pointer
+    /// make no `&mut` slice, so they alias nothing another task holds.
+    pub fn as_mut_ptr(&mut self) -> *mut f32 {
+        self.base
+    }
+
     /// Columns `cols` (a sub-range of this value's) of the same rows, for as long as it is
     /// borrowed.
     pub fn sub(&mut self, cols: Range<usize>) -> ColumnsMut<'_> {

@@ -366,6 +366,8 @@ pub fn rms_norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 pub fn gdn_conv(isa: Isa, kc: usize, cd: usize, taps: &[f32], mut conv: ColumnsMut<'_>, qkv: &[f32], t_len: usize, mut y: ColumnsMut<'_>) {
     let ch1 = conv.cols().end;
     assert!(kc >= 1 && conv.cols() == y.cols() && ch1 <= cd && taps.len() >= ch1 * kc && conv.rows() >= kc - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len);
+    // The vector paths address the window and y with raw pointers, rows `cd` apart.
+    assert!(conv.stride() == cd && y.stride() == cd, "gdn_conv: rows of {} and {} floats, not {cd}", conv.stride(), y.stride());
     dispatch!(isa, true, gdn_conv(kc, cd, taps, &mut conv, qkv, t_len, &mut y), {
         super::kernels::gdn_conv_taps(kc, cd, taps, &mut conv, qkv, t_len, &mut y);
         for t in 0..t_len {

@@ -500,18 +500,18 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
 }
 
 /// The GDN conv + SiLU ([`crate::backend::cpu::kernels::gdn_conv_taps`], then `silu`) of the
-/// whole 16-channel blocks from `ch0` up to `ch1` (`conv.cols()` = `y.cols()`), kernel size `K`,
-/// one channel per lane: the taps and the window live in registers across the tokens (each
-/// channel's FMAs in the reference's order, from +0.0). Returns the first channel not done (the
-/// rest is under 16).
+/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane: the
+/// taps and the window live in registers across the tokens (each channel's FMAs in the
+/// reference's order, from +0.0). Returns the first channel not done (the rest is under 16).
 #[inline(always)]
 unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) -> usize {
     let (ch0, ch1) = (conv.cols().start, conv.cols().end);
-    debug_assert!(taps.len() >= ch1 * K && conv.rows() >= K - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len && y.cols() == conv.cols());
-    let qp = qkv.as_ptr();
+    debug_assert!(taps.len() >= ch1 * K && conv.rows() >= K - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len && y.cols() == conv.cols() && conv.stride() == cd && y.stride() == cd);
+    // Element (0, 0) of the window and of y (`conv.cols()` = `y.cols()` = ch0..ch1): only
+    // channels ch0..ch1 of their rows are touched, through raw pointers.
+    let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
     let mut cb = ch0;
     while cb + 16 <= ch1 {
-        let o = cb - ch0;
         // Taps are [channel][K]: tap j of the block's 16 channels into one vector.
         let mut tp = [V::zero(); K];
         for (j, v) in tp.iter_mut().enumerate() {
@@ -520,7 +520,7 @@ unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut
         }
         let mut win = [V::zero(); K];
         for j in 0..K - 1 {
-            win[j] = V::load(conv.row(j)[o..o + 16].as_ptr());
+            win[j] = V::load(cp.add(j * cd + cb));
         }
         for t in 0..t_len {
             win[K - 1] = V::load(qp.add(t * cd + cb));
@@ -528,13 +528,13 @@ unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut
             for j in 0..K {
                 acc = V::fma(tp[j], win[j], acc);
             }
-            silu_v(acc).store(y.row(t)[o..o + 16].as_mut_ptr());
+            silu_v(acc).store(yp.add(t * cd + cb));
             for j in 0..K - 1 {
                 win[j] = win[j + 1];
             }
         }
         for j in 0..K - 1 {
-            win[j].store(conv.row(j)[o..o + 16].as_mut_ptr());
+            win[j].store(cp.add(j * cd + cb));
         }
         cb += 16;
     }
