@@ -7,6 +7,7 @@
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+use super::columns::ColumnsMut;
 use super::simd::{self, Isa};
 use crate::numerics::{dot_f32, exp, fma, fold_lanes, rsqrt, sigmoid, softplus, sum_squares, LANES};
 
@@ -56,30 +57,32 @@ pub fn embed(table: &Matrix, ids: &[u32], x: &mut [f32]) {
     }
 }
 
-/// Causal depthwise conv + SiLU (spec G2/G3, numerics §4 step 1) of channels `ch0..ch1` for
-/// `t_len` consecutive tokens of one sequence. `qkv` is `[T, conv_dim]`, `conv` the
-/// `[Kc−1, conv_dim]` window (oldest row first, updated), `y` `[T, conv_dim]` receives
-/// `silu(conv)`. Channels are independent, so callers may split them across threads.
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_conv(isa: Isa, cfg: &ModelConfig, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
-    simd::gdn_conv(isa, cfg.linear_conv_kernel_dim, cfg.conv_dim(), taps, conv, qkv, t_len, y, ch0, ch1);
+/// Causal depthwise conv + SiLU (spec G2/G3, numerics §4 step 1) of channels `ch0..ch1` =
+/// `conv.cols()` for `t_len` consecutive tokens of one sequence. `qkv` is `[T, conv_dim]`, `conv`
+/// those channels of the `[Kc−1, conv_dim]` window (oldest row first, updated), `y` those
+/// channels of `[T, conv_dim]`, which receive `silu(conv)`. Channels are independent, so callers
+/// may split them across threads (each task its own [`ColumnsMut`] of the two buffers).
+pub fn gdn_conv(isa: Isa, cfg: &ModelConfig, taps: &[f32], conv: ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: ColumnsMut<'_>) {
+    simd::gdn_conv(isa, cfg.linear_conv_kernel_dim, cfg.conv_dim(), taps, conv, qkv, t_len, y);
 }
 
 /// The conv part of [`gdn_conv`]: `y[t][ch] = Σ_j fma(tap[ch][j], window[j][ch], ·)` over the
-/// window `[c₀ … c_{K−2}; m_t]`, without the SiLU; updates the window. Works on blocks of 16
-/// channels (each channel's FMAs in the order of numerics §4, so a compiler may vectorise the
-/// channel loop without changing a bit).
+/// window `[c₀ … c_{K−2}; m_t]`, without the SiLU, for the channels `conv.cols()` (= `y.cols()`);
+/// updates the window. `qkv` rows are `cd` floats. Works on blocks of 16 channels (each
+/// channel's FMAs in the order of numerics §4, so a compiler may vectorise the channel loop
+/// without changing a bit).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-pub fn gdn_conv_taps(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+pub fn gdn_conv_taps(kc: usize, cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) {
     const B: usize = 16;
     const KMAX: usize = 8;
+    debug_assert_eq!(conv.cols(), y.cols());
     if kc > KMAX {
-        return gdn_conv_taps_any(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1);
+        return gdn_conv_taps_any(kc, cd, taps, conv, qkv, t_len, y);
     }
+    let (ch0, ch1) = (conv.cols().start, conv.cols().end);
     let mut cb = ch0;
     while cb < ch1 {
-        let n = B.min(ch1 - cb);
+        let (n, o) = (B.min(ch1 - cb), cb - ch0);
         let mut tp = [[0.0f32; B]; KMAX];
         let mut win = [[0.0f32; B]; KMAX];
         for l in 0..n {
@@ -87,8 +90,8 @@ pub fn gdn_conv_taps(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: 
                 tp[j][l] = taps[(cb + l) * kc + j];
             }
         }
-        for j in 0..kc - 1 {
-            win[j][..n].copy_from_slice(&conv[j * cd + cb..j * cd + cb + n]);
+        for (j, wj) in win.iter_mut().enumerate().take(kc - 1) {
+            wj[..n].copy_from_slice(&conv.row(j)[o..o + n]);
         }
         for t in 0..t_len {
             win[kc - 1][..n].copy_from_slice(&qkv[t * cd + cb..t * cd + cb + n]);
@@ -98,26 +101,26 @@ pub fn gdn_conv_taps(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: 
                     acc[l] = fma(tp[j][l], win[j][l], acc[l]);
                 }
             }
-            y[t * cd + cb..t * cd + cb + n].copy_from_slice(&acc[..n]);
+            y.row(t)[o..o + n].copy_from_slice(&acc[..n]);
             for j in 0..kc - 1 {
                 win[j] = win[j + 1];
             }
         }
-        for j in 0..kc - 1 {
-            conv[j * cd + cb..j * cd + cb + n].copy_from_slice(&win[j][..n]);
+        for (j, wj) in win.iter().enumerate().take(kc - 1) {
+            conv.row(j)[o..o + n].copy_from_slice(&wj[..n]);
         }
         cb += n;
     }
 }
 
 /// [`gdn_conv_taps`] for any kernel size, one channel at a time.
-#[allow(clippy::too_many_arguments)]
-fn gdn_conv_taps_any(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+fn gdn_conv_taps_any(kc: usize, cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) {
     let mut window = vec![0.0f32; kc];
-    for ch in ch0..ch1 {
-        let tap = &taps[ch * kc..(ch + 1) * kc];
-        for j in 0..kc - 1 {
-            window[j] = conv[j * cd + ch];
+    let ch0 = conv.cols().start;
+    for ch in conv.cols() {
+        let (tap, o) = (&taps[ch * kc..(ch + 1) * kc], ch - ch0);
+        for (j, wj) in window.iter_mut().enumerate().take(kc - 1) {
+            *wj = conv.row(j)[o];
         }
         for t in 0..t_len {
             window[kc - 1] = qkv[t * cd + ch];
@@ -125,11 +128,11 @@ fn gdn_conv_taps_any(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: 
             for j in 0..kc {
                 acc = fma(tap[j], window[j], acc);
             }
-            y[t * cd + ch] = acc;
+            y.row(t)[o] = acc;
             window.rotate_left(1);
         }
-        for j in 0..kc - 1 {
-            conv[j * cd + ch] = window[j];
+        for (j, &wj) in window.iter().enumerate().take(kc - 1) {
+            conv.row(j)[o] = wj;
         }
     }
 }
@@ -170,8 +173,9 @@ pub fn gdn_rows_ref(s: &mut [f32], k: &[f32], q: &[f32], alpha: f32, beta: f32, 
     }
 }
 
-/// Tokens per pass of [`gdn_head`]: the pass's gates and normalised q/k (`2·dk` floats per
-/// token) sit in scratch while the delta rule runs over them in blocks of state rows.
+/// Tokens per pass of [`gdn_head`]: the pass's gates, normalised q/k and delta-rule outputs
+/// (`2·dk + dv` floats per token) sit in scratch while the delta rule runs over them in blocks
+/// of state rows.
 const GDN_TOKENS: usize = 64;
 
 /// Tokens ahead that [`gdn_head`] asks the cache for a token's inputs.
@@ -180,11 +184,12 @@ const PREFETCH_TOKENS: usize = 4;
 /// Value head `h` of one sequence for `t_len` tokens (spec G5–G12, numerics §4 steps 2–5): q/k
 /// norms of its key head, gates, delta rule on `state_h` (`[dv, dk]`, updated), gated RMSNorm
 /// with `z`. `y` holds the `silu(conv)` rows `[T, conv_dim]` (q/k of key head `kappa` at
-/// `kappa·dk` and `key_dim + kappa·dk`, values at `2·key_dim + h·dv`); writes `out[t][h·dv ..]`
-/// of `[T, value_dim]`. Tokens run in passes of [`GDN_TOKENS`]; within a pass the delta rule
-/// runs token after token for each state row ([`simd::gdn_rows_tokens`]: rows are independent,
-/// so this is the arithmetic of one token at a time), its outputs parked in `out` until the
-/// gated norm of each token replaces them. `scratch` holds the pass's normalised q and k.
+/// `kappa·dk` and `key_dim + kappa·dk`, values at `2·key_dim + h·dv`); `out` is the head's
+/// columns `h·dv..(h+1)·dv` of the `[T, value_dim]` output, each row written once. Tokens run
+/// in passes of [`GDN_TOKENS`]; within a pass the delta rule runs token after token for each
+/// state row ([`simd::gdn_rows_tokens`]: rows are independent, so this is the arithmetic of one
+/// token at a time), its outputs parked in `scratch` until the gated norm of each token writes
+/// them to `out`. `scratch` also holds the pass's normalised q and k.
 #[allow(clippy::too_many_arguments)]
 pub fn gdn_head(
     isa: Isa,
@@ -198,22 +203,16 @@ pub fn gdn_head(
     a: &[f32],
     t_len: usize,
     scratch: &mut Vec<f32>,
-    out: &mut [f32],
+    mut out: ColumnsMut<'_>,
 ) {
     let (hk, hv, dk, dv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim);
     let (key_dim, value_dim, cd) = (cfg.key_dim(), cfg.value_dim(), cfg.conv_dim());
+    assert!(out.cols() == (h * dv..(h + 1) * dv) && out.rows() >= t_len, "gdn_head {h}: columns {:?} of {} rows", out.cols(), out.rows());
     let kappa = h / (hv / hk);
-    scratch.resize(2 * GDN_TOKENS * dk, 0.0);
-    let (qn, kn) = scratch.split_at_mut(GDN_TOKENS * dk);
+    scratch.resize(GDN_TOKENS * (2 * dk + dv), 0.0);
+    let (qn, rest) = scratch.split_at_mut(GDN_TOKENS * dk);
+    let (kn, os) = rest.split_at_mut(GDN_TOKENS * dk);
     let (mut alpha, mut beta) = ([0.0f32; GDN_TOKENS], [0.0f32; GDN_TOKENS]);
-    let mut small = [0.0f32; 256];
-    let mut large = Vec::new();
-    let o: &mut [f32] = if dv <= small.len() {
-        &mut small[..dv]
-    } else {
-        large.resize(dv, 0.0);
-        &mut large
-    };
     let mut t0 = 0;
     while t0 < t_len {
         let n = GDN_TOKENS.min(t_len - t0);
@@ -234,14 +233,12 @@ pub fn gdn_head(
         }
         let last = t0 + n - 1;
         let v = &y[t0 * cd + 2 * key_dim + h * dv..last * cd + 2 * key_dim + (h + 1) * dv];
-        let o_rows = &mut out[t0 * value_dim + h * dv..last * value_dim + (h + 1) * dv];
-        simd::gdn_rows_tokens(isa, state_h, dk, &kn[..n * dk], &qn[..n * dk], &alpha[..n], &beta[..n], v, cd, o_rows, value_dim);
-        for t in t0..t0 + n {
-            let orow = &mut out[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-            o.copy_from_slice(orow);
+        simd::gdn_rows_tokens(isa, state_h, dk, &kn[..n * dk], &qn[..n * dk], &alpha[..n], &beta[..n], v, cd, &mut os[..n * dv], dv);
+        for (i, o) in os[..n * dv].chunks_exact(dv).enumerate() {
+            let t = t0 + i;
             let inv = rsqrt(simd::dot(isa, o, o) / dv as f32 + cfg.rms_norm_eps);
             let zr = &z[t * value_dim + h * dv..t * value_dim + (h + 1) * dv];
-            simd::gated_norm(isa, o, inv, &w.norm, zr, orow);
+            simd::gated_norm(isa, o, inv, &w.norm, zr, out.row(t));
         }
         t0 += n;
     }

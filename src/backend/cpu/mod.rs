@@ -4,6 +4,7 @@
 //! thread (and, for the large ones, on the thread pool), with the arithmetic of
 //! [`kernels`], which is the executable form of docs/numerics.md.
 
+pub mod columns;
 pub mod kernels;
 pub mod machine;
 pub mod pool;
@@ -13,6 +14,7 @@ use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+use columns::ColumnsMut;
 use pool::ThreadPool;
 use simd::{Isa, Transposed};
 use std::cell::RefCell;
@@ -40,7 +42,7 @@ struct Scratch {
 
 thread_local! {
     /// Per-thread scratch of the kernels: the decoded panel of a product; a GDN head's
-    /// normalised q and k; attention's queries and scores.
+    /// normalised q and k and delta-rule outputs; attention's queries and scores.
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static GDN: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static ATTN: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
@@ -391,7 +393,8 @@ impl Backend for Cpu {
         out: &mut Tensor,
     ) {
         let (cd, hv) = (cfg.conv_dim(), cfg.linear_num_value_heads);
-        let head_state = cfg.linear_value_head_dim * cfg.linear_key_head_dim;
+        let dv = cfg.linear_value_head_dim;
+        let head_state = dv * cfg.linear_key_head_dim;
         let isa = self.isa;
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Scratch { y, .. } = &mut *guard;
@@ -405,26 +408,33 @@ impl Backend for Cpu {
                 y.resize(n * cd, 0.0);
             }
             let blocks = (n * cd).div_ceil(16 * 1024).clamp(1, 4 * self.threads());
+            let kc = cfg.linear_conv_kernel_dim;
+            // The tasks write through raw pointers: check the buffers hold what they cover, here.
+            assert!(st.conv[layer].len() >= (kc - 1) * cd && st.recurrent[layer].len() >= hv * head_state, "gated_delta_net: state of layer {layer}");
+            assert!(out.cols == hv * dv && rows(out).end <= out.data.len(), "gated_delta_net: {n} rows into a [{}, {}] tensor", out.rows, out.cols);
             let (conv_p, y_p) = (SendPtr(st.conv[layer].as_mut_ptr()), SendPtr(y.as_mut_ptr()));
-            let (conv_len, qkv_rows) = (st.conv[layer].len(), &qkv.data[rows(qkv)]);
+            let qkv_rows = &qkv.data[rows(qkv)];
             self.pool.run(blocks, &|i| {
                 // Blocks of whole 16-channel vectors.
                 let (ch0, ch1) = ((cd * i / blocks) & !15, if i + 1 == blocks { cd } else { (cd * (i + 1) / blocks) & !15 });
-                // SAFETY: block i reads and writes only channels ch0..ch1 of the window and of y.
-                let (conv, y) = unsafe { (std::slice::from_raw_parts_mut(conv_p.get(), conv_len), std::slice::from_raw_parts_mut(y_p.get(), n * cd)) };
-                kernels::gdn_conv(isa, cfg, &w.conv1d, conv, qkv_rows, n, y, ch0, ch1);
+                // SAFETY: the window holds Kc−1 rows of cd floats and y n rows (asserted / grown
+                // above); block i alone touches channels ch0..ch1 of either (the blocks' ranges
+                // are disjoint), and the pool joins every block before the buffers are used again.
+                let (conv, y) = unsafe { (ColumnsMut::new(conv_p.get(), kc - 1, cd, ch0..ch1), ColumnsMut::new(y_p.get(), n, cd, ch0..ch1)) };
+                kernels::gdn_conv(isa, cfg, &w.conv1d, conv, qkv_rows, n, y);
             });
             // Steps 2–5: one task per value head (each normalises its key head's q and k).
             let (state_p, out_p) = (SendPtr(st.recurrent[layer].as_mut_ptr()), SendPtr(out.data.as_mut_ptr()));
-            let out_range = rows(out);
+            let (out_start, ocols) = (rows(out).start, out.cols);
             let (zr, br, ar) = (&z.data[rows(z)], &b.data[rows(b)], &a.data[rows(a)]);
             let y = &*y;
             self.pool.run(hv, &|h| {
-                // SAFETY: head h owns state rows h·dv.., and writes only its dv columns of each
-                // output row; the output buffer holds `out_range`.
+                // SAFETY: head h alone touches its state rows (h·head_state.., inside the state)
+                // and columns h·dv..(h+1)·dv of the sequence's n output rows (inside `out`, asserted
+                // above); the pool joins every head before either buffer is used again.
                 let state_h = unsafe { std::slice::from_raw_parts_mut(state_p.get().add(h * head_state), head_state) };
-                let out_rows = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(out_range.start), out_range.len()) };
-                GDN.with(|qk| kernels::gdn_head(isa, cfg, w, h, state_h, y, zr, br, ar, n, &mut qk.borrow_mut(), out_rows));
+                let out_h = unsafe { ColumnsMut::new(out_p.get().add(out_start), n, ocols, h * dv..(h + 1) * dv) };
+                GDN.with(|qk| kernels::gdn_head(isa, cfg, w, h, state_h, y, zr, br, ar, n, &mut qk.borrow_mut(), out_h));
             });
         }
     }

@@ -12,6 +12,7 @@
 //! Lanes past the end of a row (when the row has fewer than a multiple of 32 words) are
 //! untouched by masked FMAs, exactly as the reference never adds to them.
 
+use super::columns::ColumnsMut;
 use crate::model::weights::{Matrix, MatrixData};
 #[cfg(test)]
 use crate::model::weights::FloatType;
@@ -360,14 +361,17 @@ pub fn rms_norm_row(isa: Isa, x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     dispatch!(isa, true, rms_norm_row(x, w, eps, out), super::kernels::rms_norm_row(x, w, eps, out))
 }
 
-/// The GDN conv + SiLU of channels `ch0..ch1` (see [`super::kernels::gdn_conv`]).
+/// The GDN conv + SiLU of channels `conv.cols()` (see [`super::kernels::gdn_conv`]).
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_conv(isa: Isa, kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
-    assert!(kc >= 1 && ch1 <= cd && taps.len() >= ch1 * kc && conv.len() >= (kc - 1) * cd && qkv.len() >= t_len * cd && y.len() >= t_len * cd);
-    dispatch!(isa, true, gdn_conv(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1), {
-        super::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch0, ch1);
+pub fn gdn_conv(isa: Isa, kc: usize, cd: usize, taps: &[f32], mut conv: ColumnsMut<'_>, qkv: &[f32], t_len: usize, mut y: ColumnsMut<'_>) {
+    let ch1 = conv.cols().end;
+    assert!(kc >= 1 && conv.cols() == y.cols() && ch1 <= cd && taps.len() >= ch1 * kc && conv.rows() >= kc - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len);
+    // The vector paths address the window and y with raw pointers, rows `cd` apart.
+    assert!(conv.stride() == cd && y.stride() == cd, "gdn_conv: rows of {} and {} floats, not {cd}", conv.stride(), y.stride());
+    dispatch!(isa, true, gdn_conv(kc, cd, taps, &mut conv, qkv, t_len, &mut y), {
+        super::kernels::gdn_conv_taps(kc, cd, taps, &mut conv, qkv, t_len, &mut y);
         for t in 0..t_len {
-            y[t * cd + ch0..t * cd + ch1].iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
+            y.row(t).iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
         }
     })
 }
@@ -756,14 +760,14 @@ mod tests {
             let qkv: Vec<f32> = (0..t * cd).map(|_| rng.f() * 5.0).collect();
             let mut want_conv = conv0.clone();
             let mut want_y = vec![0.0f32; t * cd];
-            gdn_conv_taps(kc, cd, &taps, &mut want_conv, &qkv, t, &mut want_y, 0, cd);
+            gdn_conv_taps(kc, cd, &taps, &mut ColumnsMut::from_slice(&mut want_conv, kc - 1, cd, 0..cd), &qkv, t, &mut ColumnsMut::from_slice(&mut want_y, t, cd, 0..cd));
             want_y.iter_mut().for_each(|v| *v = crate::numerics::silu(*v));
             for isa in Isa::available() {
                 for split in [48usize, 37] {
                     let mut conv = conv0.clone();
                     let mut y = vec![0.0f32; t * cd];
-                    gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 0, split);
-                    gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, split, cd);
+                    gdn_conv(isa, kc, cd, &taps, ColumnsMut::from_slice(&mut conv, kc - 1, cd, 0..split), &qkv, t, ColumnsMut::from_slice(&mut y, t, cd, 0..split));
+                    gdn_conv(isa, kc, cd, &taps, ColumnsMut::from_slice(&mut conv, kc - 1, cd, split..cd), &qkv, t, ColumnsMut::from_slice(&mut y, t, cd, split..cd));
                     assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv kc={kc} split={split}");
                 }
             }

@@ -11,6 +11,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::Transposed;
+use crate::backend::cpu::columns::ColumnsMut;
 use crate::model::weights::{FloatType, Matrix, MatrixData};
 use crate::numerics::{EXP_MAX, EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, LOG2E};
 use std::arch::x86_64::*;
@@ -503,9 +504,11 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
 /// taps and the window live in registers across the tokens (each channel's FMAs in the
 /// reference's order, from +0.0). Returns the first channel not done (the rest is under 16).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) -> usize {
-    debug_assert!(taps.len() >= ch1 * K && conv.len() >= (K - 1) * cd && qkv.len() >= t_len * cd && y.len() >= t_len * cd);
+unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) -> usize {
+    let (ch0, ch1) = (conv.cols().start, conv.cols().end);
+    debug_assert!(taps.len() >= ch1 * K && conv.rows() >= K - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len && y.cols() == conv.cols() && conv.stride() == cd && y.stride() == cd);
+    // Element (0, 0) of the window and of y (`conv.cols()` = `y.cols()` = ch0..ch1): only
+    // channels ch0..ch1 of their rows are touched, through raw pointers.
     let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
     let mut cb = ch0;
     while cb + 16 <= ch1 {
@@ -1523,13 +1526,14 @@ macro_rules! isa_module {
             /// compiled as the FMA instruction (the bits of the library call).
             #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
-            pub(crate) unsafe fn gdn_conv(kc: usize, cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) {
+            pub(crate) unsafe fn gdn_conv(kc: usize, cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) {
                 // Kernel size 4 (every Qwen3.5) in vectors of 16 channels; the rest as the
                 // reference, vectorised by the compiler.
-                let ch = if kc == 4 { super::gdn_conv16::<$v, 4>(cd, taps, conv, qkv, t_len, y, ch0, ch1) } else { ch0 };
-                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, conv, qkv, t_len, y, ch, ch1);
+                let (ch0, ch1) = (conv.cols().start, conv.cols().end);
+                let ch = if kc == 4 { super::gdn_conv16::<$v, 4>(cd, taps, conv, qkv, t_len, y) } else { ch0 };
+                crate::backend::cpu::kernels::gdn_conv_taps(kc, cd, taps, &mut conv.sub(ch..ch1), qkv, t_len, &mut y.sub(ch..ch1));
                 for t in 0..t_len {
-                    silu_slice::<$v>(&mut y[t * cd + ch..t * cd + ch1]);
+                    silu_slice::<$v>(&mut y.row(t)[ch - ch0..]);
                 }
             }
             #[target_feature(enable = $feat)]
