@@ -48,6 +48,32 @@ pub(super) trait V16: Copy {
     unsafe fn exp(a: Self) -> Self;
     /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
     unsafe fn fold(a: Self, b: Self) -> f32;
+    /// The end of a panel tile ([`micro`]): folds the `MR · NR` outputs of `sums` (output `k`
+    /// is token `k / NR`, row `k % NR`; the fold's first level done, as for
+    /// [`V16::fold16_halved`]) 16 at a time, then 8 at a time (a group of fewer than 8 repeats
+    /// its last output, folded and not stored), and stores token `i`'s first `nr` outputs at
+    /// `y + i·ldy` for `i < mr`.
+    #[inline(always)]
+    unsafe fn fold_store<const MR: usize, const NR: usize>(sums: &[Self; 2 * MAX_NR], y: *mut f32, ldy: usize, mr: usize, nr: usize) {
+        let mut out = [0.0f32; 2 * MAX_NR];
+        let n = MR * NR;
+        let mut k0 = 0;
+        while k0 + 16 <= n {
+            out[k0..k0 + 16].copy_from_slice(&Self::fold16_halved(sums[k0..k0 + 16].try_into().unwrap()));
+            k0 += 16;
+        }
+        while k0 < n {
+            let g = 8.min(n - k0);
+            let v: [Self; 8] = std::array::from_fn(|j| sums[k0 + j.min(g - 1)]);
+            out[k0..k0 + g].copy_from_slice(&Self::fold8_halved(&v)[..g]);
+            k0 += g;
+        }
+        for i in 0..mr {
+            for r in 0..nr {
+                *y.add(i * ldy + r) = out[i * NR + r];
+            }
+        }
+    }
     /// [`V16::fold16_halved`] of 8 outputs.
     #[inline(always)]
     unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
@@ -207,33 +233,72 @@ impl V16 for Z {
     }
     #[inline(always)]
     unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
-        // The levels of fold16_halved on 8 outputs (see there).
-        let c: [__m512; 4] = std::array::from_fn(|k| halve8(v[2 * k].0, v[2 * k + 1].0));
-        let g: [__m512; 2] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
-        // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
-        let j2 = halve2(g[0], g[1]);
-        // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
-        let r = halve1(j2, j2);
-        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
         let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r)));
+        _mm256_storeu_ps(out.as_mut_ptr(), fold8_z(&v.map(|x| x.0)));
         out
     }
     #[inline(always)]
     unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
-        // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
-        let c: [__m512; 8] = std::array::from_fn(|k| halve8(v[2 * k].0, v[2 * k + 1].0));
-        // h = 4: g[k] = 128-bit blocks of o(4k), o(4k+1), o(4k+2), o(4k+3).
-        let g: [__m512; 4] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
-        // h = 2: block j of j2[k] = [o(4·2k + j) lanes 0, 1 | o(4·(2k+1) + j) lanes 0, 1].
-        let j2: [__m512; 2] = std::array::from_fn(|k| halve2(g[2 * k], g[2 * k + 1]));
-        // h = 1: block j = [o(j), o(4 + j), o(8 + j), o(12 + j)].
-        let r = halve1(j2[0], j2[1]);
-        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         let mut out = [0.0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, r));
+        _mm512_storeu_ps(out.as_mut_ptr(), fold16_z(&v.map(|x| x.0)));
         out
     }
+    #[inline(always)]
+    unsafe fn fold_store<const MR: usize, const NR: usize>(sums: &[Self; 2 * MAX_NR], y: *mut f32, ldy: usize, mr: usize, nr: usize) {
+        // The same folds as the default, their results kept in registers: lin[j] holds outputs
+        // 16j..16j + 16 in order; then each token's outputs are picked out of the pair with one
+        // permute and written with one masked store (no round trip through the stack).
+        const { assert!(MR * NR <= 32 && NR <= 16) };
+        let n = MR * NR;
+        let mut lin = [_mm512_setzero_ps(); 2];
+        let mut k0 = 0;
+        while k0 + 16 <= n {
+            lin[k0 / 16] = fold16_z(&std::array::from_fn(|j| sums[k0 + j].0));
+            k0 += 16;
+        }
+        while k0 < n {
+            // Groups of 8 start at multiples of 8.
+            let g = 8.min(n - k0);
+            let f = fold8_z(&std::array::from_fn(|j| sums[k0 + j.min(g - 1)].0));
+            lin[k0 / 16] = if k0 % 16 == 0 { _mm512_castps256_ps512(f) } else { _mm512_insertf32x8::<1>(lin[k0 / 16], f) };
+            k0 += g;
+        }
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let mask = ((1u32 << nr) - 1) as __mmask16;
+        for i in 0..mr {
+            // Lanes j < nr take output i·NR + j (< 32: bit 4 picks lin[1]); the rest are masked.
+            let v = _mm512_permutex2var_ps(lin[0], _mm512_add_epi32(lanes, _mm512_set1_epi32((i * NR) as i32)), lin[1]);
+            _mm512_mask_storeu_ps(y.add(i * ldy), mask, v);
+        }
+    }
+}
+
+/// [`V16::fold16_halved`] on zmm registers: output `k` in lane `k`.
+#[inline(always)]
+unsafe fn fold16_z(v: &[__m512; 16]) -> __m512 {
+    // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
+    let c: [__m512; 8] = std::array::from_fn(|k| halve8(v[2 * k], v[2 * k + 1]));
+    // h = 4: g[k] = 128-bit blocks of o(4k), o(4k+1), o(4k+2), o(4k+3).
+    let g: [__m512; 4] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
+    // h = 2: block j of j2[k] = [o(4·2k + j) lanes 0, 1 | o(4·(2k+1) + j) lanes 0, 1].
+    let j2: [__m512; 2] = std::array::from_fn(|k| halve2(g[2 * k], g[2 * k + 1]));
+    // h = 1: block j = [o(j), o(4 + j), o(8 + j), o(12 + j)].
+    let r = halve1(j2[0], j2[1]);
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r)
+}
+
+/// [`V16::fold8_halved`] on zmm registers (the levels of [`fold16_z`] on 8 outputs): output
+/// `k` in lane `k`.
+#[inline(always)]
+unsafe fn fold8_z(v: &[__m512; 8]) -> __m256 {
+    let c: [__m512; 4] = std::array::from_fn(|k| halve8(v[2 * k], v[2 * k + 1]));
+    let g: [__m512; 2] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
+    // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
+    let j2 = halve2(g[0], g[1]);
+    // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
+    let r = halve1(j2, j2);
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r))
 }
 
 // One level of the halving fold of two vectors x, y at once (fold16_halved, fold8_halved): each
@@ -1352,25 +1417,7 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], 
                     lane_sums[i * NR + r] = V::add(V::load(f.half0.add(i * ld + r * 16)), acc[i][r]);
                 }
             }
-            let mut out = [0.0f32; 2 * MAX_NR];
-            let n = MR * NR;
-            let mut k0 = 0;
-            while k0 + 16 <= n {
-                out[k0..k0 + 16].copy_from_slice(&V::fold16_halved(lane_sums[k0..k0 + 16].try_into().unwrap()));
-                k0 += 16;
-            }
-            while k0 < n {
-                // A group of fewer than 8 repeats its last output (folded, not stored).
-                let g = 8.min(n - k0);
-                let v: [V; 8] = std::array::from_fn(|j| lane_sums[k0 + j.min(g - 1)]);
-                out[k0..k0 + g].copy_from_slice(&V::fold8_halved(&v)[..g]);
-                k0 += g;
-            }
-            for i in 0..f.mr {
-                for r in 0..f.nr {
-                    *f.y.add(i * f.ldy + r) = out[i * NR + r];
-                }
-            }
+            V::fold_store::<MR, NR>(&lane_sums, f.y, f.ldy, f.mr, f.nr);
         }
     }
 }
