@@ -1505,6 +1505,61 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
     }
 }
 
+/// [`Transposed::write_row`] for 8 elements per word and whole 32-word chunks (`xr.len()` a
+/// multiple of 256, `half = xr.len() / 2`): step `c·8 + e`, lane `l` of half `h` (at
+/// `dst[h·half + (c·8 + e)·16 + l]`) is element `e` of word `32c + 16h + l`. Each 16 words
+/// (128 floats, 8 registers) become their 8 steps in three rounds of two-register permutes.
+/// Float `f = 8·word + e` starts in register `f >> 4` (word bits 3..1), lane `f & 15` (word bit
+/// 0, then `e`); round `r` pairs the registers that differ in register bit `2 − r`, puts
+/// element bit `2 − r` there and moves that word bit into the lanes, so that register `e` ends
+/// with word `l` in lane `l`. Only moves: the floats are the same bits.
+/// AVX-512 only (AVX2 keeps the scalar transpose).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")]
+pub(crate) unsafe fn transpose8(dst: *mut f32, xr: &[f32], half: usize) {
+    debug_assert!(xr.len().is_multiple_of(256) && half == xr.len() / 2);
+    // Per round (register bit 2, 1, 0): the lanes of the pair's low and high outputs, as
+    // indices into the pair (16 + lane for the high register).
+    let idx = |t: [i32; 16]| _mm512_loadu_si512(t.as_ptr() as *const _);
+    // Per round (register bit 2, 1, 0): the lanes of the pair's low and high outputs, as
+    // indices into the pair (16 + lane for the high register).
+    let (lo4, hi4) = (idx([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]), idx([4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]));
+    let (lo2, hi2) = (idx([0, 1, 4, 5, 16, 17, 20, 21, 8, 9, 12, 13, 24, 25, 28, 29]), idx([2, 3, 6, 7, 18, 19, 22, 23, 10, 11, 14, 15, 26, 27, 30, 31]));
+    let (lo1, hi1) = (idx([0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30]), idx([1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31]));
+    // Registers a and b (a pair) become the pair's low and high outputs.
+    #[inline(always)]
+    unsafe fn pair(a: __m512, b: __m512, lo: __m512i, hi: __m512i) -> (__m512, __m512) {
+        (_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b))
+    }
+    let mut src = xr.as_ptr();
+    let mut out = dst;
+    for _ in 0..xr.len() / 256 {
+        for h in 0..2 {
+            let v: [__m512; 8] = std::array::from_fn(|k| _mm512_loadu_ps(src.add(16 * k)));
+            src = src.add(128);
+            // Register bit 2: pairs (0, 4), (1, 5), (2, 6), (3, 7).
+            let (a0, a4) = pair(v[0], v[4], lo4, hi4);
+            let (a1, a5) = pair(v[1], v[5], lo4, hi4);
+            let (a2, a6) = pair(v[2], v[6], lo4, hi4);
+            let (a3, a7) = pair(v[3], v[7], lo4, hi4);
+            // Register bit 1.
+            let (b0, b2) = pair(a0, a2, lo2, hi2);
+            let (b1, b3) = pair(a1, a3, lo2, hi2);
+            let (b4, b6) = pair(a4, a6, lo2, hi2);
+            let (b5, b7) = pair(a5, a7, lo2, hi2);
+            // Register bit 0.
+            let (c0, c1) = pair(b0, b1, lo1, hi1);
+            let (c2, c3) = pair(b2, b3, lo1, hi1);
+            let (c4, c5) = pair(b4, b5, lo1, hi1);
+            let (c6, c7) = pair(b6, b7, lo1, hi1);
+            let d = out.add(h * half);
+            for (e, x) in [c0, c1, c2, c3, c4, c5, c6, c7].into_iter().enumerate() {
+                _mm512_storeu_ps(d.add(16 * e), x);
+            }
+        }
+        out = out.add(128);
+    }
+}
+
 /// The entry points of one instruction set, each compiled with its target features.
 macro_rules! isa_module {
     ($name:ident, $feat:literal, $v:ty, $rb:literal, $mr:literal, $nr:literal, $lut:literal) => {
