@@ -791,8 +791,9 @@ mod tests {
         // Conv + SiLU over 5 tokens of 100 channels, split into two channel ranges (at a whole
         // 16-channel block and not), kernel 4 (the vector path: blocks, then a tail of under 16
         // channels) and 3 (the reference's loop).
-        for kc in [4usize, 3] {
-            let (cd, t) = (100usize, 5usize);
+        // Fewer tokens than the window's rows (1, 2: the window's rows shift in place) and more
+        // than one span of blocks (40 tokens of 600 channels).
+        for (kc, cd, t) in [(4usize, 100usize, 5usize), (3, 100, 5), (4, 100, 1), (4, 100, 2), (4, 600, 40)] {
             let taps: Vec<f32> = (0..kc * cd).map(|_| rng.f()).collect();
             let conv0: Vec<f32> = (0..(kc - 1) * cd).map(|_| rng.f() * 5.0).collect();
             let qkv: Vec<f32> = (0..t * cd).map(|_| rng.f() * 5.0).collect();
@@ -806,7 +807,7 @@ mod tests {
                     let mut y = vec![0.0f32; t * cd];
                     gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, 0, split);
                     gdn_conv(isa, kc, cd, &taps, &mut conv, &qkv, t, &mut y, split, cd);
-                    assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv kc={kc} split={split}");
+                    assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv kc={kc} cd={cd} t={t} split={split}");
                 }
             }
         }

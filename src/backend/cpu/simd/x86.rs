@@ -564,44 +564,59 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
 }
 
 /// The GDN conv + SiLU ([`crate::backend::cpu::kernels::gdn_conv_taps`], then `silu`) of the
-/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane: the
-/// taps and the window live in registers across the tokens (each channel's FMAs in the
-/// reference's order, from +0.0). Returns the first channel not done (the rest is under 16).
+/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane (each
+/// channel's FMAs in the reference's order, from +0.0). Token `t`'s window is rows `t .. t + K`
+/// of the window followed by the step's rows, so it is read in place, row after row: up to
+/// [`CONV_SPAN`] blocks at a time (their taps in registers or L1) walk the tokens in order, so
+/// the rows stream through memory instead of one line per 24 KiB stride. Then the window keeps
+/// its last `K − 1` rows. Returns the first channel not done (the rest is under 16).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut [f32], qkv: &[f32], t_len: usize, y: &mut [f32], ch0: usize, ch1: usize) -> usize {
     debug_assert!(taps.len() >= ch1 * K && conv.len() >= (K - 1) * cd && qkv.len() >= t_len * cd && y.len() >= t_len * cd);
     let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
-    let mut cb = ch0;
-    while cb + 16 <= ch1 {
-        // Taps are [channel][K]: tap j of the block's 16 channels into one vector.
-        let mut tp = [V::zero(); K];
-        for (j, v) in tp.iter_mut().enumerate() {
-            let lanes: [f32; 16] = std::array::from_fn(|l| taps[(cb + l) * K + j]);
-            *v = V::load(lanes.as_ptr());
-        }
-        let mut win = [V::zero(); K];
-        for j in 0..K - 1 {
-            win[j] = V::load(cp.add(j * cd + cb));
+    // Row r of the window followed by the step's rows.
+    let row = |r: usize| -> *const f32 { if r < K - 1 { cp.add(r * cd) as *const f32 } else { qp.add((r - (K - 1)) * cd) } };
+    let end = ch0 + (ch1 - ch0) / 16 * 16;
+    let mut cs = ch0;
+    while cs < end {
+        let nb = ((end - cs) / 16).min(CONV_SPAN);
+        // Taps are [channel][K]: tap j of block b's 16 channels into one vector.
+        let mut tp = [[V::zero(); K]; CONV_SPAN];
+        for (b, tb) in tp.iter_mut().enumerate().take(nb) {
+            for (j, v) in tb.iter_mut().enumerate() {
+                let lanes: [f32; 16] = std::array::from_fn(|l| taps[(cs + 16 * b + l) * K + j]);
+                *v = V::load(lanes.as_ptr());
+            }
         }
         for t in 0..t_len {
-            win[K - 1] = V::load(qp.add(t * cd + cb));
-            let mut acc = V::zero();
-            for j in 0..K {
-                acc = V::fma(tp[j], win[j], acc);
-            }
-            silu_v(acc).store(yp.add(t * cd + cb));
-            for j in 0..K - 1 {
-                win[j] = win[j + 1];
+            let rows: [*const f32; K] = std::array::from_fn(|j| row(t + j).add(cs));
+            let yt = yp.add(t * cd + cs);
+            for (b, tb) in tp.iter().enumerate().take(nb) {
+                let mut acc = V::zero();
+                for j in 0..K {
+                    acc = V::fma(tb[j], V::load(rows[j].add(16 * b)), acc);
+                }
+                silu_v(acc).store(yt.add(16 * b));
             }
         }
-        for j in 0..K - 1 {
-            win[j].store(cp.add(j * cd + cb));
-        }
-        cb += 16;
+        cs += 16 * nb;
     }
-    cb
+    // The window becomes rows t_len .. t_len + K − 1 (row j is overwritten only after every
+    // row read so far, and later reads are of rows past it).
+    for j in 0..K - 1 {
+        let src = row(t_len + j);
+        let mut c = ch0;
+        while c < end {
+            V::load(src.add(c)).store(cp.add(j * cd + c));
+            c += 16;
+        }
+    }
+    end
 }
+
+/// 16-channel blocks of the GDN conv that walk the tokens together (their taps: 8 KiB).
+const CONV_SPAN: usize = 32;
 
 // ---------------------------------------------------------------------------------------------
 // Canonical dots, the delta rule, attention.
