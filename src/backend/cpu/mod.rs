@@ -319,10 +319,10 @@ impl Backend for Cpu {
             xt.shape(rows, x.cols, pw);
             // Rows in parallel for prompts (a serial transpose left the other threads idle).
             let base = SendPtr(xt.base_mut());
-            let (xt, cols) = (&*xt, x.cols);
+            let (xt, cols, isa) = (&*xt, x.cols, self.isa);
             self.row_blocks(rows, &|r0, r1| {
                 // SAFETY: this block writes only rows r0..r1; `base` is this buffer's after `shape`.
-                unsafe { xt.fill_rows(base.get(), &x.data, cols, r0, r1) };
+                unsafe { xt.fill_rows(isa, base.get(), &x.data, cols, r0, r1) };
             });
         }
         // Tasks: runs of output rows of each matrix, about TASK_BYTES of weights each (scaled

@@ -124,13 +124,28 @@ impl Transposed {
     /// # Safety
     /// `base` must come from this buffer after its last `shape`, and no other thread may
     /// access rows `t0..t1` meanwhile (other rows may be written concurrently).
-    pub unsafe fn fill_rows(&self, base: *mut f32, x: &[f32], cols: usize, t0: usize, t1: usize) {
+    pub unsafe fn fill_rows(&self, isa: Isa, base: *mut f32, x: &[f32], cols: usize, t0: usize, t1: usize) {
         let stride = self.stride();
         for t in t0..t1 {
             // SAFETY: row t lies inside the buffer (`shape`) and is this caller's alone.
             let dst = unsafe { std::slice::from_raw_parts_mut(base.add(t * stride), stride) };
-            Self::write_row(dst, &x[t * cols..(t + 1) * cols], self.per_word, self.half());
+            Self::write_row_isa(isa, dst, &x[t * cols..(t + 1) * cols], self.per_word, self.half());
         }
+    }
+
+    /// [`Transposed::write_row`] with the instruction set's permutes when every 32-word chunk
+    /// is whole (the same floats moved to the same places; tested equal).
+    fn write_row_isa(isa: Isa, dst: &mut [f32], xr: &[f32], per_word: usize, half: usize) {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512 && per_word == 8 && xr.len().is_multiple_of(32 * 8) {
+            assert!(dst.len() >= 2 * half && half == xr.len() / 2);
+            // SAFETY: AVX-512 was detected; the sizes are checked above.
+            unsafe { x86::transpose8(dst.as_mut_ptr(), xr, half) };
+            dst[2 * half..].fill(-0.0);
+            return;
+        }
+        let _ = isa;
+        Self::write_row(dst, xr, per_word, half)
     }
 
     /// The first row's first float, for [`Transposed::fill_rows`].
@@ -525,6 +540,33 @@ mod tests {
     }
 
     #[test]
+    fn every_isas_transpose_is_the_scalar_one() {
+        // Every float a distinct bit pattern (so a float in the wrong place shows), -0.0 and
+        // NaN payloads among them; the destination starts as a pattern no path writes, so a
+        // place left unwritten shows too. Whole chunks (the vector path: 1, 2, 4, 7 chunks)
+        // and partial ones (the scalar path), every element width.
+        let mut rng = Rng(23);
+        for per_word in [8usize, 4, 2, 1] {
+            for words in [32usize, 64, 128, 224, 40, 16, 100] {
+                let cols = words * per_word;
+                let mut xr: Vec<f32> = (0..cols).map(|_| f32::from_bits(rng.next() as u32)).collect();
+                xr[cols / 3] = -0.0;
+                let mut t = Transposed::default();
+                t.shape(1, cols, per_word);
+                let (stride, half) = (t.stride(), t.half());
+                let mut want = vec![f32::from_bits(0x7fc0_1234); stride];
+                Transposed::write_row(&mut want, &xr, per_word, half);
+                for isa in Isa::available() {
+                    let mut got = vec![f32::from_bits(0x7fc0_1234); stride];
+                    Transposed::write_row_isa(isa, &mut got, &xr, per_word, half);
+                    let same = got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{isa:?} per_word {per_word} words {words}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn every_isa_gives_the_reference_bits() {
         // Shapes: partial 32-word chunks (64, 320, 2368 columns), a lone 16-word half (128,
         // 384), odd row counts (the decode kernel's row pairs, the panel's row blocks), token
@@ -753,8 +795,9 @@ mod tests {
         // Conv + SiLU over 5 tokens of 100 channels, split into two channel ranges (at a whole
         // 16-channel block and not), kernel 4 (the vector path: blocks, then a tail of under 16
         // channels) and 3 (the reference's loop).
-        for kc in [4usize, 3] {
-            let (cd, t) = (100usize, 5usize);
+        // Fewer tokens than the window's rows (1, 2: the window's rows shift in place) and more
+        // than one span of blocks (40 tokens of 600 channels).
+        for (kc, cd, t) in [(4usize, 100usize, 5usize), (3, 100, 5), (4, 100, 1), (4, 100, 2), (4, 600, 40)] {
             let taps: Vec<f32> = (0..kc * cd).map(|_| rng.f()).collect();
             let conv0: Vec<f32> = (0..(kc - 1) * cd).map(|_| rng.f() * 5.0).collect();
             let qkv: Vec<f32> = (0..t * cd).map(|_| rng.f() * 5.0).collect();
@@ -768,7 +811,7 @@ mod tests {
                     let mut y = vec![0.0f32; t * cd];
                     gdn_conv(isa, kc, cd, &taps, ColumnsMut::from_slice(&mut conv, kc - 1, cd, 0..split), &qkv, t, ColumnsMut::from_slice(&mut y, t, cd, 0..split));
                     gdn_conv(isa, kc, cd, &taps, ColumnsMut::from_slice(&mut conv, kc - 1, cd, split..cd), &qkv, t, ColumnsMut::from_slice(&mut y, t, cd, split..cd));
-                    assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv kc={kc} split={split}");
+                    assert!(same_bits(&conv, &want_conv) && same_bits(&y, &want_y), "{isa:?} conv kc={kc} cd={cd} t={t} split={split}");
                 }
             }
         }

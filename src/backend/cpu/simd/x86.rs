@@ -49,6 +49,32 @@ pub(super) trait V16: Copy {
     unsafe fn exp(a: Self) -> Self;
     /// The halving fold of the 32 lanes `a ++ b` (numerics §2).
     unsafe fn fold(a: Self, b: Self) -> f32;
+    /// The end of a panel tile ([`micro`]): folds the `MR · NR` outputs of `sums` (output `k`
+    /// is token `k / NR`, row `k % NR`; the fold's first level done, as for
+    /// [`V16::fold16_halved`]) 16 at a time, then 8 at a time (a group of fewer than 8 repeats
+    /// its last output, folded and not stored), and stores token `i`'s first `nr` outputs at
+    /// `y + i·ldy` for `i < mr`.
+    #[inline(always)]
+    unsafe fn fold_store<const MR: usize, const NR: usize>(sums: &[Self; 2 * MAX_NR], y: *mut f32, ldy: usize, mr: usize, nr: usize) {
+        let mut out = [0.0f32; 2 * MAX_NR];
+        let n = MR * NR;
+        let mut k0 = 0;
+        while k0 + 16 <= n {
+            out[k0..k0 + 16].copy_from_slice(&Self::fold16_halved(sums[k0..k0 + 16].try_into().unwrap()));
+            k0 += 16;
+        }
+        while k0 < n {
+            let g = 8.min(n - k0);
+            let v: [Self; 8] = std::array::from_fn(|j| sums[k0 + j.min(g - 1)]);
+            out[k0..k0 + g].copy_from_slice(&Self::fold8_halved(&v)[..g]);
+            k0 += g;
+        }
+        for i in 0..mr {
+            for r in 0..nr {
+                *y.add(i * ldy + r) = out[i * NR + r];
+            }
+        }
+    }
     /// [`V16::fold16_halved`] of 8 outputs.
     #[inline(always)]
     unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
@@ -208,33 +234,72 @@ impl V16 for Z {
     }
     #[inline(always)]
     unsafe fn fold8_halved(v: &[Self; 8]) -> [f32; 8] {
-        // The levels of fold16_halved on 8 outputs (see there).
-        let c: [__m512; 4] = std::array::from_fn(|k| halve8(v[2 * k].0, v[2 * k + 1].0));
-        let g: [__m512; 2] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
-        // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
-        let j2 = halve2(g[0], g[1]);
-        // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
-        let r = halve1(j2, j2);
-        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
         let mut out = [0.0f32; 8];
-        _mm256_storeu_ps(out.as_mut_ptr(), _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r)));
+        _mm256_storeu_ps(out.as_mut_ptr(), fold8_z(&v.map(|x| x.0)));
         out
     }
     #[inline(always)]
     unsafe fn fold16_halved(v: &[Self; 16]) -> [f32; 16] {
-        // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
-        let c: [__m512; 8] = std::array::from_fn(|k| halve8(v[2 * k].0, v[2 * k + 1].0));
-        // h = 4: g[k] = 128-bit blocks of o(4k), o(4k+1), o(4k+2), o(4k+3).
-        let g: [__m512; 4] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
-        // h = 2: block j of j2[k] = [o(4·2k + j) lanes 0, 1 | o(4·(2k+1) + j) lanes 0, 1].
-        let j2: [__m512; 2] = std::array::from_fn(|k| halve2(g[2 * k], g[2 * k + 1]));
-        // h = 1: block j = [o(j), o(4 + j), o(8 + j), o(12 + j)].
-        let r = halve1(j2[0], j2[1]);
-        let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
         let mut out = [0.0f32; 16];
-        _mm512_storeu_ps(out.as_mut_ptr(), _mm512_permutexvar_ps(idx, r));
+        _mm512_storeu_ps(out.as_mut_ptr(), fold16_z(&v.map(|x| x.0)));
         out
     }
+    #[inline(always)]
+    unsafe fn fold_store<const MR: usize, const NR: usize>(sums: &[Self; 2 * MAX_NR], y: *mut f32, ldy: usize, mr: usize, nr: usize) {
+        // The same folds as the default, their results kept in registers: lin[j] holds outputs
+        // 16j..16j + 16 in order; then each token's outputs are picked out of the pair with one
+        // permute and written with one masked store (no round trip through the stack).
+        const { assert!(MR * NR <= 32 && NR <= 16) };
+        let n = MR * NR;
+        let mut lin = [_mm512_setzero_ps(); 2];
+        let mut k0 = 0;
+        while k0 + 16 <= n {
+            lin[k0 / 16] = fold16_z(&std::array::from_fn(|j| sums[k0 + j].0));
+            k0 += 16;
+        }
+        while k0 < n {
+            // Groups of 8 start at multiples of 8.
+            let g = 8.min(n - k0);
+            let f = fold8_z(&std::array::from_fn(|j| sums[k0 + j.min(g - 1)].0));
+            lin[k0 / 16] = if k0 % 16 == 0 { _mm512_castps256_ps512(f) } else { _mm512_insertf32x8::<1>(lin[k0 / 16], f) };
+            k0 += g;
+        }
+        let lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        let mask = ((1u32 << nr) - 1) as __mmask16;
+        for i in 0..mr {
+            // Lanes j < nr take output i·NR + j (< 32: bit 4 picks lin[1]); the rest are masked.
+            let v = _mm512_permutex2var_ps(lin[0], _mm512_add_epi32(lanes, _mm512_set1_epi32((i * NR) as i32)), lin[1]);
+            _mm512_mask_storeu_ps(y.add(i * ldy), mask, v);
+        }
+    }
+}
+
+/// [`V16::fold16_halved`] on zmm registers: output `k` in lane `k`.
+#[inline(always)]
+unsafe fn fold16_z(v: &[__m512; 16]) -> __m512 {
+    // h = 8: c[k] = [o(2k) lanes 0..8 + 8..16 | o(2k+1) lanes 0..8 + 8..16].
+    let c: [__m512; 8] = std::array::from_fn(|k| halve8(v[2 * k], v[2 * k + 1]));
+    // h = 4: g[k] = 128-bit blocks of o(4k), o(4k+1), o(4k+2), o(4k+3).
+    let g: [__m512; 4] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
+    // h = 2: block j of j2[k] = [o(4·2k + j) lanes 0, 1 | o(4·(2k+1) + j) lanes 0, 1].
+    let j2: [__m512; 2] = std::array::from_fn(|k| halve2(g[2 * k], g[2 * k + 1]));
+    // h = 1: block j = [o(j), o(4 + j), o(8 + j), o(12 + j)].
+    let r = halve1(j2[0], j2[1]);
+    _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r)
+}
+
+/// [`V16::fold8_halved`] on zmm registers (the levels of [`fold16_z`] on 8 outputs): output
+/// `k` in lane `k`.
+#[inline(always)]
+unsafe fn fold8_z(v: &[__m512; 8]) -> __m256 {
+    let c: [__m512; 4] = std::array::from_fn(|k| halve8(v[2 * k], v[2 * k + 1]));
+    let g: [__m512; 2] = std::array::from_fn(|k| halve4(c[2 * k], c[2 * k + 1]));
+    // h = 2: block j = [o(j) lanes 0, 1 | o(4 + j) lanes 0, 1].
+    let j2 = halve2(g[0], g[1]);
+    // h = 1: block j = [o(j), o(4 + j), o(j), o(4 + j)].
+    let r = halve1(j2, j2);
+    let idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, r))
 }
 
 // One level of the halving fold of two vectors x, y at once (fold16_halved, fold8_halved): each
@@ -500,9 +565,12 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
 }
 
 /// The GDN conv + SiLU ([`crate::backend::cpu::kernels::gdn_conv_taps`], then `silu`) of the
-/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane: the
-/// taps and the window live in registers across the tokens (each channel's FMAs in the
-/// reference's order, from +0.0). Returns the first channel not done (the rest is under 16).
+/// whole 16-channel blocks from `ch0` up to `ch1`, kernel size `K`, one channel per lane (each
+/// channel's FMAs in the reference's order, from +0.0). Token `t`'s window is rows `t .. t + K`
+/// of the window followed by the step's rows, so it is read in place, row after row: up to
+/// [`CONV_SPAN`] blocks at a time (their taps in registers or L1) walk the tokens in order, so
+/// the rows stream through memory instead of one line per 24 KiB stride. Then the window keeps
+/// its last `K − 1` rows. Returns the first channel not done (the rest is under 16).
 #[inline(always)]
 unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) -> usize {
     let (ch0, ch1) = (conv.cols().start, conv.cols().end);
@@ -510,36 +578,48 @@ unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut
     // Element (0, 0) of the window and of y (`conv.cols()` = `y.cols()` = ch0..ch1): only
     // channels ch0..ch1 of their rows are touched, through raw pointers.
     let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
-    let mut cb = ch0;
-    while cb + 16 <= ch1 {
-        // Taps are [channel][K]: tap j of the block's 16 channels into one vector.
-        let mut tp = [V::zero(); K];
-        for (j, v) in tp.iter_mut().enumerate() {
-            let lanes: [f32; 16] = std::array::from_fn(|l| taps[(cb + l) * K + j]);
-            *v = V::load(lanes.as_ptr());
-        }
-        let mut win = [V::zero(); K];
-        for j in 0..K - 1 {
-            win[j] = V::load(cp.add(j * cd + cb));
+    // Row r of the window followed by the step's rows.
+    let row = |r: usize| -> *const f32 { if r < K - 1 { cp.add(r * cd) as *const f32 } else { qp.add((r - (K - 1)) * cd) } };
+    let end = ch0 + (ch1 - ch0) / 16 * 16;
+    let mut cs = ch0;
+    while cs < end {
+        let nb = ((end - cs) / 16).min(CONV_SPAN);
+        // Taps are [channel][K]: tap j of block b's 16 channels into one vector.
+        let mut tp = [[V::zero(); K]; CONV_SPAN];
+        for (b, tb) in tp.iter_mut().enumerate().take(nb) {
+            for (j, v) in tb.iter_mut().enumerate() {
+                let lanes: [f32; 16] = std::array::from_fn(|l| taps[(cs + 16 * b + l) * K + j]);
+                *v = V::load(lanes.as_ptr());
+            }
         }
         for t in 0..t_len {
-            win[K - 1] = V::load(qp.add(t * cd + cb));
-            let mut acc = V::zero();
-            for j in 0..K {
-                acc = V::fma(tp[j], win[j], acc);
-            }
-            silu_v(acc).store(yp.add(t * cd + cb));
-            for j in 0..K - 1 {
-                win[j] = win[j + 1];
+            let rows: [*const f32; K] = std::array::from_fn(|j| row(t + j).add(cs));
+            let yt = yp.add(t * cd + cs);
+            for (b, tb) in tp.iter().enumerate().take(nb) {
+                let mut acc = V::zero();
+                for j in 0..K {
+                    acc = V::fma(tb[j], V::load(rows[j].add(16 * b)), acc);
+                }
+                silu_v(acc).store(yt.add(16 * b));
             }
         }
-        for j in 0..K - 1 {
-            win[j].store(cp.add(j * cd + cb));
-        }
-        cb += 16;
+        cs += 16 * nb;
     }
-    cb
+    // The window becomes rows t_len .. t_len + K − 1 (row j is overwritten only after every
+    // row read so far, and later reads are of rows past it).
+    for j in 0..K - 1 {
+        let src = row(t_len + j);
+        let mut c = ch0;
+        while c < end {
+            V::load(src.add(c)).store(cp.add(j * cd + c));
+            c += 16;
+        }
+    }
+    end
 }
+
+/// 16-channel blocks of the GDN conv that walk the tokens together (their taps: 8 KiB).
+const CONV_SPAN: usize = 32;
 
 // ---------------------------------------------------------------------------------------------
 // Canonical dots, the delta rule, attention.
@@ -1355,25 +1435,7 @@ unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], 
                     lane_sums[i * NR + r] = V::add(V::load(f.half0.add(i * ld + r * 16)), acc[i][r]);
                 }
             }
-            let mut out = [0.0f32; 2 * MAX_NR];
-            let n = MR * NR;
-            let mut k0 = 0;
-            while k0 + 16 <= n {
-                out[k0..k0 + 16].copy_from_slice(&V::fold16_halved(lane_sums[k0..k0 + 16].try_into().unwrap()));
-                k0 += 16;
-            }
-            while k0 < n {
-                // A group of fewer than 8 repeats its last output (folded, not stored).
-                let g = 8.min(n - k0);
-                let v: [V; 8] = std::array::from_fn(|j| lane_sums[k0 + j.min(g - 1)]);
-                out[k0..k0 + g].copy_from_slice(&V::fold8_halved(&v)[..g]);
-                k0 += g;
-            }
-            for i in 0..f.mr {
-                for r in 0..f.nr {
-                    *f.y.add(i * f.ldy + r) = out[i * NR + r];
-                }
-            }
+            V::fold_store::<MR, NR>(&lane_sums, f.y, f.ldy, f.mr, f.nr);
         }
     }
 }
@@ -1458,6 +1520,61 @@ unsafe fn gemm<V: V16, const MR: usize, const NR: usize>(w: &Matrix, xt: &Transp
             }
         }
         tb = t_end;
+    }
+}
+
+/// [`Transposed::write_row`] for 8 elements per word and whole 32-word chunks (`xr.len()` a
+/// multiple of 256, `half = xr.len() / 2`): step `c·8 + e`, lane `l` of half `h` (at
+/// `dst[h·half + (c·8 + e)·16 + l]`) is element `e` of word `32c + 16h + l`. Each 16 words
+/// (128 floats, 8 registers) become their 8 steps in three rounds of two-register permutes.
+/// Float `f = 8·word + e` starts in register `f >> 4` (word bits 3..1), lane `f & 15` (word bit
+/// 0, then `e`); round `r` pairs the registers that differ in register bit `2 − r`, puts
+/// element bit `2 − r` there and moves that word bit into the lanes, so that register `e` ends
+/// with word `l` in lane `l`. Only moves: the floats are the same bits.
+/// AVX-512 only (AVX2 keeps the scalar transpose).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2")]
+pub(crate) unsafe fn transpose8(dst: *mut f32, xr: &[f32], half: usize) {
+    debug_assert!(xr.len().is_multiple_of(256) && half == xr.len() / 2);
+    // Per round (register bit 2, 1, 0): the lanes of the pair's low and high outputs, as
+    // indices into the pair (16 + lane for the high register).
+    let idx = |t: [i32; 16]| _mm512_loadu_si512(t.as_ptr() as *const _);
+    // Per round (register bit 2, 1, 0): the lanes of the pair's low and high outputs, as
+    // indices into the pair (16 + lane for the high register).
+    let (lo4, hi4) = (idx([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27]), idx([4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31]));
+    let (lo2, hi2) = (idx([0, 1, 4, 5, 16, 17, 20, 21, 8, 9, 12, 13, 24, 25, 28, 29]), idx([2, 3, 6, 7, 18, 19, 22, 23, 10, 11, 14, 15, 26, 27, 30, 31]));
+    let (lo1, hi1) = (idx([0, 2, 16, 18, 4, 6, 20, 22, 8, 10, 24, 26, 12, 14, 28, 30]), idx([1, 3, 17, 19, 5, 7, 21, 23, 9, 11, 25, 27, 13, 15, 29, 31]));
+    // Registers a and b (a pair) become the pair's low and high outputs.
+    #[inline(always)]
+    unsafe fn pair(a: __m512, b: __m512, lo: __m512i, hi: __m512i) -> (__m512, __m512) {
+        (_mm512_permutex2var_ps(a, lo, b), _mm512_permutex2var_ps(a, hi, b))
+    }
+    let mut src = xr.as_ptr();
+    let mut out = dst;
+    for _ in 0..xr.len() / 256 {
+        for h in 0..2 {
+            let v: [__m512; 8] = std::array::from_fn(|k| _mm512_loadu_ps(src.add(16 * k)));
+            src = src.add(128);
+            // Register bit 2: pairs (0, 4), (1, 5), (2, 6), (3, 7).
+            let (a0, a4) = pair(v[0], v[4], lo4, hi4);
+            let (a1, a5) = pair(v[1], v[5], lo4, hi4);
+            let (a2, a6) = pair(v[2], v[6], lo4, hi4);
+            let (a3, a7) = pair(v[3], v[7], lo4, hi4);
+            // Register bit 1.
+            let (b0, b2) = pair(a0, a2, lo2, hi2);
+            let (b1, b3) = pair(a1, a3, lo2, hi2);
+            let (b4, b6) = pair(a4, a6, lo2, hi2);
+            let (b5, b7) = pair(a5, a7, lo2, hi2);
+            // Register bit 0.
+            let (c0, c1) = pair(b0, b1, lo1, hi1);
+            let (c2, c3) = pair(b2, b3, lo1, hi1);
+            let (c4, c5) = pair(b4, b5, lo1, hi1);
+            let (c6, c7) = pair(b6, b7, lo1, hi1);
+            let d = out.add(h * half);
+            for (e, x) in [c0, c1, c2, c3, c4, c5, c6, c7].into_iter().enumerate() {
+                _mm512_storeu_ps(d.add(16 * e), x);
+            }
+        }
+        out = out.add(128);
     }
 }
 
