@@ -14,6 +14,7 @@
 #   bash bench/device.sh exact             # every exactness check and compute-sanitizer (final without bench)
 #   bash bench/device.sh probe             # 2b decode with kernel families skipped (attribution)
 #   SWEEP='A=1;A=2 B=3' bash bench/device.sh sweep   # 2b decode under each environment setting
+#   SWEEP='BIN=base;X=0' bash bench/device.sh sweep   # ... and A/B against .device/base.xz
 #   bash bench/device.sh all
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -212,10 +213,15 @@ env_sweep() {
   local models=${SWEEP_MODELS:-2b}
   PRESETS="$models" synth_models
   IFS=';' read -ra settings <<< "${SWEEP:-}"
+  # A/B of two builds in one call: with .device/base.xz carried (a second release binary), a
+  # setting containing BIN=base runs that binary instead.
+  if [ -f .device/base.xz ] && [ ! -x /tmp/tf/base ]; then xz -dc .device/base.xz > /tmp/tf/base && chmod +x /tmp/tf/base; fi
   for p in $models; do
     for e in "${settings[@]}"; do
       log "bench $p, $e"
-      env $e $TF bench --device cuda -m /tmp/tf/models/$p -p 16 -c ${SWEEP_CONTEXTS:-0,4096} -n 128 -r 3 2>&1 | grep -E "^tg" | tee -a "$OUT/summary.txt"
+      local bin=$TF
+      case " $e " in *" BIN=base "*) bin=/tmp/tf/base; e=${e//BIN=base/} ;; esac
+      env $e $bin bench --device cuda -m /tmp/tf/models/$p -p 16 -c ${SWEEP_CONTEXTS:-0,4096} -n 128 -r 3 2>&1 | grep -E "^tg" | tee -a "$OUT/summary.txt"
     done
   done
 }

@@ -89,7 +89,8 @@ struct MatDesc {
     sdtype: u32,
     ldy: u32,
     row0: u32,
-    /// 1: `offset_rows` is set (4-bit codes with 16-bit scales).
+    /// 1: `offset_rows` is set (4-bit codes with 16-bit scales); 2: every row passes, the
+    /// kernels read no bitmap.
     offset: u32,
     /// Bit `r % 32` of word `r / 32`: every group of row `r` passes [`offset_exact`], so the
     /// one-token kernels may decode that row with matmul.cu's offset decode (0: none).
@@ -110,7 +111,7 @@ impl MatDesc {
             sdtype: m.sdtype,
             ldy: y.cols as u32,
             row0,
-            offset: m.offset_rows.is_some() as u32,
+            offset: if m.offset_all { 2 } else { m.offset_rows.is_some() as u32 },
             offset_rows: m.offset_rows.as_ref().map_or(0, |r| ptr(r, stream)),
         }
     }
@@ -166,6 +167,9 @@ pub struct CudaMatrix {
     /// For 4-bit codes with 16-bit scales, a bit per row: every group of the row passes
     /// [`offset_exact`], so the one-token kernels may decode it without a subtraction.
     offset_rows: Option<CudaSlice<u32>>,
+    /// Every bit of `offset_rows` is set (the common case: a group fails only with a zero scale
+    /// or bias, or the two 2^20 apart).
+    offset_all: bool,
     per_word: usize,
     w: CudaSlice<u8>,
     sb: CudaSlice<u8>,
@@ -924,6 +928,7 @@ impl Backend for Cuda {
             }
             self.stream.clone_htod(b).map_err(|e| dev_err(&format!("uploading {}", m.name), e))
         };
+        let mut offset_all = false;
         let (w, sb, offset_rows) = match &m.data {
             MatrixData::Float { data, .. } => (up(data.as_slice())?, up(&[])?, None),
             MatrixData::Affine { weight, scales, biases, scale_dtype, bits, .. } => {
@@ -935,6 +940,7 @@ impl Backend for Cuda {
                         let ok = (r * groups..(r + 1) * groups).all(|i| offset_exact(scale_dtype.get(ss, i), scale_dtype.get(bs, i)));
                         bits[r / 32] |= (ok as u32) << (r % 32);
                     }
+                    offset_all = (0..m.rows).all(|r| bits[r / 32] >> (r % 32) & 1 == 1);
                     Some(self.stream.clone_htod(&bits).map_err(|e| dev_err(&format!("uploading {}", m.name), e))?)
                 } else {
                     None
@@ -942,7 +948,7 @@ impl Backend for Cuda {
                 (up(weight.as_slice())?, up(&interleave(scales.as_slice(), biases.as_slice(), scale_dtype.size()))?, offset_rows)
             }
         };
-        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, offset_rows, per_word: m.elems_per_word(), w, sb })
+        Ok(CudaMatrix { rows: m.rows, cols: m.cols, fmt, group, sdtype, offset_rows, offset_all, per_word: m.elems_per_word(), w, sb })
     }
 
     fn upload_vector(&self, v: &[f32]) -> Result<CudaSlice<f32>, BackendError> {

@@ -16,7 +16,7 @@ struct Mat {
     float* y;      // output [tokens, ldy]
     float* res;    // if set, the residual stream [tokens, ldy]: res += y (Cpu::matmul_residual)
     u32 rows, cols, fmt, group, sdtype, ldy, row0;
-    u32 offset;    // 1: offset_rows is set (4-bit codes, 16-bit scales)
+    u32 offset;    // 1: offset_rows is set (4-bit codes, 16-bit scales); 2: every row passes
     const u32* offset_rows;  // bit r: every group of row r passes offset_exact (nib_to_float_offset)
 };
 // fmt: 0 f32, 1 f16, 2 bf16 weights; 4 or 8: affine codes of that many bits.
@@ -292,35 +292,72 @@ struct Group {
 };
 
 // Accumulates group g into acc[R] (each lane's partial sums), then calls done(acc).
-template <int R, int FMT, int SDT, bool OFS, class Done>
+// GSH: log2 of the group size when known at compile time (0: the runtime `gshift`), so the
+// scale/bias loads of a batch are constant offsets from one cursor.
+//
+// Each lane reads through cursors that advance a batch at a time: its first code word of the
+// next batch to load (wc), that word's scale/bias entry (sc), and its first input values of the
+// batch to compute (xc). Word jl + lane + 32u is 32u words past wc, and its entry is u·sbu past
+// sc: 32·E elements span whole groups (group_size ≤ 128 ≤ 32·E, checked at load), so the
+// group of word j + 32 is sbu = 32·E / group_size entries on. A whole batch is then loaded with
+// no bounds check and no per-word address arithmetic; only a row's last partial batch is
+// predicated.
+template <int R, int FMT, int SDT, bool OFS, int GSH, class Done>
 __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& g, const float* x, Done&& done) {
     const int E = Fmt<FMT>::E, U = R == 1 ? T1_U1 : T1_U2;
     constexpr bool affine = FMT == 4 || FMT == 8;
     typedef typename Sb<SDT>::T SbT;
     const u32 lane = threadIdx.x & 31;
+    const u32 gsh = GSH ? (u32)GSH : gshift;
+    const u32 sbu = (32u * E) >> gsh;
     struct Buf {
         u32 wd[U][R];
         SbT sb[affine ? U : 1][R];
     };
-    auto load = [&](Buf& d, u32 jb) {
+    const u32* wc[R];
+    const SbT* sc[R];
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            u32 j = jb + lane + 32 * u;
-            bool in = j < words;
+    for (int r = 0; r < R; r++) {
+        wc[r] = g.w[r] + lane;
+        sc[r] = (const SbT*)g.sb[r] + ((lane * E) >> gsh);
+    }
+    u32 jl = 0;  // first word of the next batch to load
+    auto load = [&](Buf& d) {
+        if (jl + 32 * U <= words) {
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                d.wd[u][r] = in ? g.w[r][j] : 0u;
-                if constexpr (affine) d.sb[u][r] = in ? load_sb_raw<SDT>(g.sb[r], (j * E) >> gshift) : SbT{};
+            for (int u = 0; u < U; u++)
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    d.wd[u][r] = wc[r][32 * u];
+                    if constexpr (affine) d.sb[u][r] = sc[r][u * sbu];
+                }
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                bool in = jl + lane + 32 * u < words;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    d.wd[u][r] = in ? wc[r][32 * u] : 0u;
+                    if constexpr (affine) d.sb[u][r] = in ? sc[r][u * sbu] : SbT{};
+                }
             }
         }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            wc[r] += 32 * U;
+            sc[r] += U * sbu;
+        }
+        jl += 32 * U;
     };
     float acc[R];
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
-    auto compute = [&](const Buf& d, u32 jb) {
-        over_batch<U>(jb + lane, words, [&](int u, u32 j) {
+    const float* xc = x + lane * E;
+    u32 jc = 0;  // first word of the batch to compute
+    auto compute = [&](const Buf& d) {
+        over_batch<U>(jc + lane, words, [&](int u, u32) {
             float xv[E];
-            load_x<E>(x + (u64)j * E, xv);
+            load_x<E>(xc + 32 * E * u, xv);
             float s[R], b[R];
 #pragma unroll
             for (int r = 0; r < R; r++) {
@@ -349,22 +386,21 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
                     for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(d.wd[u][r], e, s[r], b[r]), xv[e], acc[r]);
             }
         });
+        xc += 32 * U * E;
+        jc += 32 * U;
     };
     // Both buffers are filled before waiting on the previous kernel (weights only), so a row of
     // up to two batches is entirely in flight while that kernel ends. Then each step computes
-    // one buffer (batch jb) and refills it with the batch after the other buffer's, keeping one
-    // batch in flight during every compute.
+    // one buffer and refills it with the batch after the other buffer's, keeping one batch in
+    // flight during every compute.
     Buf A, B;
-    load(A, 0);
-    if (32 * U < words) load(B, 32 * U);
+    load(A);
+    if (jl < words) load(B);
     pdl_enter();
-    u32 jb = 0;
     auto step = [&](Buf& cur) -> bool {
-        compute(cur, jb);
-        u32 refill = jb + 64 * U;
-        if (refill < words) load(cur, refill);
-        jb += 32 * U;
-        return jb < words;
+        compute(cur);
+        if (jl < words) load(cur);
+        return jc < words;
     };
     while (step(A) && step(B)) {
     }
@@ -375,7 +411,7 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
 // input values a lane loads serve both rows, halving the L1 traffic of x; the arithmetic of
 // each row is the same for any R). A last odd row is computed twice (its second copy reads the
 // same words) and written once.
-template <int R, int FMT, int SDT, bool OFS>
+template <int R, int FMT, int SDT, bool OFS, int GSH = 0>
 __device__ __forceinline__ void t1_body(const Mat& m, const float* x, u32 row) {
     const u32 words = m.cols / Fmt<FMT>::E;
     const u32 gshift = group_shift(FMT == 4 || FMT == 8 ? m.group : 1);
@@ -387,7 +423,7 @@ __device__ __forceinline__ void t1_body(const Mat& m, const float* x, u32 row) {
         g.w[r] = (const u32*)m.w + (u64)rr * words;
         g.sb[r] = m.sb + rr * sbrow;
     }
-    group_t1<R, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[R]) {
+    group_t1<R, FMT, SDT, OFS, GSH>(words, gshift, g, x, [&](const float (&acc)[R]) {
         float v[R];
 #pragma unroll
         for (int r = 0; r < R; r++) v[r] = fold32(acc[r]);
@@ -404,8 +440,24 @@ __device__ __forceinline__ void t1_body(const Mat& m, const float* x, u32 row) {
     });
 }
 
-// Whether row `row` of m may use the offset decode (CudaMatrix::offset_rows).
-__device__ __forceinline__ bool offset_row(const Mat& m, u32 row) { return m.offset && ((m.offset_rows[row >> 5] >> (row & 31)) & 1u); }
+// Whether row `row` of m may use the offset decode (CudaMatrix::offset_rows). When every row
+// passes (offset 2) no bitmap is read, so the weight loads do not wait on that load.
+__device__ __forceinline__ bool offset_row(const Mat& m, u32 row) {
+    return m.offset == 2 || (m.offset == 1 && ((m.offset_rows[row >> 5] >> (row & 31)) & 1u));
+}
+
+// Calls call(SDT, GSH) for a 16-bit scale dtype and the group size as log2 (so the offset
+// path's scale loads are constant offsets; group_size is 32, 64 or 128, checked at load).
+#define OFS_SWITCH(call)                                      \
+    if (sdt == 2) {                                           \
+        if (group == 32) call(2, 5);                          \
+        else if (group == 64) call(2, 6);                     \
+        else call(2, 7);                                      \
+    } else {                                                  \
+        if (group == 32) call(1, 5);                          \
+        else if (group == 64) call(1, 6);                     \
+        else call(1, 7);                                      \
+    }
 
 // Grid: ceil(padded rows / (8·R)) over the launch's matrices (which share a format: the host
 // splits launches by format and pads each matrix's first row to a multiple of R), block 256:
@@ -429,8 +481,10 @@ __device__ __forceinline__ void t1_rows(const Mats& ms, const float* x, u32 rows
 #pragma unroll
     for (int r = 0; r < R; r++) ofs = ofs && (row + r >= m.rows || offset_row(m, row + r));
     if (ofs) {
-        if (sdt == 2) t1_body<R, 4, 2, true>(m, x, row);
-        else t1_body<R, 4, 1, true>(m, x, row);
+        const u32 group = m.group;
+#define CALL(S, G) t1_body<R, 4, S, true, G>(m, x, row)
+        OFS_SWITCH(CALL)
+#undef CALL
         return;
     }
 #define CALL(F, S) t1_body<R, F, S, false>(m, x, row)
@@ -485,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t4(Mats ms, cons
 extern "C" __global__ void __launch_bounds__(256) matmul_swiglu_t8(Mats ms, const float* x, u32 ldx, u32 n_tok, float* act) { matmul_swiglu<8>(ms, x, ldx, n_tok, act); }
 
 // One token: as matmul_t1r1, warp n computing row n of gate and of up. Grid ceil(rows / 8).
-template <int FMT, int SDT, bool OFS>
+template <int FMT, int SDT, bool OFS, int GSH = 0>
 __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, float* act) {
     const Mat& gm = ms.m[0];
     const Mat& um = ms.m[1];
@@ -499,7 +553,7 @@ __device__ __forceinline__ void pair_t1_body(const Mats& ms, const float* x, flo
     g.w[1] = (const u32*)um.w + (u64)n * words;
     g.sb[0] = gm.sb + n * sbrow;
     g.sb[1] = um.sb + n * sbrow;
-    group_t1<2, FMT, SDT, OFS>(words, gshift, g, x, [&](const float (&acc)[2]) {
+    group_t1<2, FMT, SDT, OFS, GSH>(words, gshift, g, x, [&](const float (&acc)[2]) {
         float gv = fold32(acc[0]);
         float uv = fold32(acc[1]);
         if ((threadIdx.x & 31) == 0) {
@@ -518,8 +572,10 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats
     u32 fmt = ms.m[0].fmt, sdt = ms.m[0].sdtype;
     u32 n = blockIdx.x * WARPS + (threadIdx.x >> 5);
     if (fmt == 4 && n < ms.m[0].rows && offset_row(ms.m[0], n) && offset_row(ms.m[1], n)) {
-        if (sdt == 2) pair_t1_body<4, 2, true>(ms, x, act);
-        else pair_t1_body<4, 1, true>(ms, x, act);
+        const u32 group = ms.m[0].group;
+#define CALL(S, G) pair_t1_body<4, S, true, G>(ms, x, act)
+        OFS_SWITCH(CALL)
+#undef CALL
         return;
     }
 #define CALL(F, S) pair_t1_body<F, S, false>(ms, x, act)
