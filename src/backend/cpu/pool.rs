@@ -7,6 +7,10 @@
 //! share of the task indices, which it runs in increasing order; a thread whose share is done
 //! takes tasks from the end of another's. The caller returns when every task has finished.
 //!
+//! A task that panics is caught on the thread that ran it: that thread skips the tasks nobody
+//! has started (claims and counts them without running them) and stays in the pool, and the
+//! caller resumes the panic once every thread has left the region, so no task outlives `run`.
+//!
 //! Contiguous shares matter for decode: the tasks of a matrix product are consecutive runs of
 //! weight rows, so a thread streams one region of memory from start to end (its prefetches
 //! run on into its own next task) instead of jumping between interleaved tasks, and claiming
@@ -15,8 +19,10 @@
 //! Which thread runs which task never affects results: every task writes its own outputs with
 //! the same arithmetic.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::any::Any;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 /// The work of one parallel region: a closure over task indices, type-erased.
@@ -26,7 +32,29 @@ struct Job {
     /// Per thread, the tasks of its share not yet started: `front << 32 | back`, the range
     /// `front..back`; the owner takes from the front, others from the back.
     shares: Box<[Share]>,
+    /// Tasks not yet finished (run, panicked or skipped after a panic).
     remaining: AtomicUsize,
+    /// Whether a task panicked (`payload` holds the first panic's payload); read once
+    /// `remaining` is 0, so a region without a panic never takes the lock.
+    panicked: AtomicBool,
+    payload: Mutex<Option<Box<dyn Any + Send>>>,
+}
+
+impl Job {
+    /// Keeps the payload of the first task that panicked.
+    fn record_panic(&self, payload: Box<dyn Any + Send>) {
+        let later = {
+            let mut first = self.payload.lock().unwrap_or_else(PoisonError::into_inner);
+            if first.is_none() {
+                *first = Some(payload);
+                None
+            } else {
+                Some(payload)
+            }
+        };
+        self.panicked.store(true, Ordering::Relaxed);
+        drop(later);
+    }
 }
 
 /// One thread's share of a job's tasks, on its own cache line.
@@ -52,7 +80,8 @@ impl Share {
 }
 
 // SAFETY: the closure is `Sync`, and the pointer is only dereferenced while the caller of
-// `run` is blocked waiting for the job, which keeps the closure alive.
+// `run` is blocked waiting for the job (even when a task panicked), which keeps the closure
+// alive.
 unsafe impl Send for Job {}
 unsafe impl Sync for Job {}
 
@@ -124,6 +153,13 @@ impl ThreadPool {
     }
 
     /// Runs `f(0) .. f(tasks − 1)` across the pool and returns when all have finished.
+    ///
+    /// If a task panics, on the caller's thread or a worker's, `run` panics on the caller's
+    /// thread with that task's payload (the first to be caught when several tasks panic), and it
+    /// does so only after every thread has finished with `f`: no call of `f` is running or
+    /// starts once `run` has returned or begun to unwind, so `f` may borrow anything of the
+    /// caller's. Tasks that had not started when the panic was caught are skipped. A worker
+    /// whose task panicked stays in the pool, which serves the next `run` as before.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
         if tasks == 0 {
             return;
@@ -132,14 +168,16 @@ impl ThreadPool {
             (0..tasks).for_each(f);
             return;
         }
-        // SAFETY: we erase the lifetime of `f`; `run` does not return before every task has
-        // completed (`remaining == 0`), and workers never touch `f` after finishing a task.
+        // SAFETY: we erase the lifetime of `f`; `run` neither returns nor unwinds before every
+        // task has completed, panicked or been skipped (`remaining == 0`): `work_on` catches a
+        // task's panic on every thread, this one included. Workers never touch `f` after
+        // finishing a task.
         let f_static: *const (dyn Fn(usize) + Sync) = unsafe { std::mem::transmute(f) };
         // Task indices fit the 32-bit halves of a share (a region has at most thousands).
         assert!(u32::try_from(tasks).is_ok(), "{tasks} tasks in one region");
         let t = self.threads;
         let shares = (0..t).map(|i| Share(AtomicU64::new(((tasks * i / t) as u64) << 32 | (tasks * (i + 1) / t) as u64))).collect();
-        let job = Arc::new(Job { f: f_static, shares, remaining: AtomicUsize::new(tasks) });
+        let job = Arc::new(Job { f: f_static, shares, remaining: AtomicUsize::new(tasks), panicked: AtomicBool::new(false), payload: Mutex::new(None) });
         let sleepers = {
             let mut slot = self.shared.slot.lock().unwrap();
             slot.0 += 1;
@@ -159,21 +197,40 @@ impl ThreadPool {
             spins += 1;
         }
         self.shared.slot.lock().unwrap().1 = None;
+        if job.panicked.load(Ordering::Relaxed) {
+            // Every thread is done with `f`; the recording thread's store is visible (its
+            // `remaining` release, our acquire), and so is the payload (the lock).
+            let payload = job.payload.lock().unwrap_or_else(PoisonError::into_inner).take();
+            std::panic::resume_unwind(payload.expect("a panicked job keeps its payload"));
+        }
     }
 }
 
 /// Runs tasks of `job` as thread `me`: its own share from the front, then the others' from
 /// the back; counts them off `remaining` once at the end (one shared write per thread).
+/// Never unwinds: a task's panic is caught, recorded in `job`, and the tasks nobody has
+/// started are claimed and counted without running, so the caller hears of it soon.
 fn work_on(job: &Job, me: usize) {
     let t = job.shares.len();
     let mut done = 0;
-    for k in 0..t {
-        let share = &job.shares[(me + k) % t];
-        while let Some(i) = share.claim(k == 0) {
-            // SAFETY: see `ThreadPool::run`: the closure outlives every task.
-            unsafe { (*job.f)(i) };
-            done += 1;
+    let ran = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        for k in 0..t {
+            let share = &job.shares[(me + k) % t];
+            while let Some(i) = share.claim(k == 0) {
+                // SAFETY: see `ThreadPool::run`: the closure outlives every task.
+                unsafe { (*job.f)(i) };
+                done += 1;
+            }
         }
+    }));
+    if let Err(payload) = ran {
+        done += 1; // the task that panicked
+        for share in job.shares.iter() {
+            while share.claim(false).is_some() {
+                done += 1;
+            }
+        }
+        job.record_panic(payload);
     }
     if done > 0 {
         job.remaining.fetch_sub(done, Ordering::Release);
@@ -248,5 +305,77 @@ mod tests {
             });
         }
         assert_eq!(total.load(Ordering::Relaxed), 2000 * 6);
+    }
+
+    /// Runs 32 tasks on a pool of 4 threads, task `bad` panicking while another task runs, for
+    /// each `bad` given. Checks that `run` hands that panic to its caller only once no task is
+    /// running (the others last until `run` has returned, or 500 ms), that it returns at all (a
+    /// dead worker would leave it waiting forever), that every worker is alive, and that the
+    /// next region runs every task once. Runs on a helper thread so that a hang fails the test.
+    fn panic_in_task(bads: &'static [usize]) {
+        use std::sync::mpsc;
+        use std::time::{Duration, Instant};
+        let (done, finished) = mpsc::channel();
+        let h = std::thread::spawn(move || {
+            let pool = ThreadPool::new(4);
+            let tasks = 32;
+            for &bad in bads {
+                let active = AtomicU64::new(0); // tasks running now
+                let returned = AtomicBool::new(false); // `run` has returned
+                let late = AtomicU64::new(0); // tasks that saw `returned`
+                let r = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                    pool.run(tasks, &|i| {
+                        active.fetch_add(1, Ordering::SeqCst);
+                        let start = Instant::now();
+                        if i == bad {
+                            while active.load(Ordering::SeqCst) < 2 && start.elapsed() < Duration::from_secs(5) {
+                                std::thread::yield_now();
+                            }
+                            active.fetch_sub(1, Ordering::SeqCst);
+                            panic!("task {i} fails");
+                        }
+                        while !returned.load(Ordering::SeqCst) && start.elapsed() < Duration::from_millis(500) {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                        if returned.load(Ordering::SeqCst) {
+                            late.fetch_add(1, Ordering::SeqCst);
+                        }
+                        active.fetch_sub(1, Ordering::SeqCst);
+                    })
+                }));
+                let running = active.load(Ordering::SeqCst);
+                returned.store(true, Ordering::SeqCst);
+                let payload = r.expect_err("the task's panic reaches the caller");
+                assert_eq!(payload.downcast_ref::<String>().map(String::as_str), Some(format!("task {bad} fails").as_str()));
+                assert_eq!(running, 0, "bad={bad}: tasks still running when run returned");
+                std::thread::sleep(Duration::from_millis(20));
+                assert_eq!(late.load(Ordering::SeqCst), 0, "bad={bad}: tasks ran on after run returned");
+                assert!(pool.workers.iter().all(|w| !w.is_finished()), "bad={bad}: a worker died");
+                let hits: Vec<AtomicU64> = (0..tasks).map(|_| AtomicU64::new(0)).collect();
+                pool.run(tasks, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1), "bad={bad}: the next region");
+            }
+            done.send(()).unwrap();
+        });
+        match finished.recv_timeout(Duration::from_secs(60)) {
+            Ok(()) => h.join().unwrap(),
+            Err(mpsc::RecvTimeoutError::Disconnected) => std::panic::resume_unwind(h.join().unwrap_err()),
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!("run did not return within 60 s of a task's panic"),
+        }
+    }
+
+    /// Task 0, the front of the caller's share: the caller panics while workers run tasks.
+    #[test]
+    fn a_panic_on_the_caller_waits_for_the_workers() {
+        panic_in_task(&[0]);
+    }
+
+    /// The fronts of the shares of workers 1 and 3: a worker panics; it must count its tasks
+    /// off and stay alive.
+    #[test]
+    fn a_panic_on_a_worker_reaches_the_caller() {
+        panic_in_task(&[8, 24]);
     }
 }
