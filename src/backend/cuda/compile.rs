@@ -37,7 +37,7 @@ pub const SOURCES: &[Source] = &[
 ];
 
 /// The options of docs/numerics.md §1, for `arch` (e.g. `sm_90`), then the `-D` definitions of
-/// `TENSORFOLD_CUDA_DEFINES` (space-separated `NAME=VALUE`): a tuning knob for kernel constants
+/// `TENSORFOLD_CUDA_DEFINES` (`NAME=VALUE` separated by spaces or commas): a tuning knob for kernel constants
 /// that change scheduling, never arithmetic (e.g. `T1_U1=8`, matmul.cu).
 pub fn options(arch: &str) -> Vec<String> {
     let mut o = vec![
@@ -49,7 +49,7 @@ pub fn options(arch: &str) -> Vec<String> {
         "--std=c++17".into(),
     ];
     if let Ok(defs) = std::env::var("TENSORFOLD_CUDA_DEFINES") {
-        o.extend(defs.split_whitespace().map(|d| format!("-D{d}")));
+        o.extend(defs.split(|c: char| c.is_whitespace() || c == ',').filter(|d| !d.is_empty()).map(|d| format!("-D{d}")));
     }
     o
 }

@@ -50,8 +50,10 @@ pub fn device_count() -> usize {
 pub const MAX_ROWS: usize = 4096;
 /// Slots the device-side slot table holds.
 pub const MAX_SLOTS: usize = 1024;
-/// Blocks per query head that share the attention tiles (any number gives the same bits).
-const ATTN_BLOCKS: u32 = 16;
+/// Blocks per query head that share the attention tiles (any number gives the same bits;
+/// `TENSORFOLD_ATTN_BLOCKS` overrides it, for measuring). 32: up to 8 192 positions each block
+/// computes one tile (H200, 2b decode @4096: 16 blocks 1.37 ms, 32 1.32, 64 1.33).
+const ATTN_BLOCKS: u32 = 32;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -341,6 +343,8 @@ pub struct Cuda {
     /// output and down projections: 3.55 -> 3.85 ms), keep a warp per row for the warps
     /// (measured on the H200, bench/results README "Fourth pass").
     t1r2_min_rows: usize,
+    /// Blocks per query head of `attn_tiles` ([`ATTN_BLOCKS`] unless `TENSORFOLD_ATTN_BLOCKS`).
+    attn_blocks: u32,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -439,6 +443,7 @@ impl Cuda {
             use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
             pdl,
             t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
+            attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
         })
     }
 
@@ -1420,7 +1425,7 @@ impl Backend for Cuda {
                 .buf(&st.rows)
                 .buf(&st.slot_table)
                 .buf(part);
-            self.kernel("attn_tiles", (rows * hq, ATTN_BLOCKS, 1), 256, 0, a)
+            self.kernel("attn_tiles", (rows * hq, self.attn_blocks, 1), 256, 0, a)
         });
         self.launch("attn_combine", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));
