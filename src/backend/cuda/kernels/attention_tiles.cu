@@ -4,6 +4,21 @@
 // CPU twin: backend::cpu::kernels::attend (tile loop) after attention_group's q norm and RoPE.
 // Grid: (rows · Hq, blocks per query), block 256 (8 warps).
 
+// Loads in flight (scheduling only, never the arithmetic; TENSORFOLD_CUDA_DEFINES): ATTN_SP
+// positions per warp and ATTN_DU of their 32-element steps in the score loop, ATTN_VB positions
+// per thread in the value loop.
+#ifndef ATTN_SP
+#define ATTN_SP 8
+#endif
+#ifndef ATTN_DU
+#define ATTN_DU 4
+#endif
+#ifndef ATTN_VB
+#define ATTN_VB 32
+#endif
+#define TF_PRAGMA(x) _Pragma(#x)
+#define TF_UNROLL(n) TF_PRAGMA(unroll n)
+
 extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, float eps, const float* rope,
                                       u32 rd, u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles,
                                       const RowDesc* rows, const SlotDesc* slots, float* part) {
@@ -54,12 +69,12 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
         // Scores: warp w takes positions w + 8k, SP of them at a time so that their key loads
         // are in flight together; each is warp_dot's canonical order (lane l: elements l, l+32,
         // ... ascending; fmaf(q, k) = fmaf(k, q) exactly).
-        const u32 SP = 8;
+        const u32 SP = ATTN_SP;
         for (u32 i0 = warp; i0 < n; i0 += 8 * SP) {
             float acc[SP];
 #pragma unroll
             for (u32 k = 0; k < SP; k++) acc[k] = 0.0f;
-#pragma unroll 4
+            TF_UNROLL(ATTN_DU)
             for (u32 d = lane; d < dh; d += 32) {
                 float qd = q[d], kv[SP];
 #pragma unroll
@@ -95,7 +110,7 @@ extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, 
             out[1] = l;
         }
         // Weighted values, sequential in i per d; VB value loads in flight per thread.
-        const u32 VB = 32;
+        const u32 VB = ATTN_VB;
         for (u32 d = threadIdx.x; d < dh; d += blockDim.x) {
             float acc = 0.0f;
             u32 i = 0;
