@@ -149,7 +149,8 @@ nsys_trace() {
 
 quick_verify() {
   PRESETS="${PRESETS:-0.8b 2b}" synth_models
-  for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/tiny/hf $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 /tmp/tf/models/0.8b /tmp/tf/models/2b; do
+  # The quant variants (8-bit, groups 32/128, mixed) take the product kernels' other layouts.
+  for m in $TENSORFOLD_SHARED/fixtures/tiny/mlx-q4 $TENSORFOLD_SHARED/fixtures/tiny/hf $TENSORFOLD_SHARED/fixtures/heads/mlx-q4 tests/data/quant/*/ /tmp/tf/models/0.8b /tmp/tf/models/2b; do
     log "verify $m (300-token prompt, 200 steps)"
     $TF verify -m $m --steps 200 --random-prompt 300 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
   done

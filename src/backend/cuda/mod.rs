@@ -169,8 +169,9 @@ pub struct CudaMatrix {
     /// For 4-bit codes with 16-bit scales, a bit per row: every group of the row passes
     /// [`offset_exact`], so the one-token kernels may decode it without a subtraction.
     offset_rows: Option<CudaSlice<u32>>,
-    /// Every bit of `offset_rows` is set (the common case: a group fails only with a zero scale
-    /// or bias, or the two 2^20 apart).
+    /// Every bit of `offset_rows` is set (the common case for MLX checkpoints, whose bias is of
+    /// the order of a few scales; a group fails when `b − 128·s` is not exact in f32, or s or b
+    /// is zero, or the two are 2^20 or more apart).
     offset_all: bool,
     per_word: usize,
     w: CudaSlice<u8>,

@@ -16,6 +16,9 @@
 #ifndef ATTN_VB
 #define ATTN_VB 32
 #endif
+#if ATTN_SP < 1 || ATTN_DU < 1 || ATTN_VB < 1
+#error "ATTN_SP, ATTN_DU and ATTN_VB must be at least 1 (a step of no positions never ends)"
+#endif
 #define TF_PRAGMA(x) _Pragma(#x)
 #define TF_UNROLL(n) TF_PRAGMA(unroll n)
 

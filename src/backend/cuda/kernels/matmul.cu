@@ -262,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 // ---- One token (decode) ----
 //
 // A warp computes one group of R rows, each row's words in batches of U per lane (words
-// jb + lane + 32u). Two register buffers alternate: while the warp computes one batch the next
+// jl + lane + 32u for the batch starting at word jl). Two register buffers alternate: while the warp computes one batch the next
 // is in flight, so a row longer than one batch keeps loads going during the FMAs. The first two
 // batches are requested before pdl_enter(): weights only, so they arrive while the previous
 // kernel ends. Each lane's words still come in
