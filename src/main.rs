@@ -10,7 +10,7 @@ fn main() -> std::process::ExitCode {
     match cli::dispatch(args) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", cli::error_text(&e));
             std::process::ExitCode::FAILURE
         }
     }

@@ -96,6 +96,8 @@ fn user_errors_are_clear() {
     let tmp = TempDir::new("errors");
     let e = err(&["run", "-m", tmp.path().join("missing").to_str().unwrap(), "-p", "x"]);
     assert!(e.contains("missing") && e.contains("config.json"), "{e}");
+    // The OS error once: the library's error already names it, anyhow's chain must not repeat it.
+    assert_eq!(e.matches("(os error 2)").count(), 1, "{e}");
     let demo_hf = shared("models/tensorfold-demo-py28m/mlx-q4");
     let e = err(&["run", "-m", demo_hf.to_str().unwrap(), "--device", "cpu", "--chat", "-p", "hi"]);
     assert!(e.contains("has no chat template"), "{e}");

@@ -132,7 +132,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             Ok(reply) => messages.push(ChatMessage::new("assistant", reply)),
             Err(e) => {
                 messages.pop();
-                eprintln!("error: {e:#}");
+                eprintln!("error: {}", super::error_text(&e));
             }
         }
     }

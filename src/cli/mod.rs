@@ -85,6 +85,21 @@ fn auto_device() -> Device {
     }
 }
 
+/// An error and its causes, outermost first, joined by ": ". A cause whose text the message
+/// already ends with is left out: the library's errors name their source in their own text
+/// (`cannot read FILE: No such file or directory`), so anyhow's chain would print it twice.
+pub fn error_text(e: &anyhow::Error) -> String {
+    let mut text = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !text.ends_with(&c) {
+            text.push_str(": ");
+            text.push_str(&c);
+        }
+    }
+    text
+}
+
 /// The directory name of the model that ships with the repository.
 const DEMO: &str = "models/tensorfold-demo-py28m";
 
