@@ -105,6 +105,10 @@ fn user_errors_are_clear() {
     assert!(e.contains("prompt id 99999 is outside the model's vocabulary (vocab_size 8192)"), "{e}");
     let e = err(&["run", "--device", "cpu", "-p", "x", "--top-p", "1.5"]);
     assert!(e.contains("--top-p"), "{e}");
+    let e = err(&["bench", "--device", "cpu", "-p", "128,0"]);
+    assert!(e.contains("--n-prompt") && e.contains("0 tokens"), "{e}");
+    let e = err(&["bench", "--device", "cpu", "-r", "0"]);
+    assert!(e.contains("--repetitions must be at least 1") && !e.contains("--chunk"), "{e}");
     let e = err(&["run", "--device", "quantum", "-p", "x"]);
     assert!(e.contains("unknown device `quantum`"), "{e}");
 }

@@ -148,12 +148,19 @@ fn gib(b: f64) -> String {
 }
 
 pub fn bench(a: BenchArgs) -> Result<()> {
+    // Arguments first, before a model loads or the machine is measured.
+    if a.repeats == 0 {
+        bail!("--repetitions must be at least 1");
+    }
+    if a.chunk == 0 {
+        bail!("--chunk must be at least 1");
+    }
+    if a.prompts.contains(&0) {
+        bail!("--n-prompt: a prompt of 0 tokens has nothing to time (give lengths of at least 1)");
+    }
     let dir = super::model_dir(a.model.as_deref())?;
     let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     let costs = Costs::of(&host.config, &host.loaded.weights);
-    if a.chunk == 0 || a.repeats == 0 {
-        bail!("--chunk and --repetitions must be at least 1");
-    }
     let max_pos = host.config.max_position_embeddings;
     let top = a.prompts.iter().chain(&a.contexts).max().copied().unwrap_or(0) + a.decode_tokens;
     if top > max_pos {
