@@ -942,11 +942,12 @@ impl Backend for Cuda {
                     let (ss, bs) = (scales.as_slice(), biases.as_slice());
                     let groups = ss.len() / scale_dtype.size() / m.rows.max(1);
                     let mut bits = vec![0u32; m.rows.div_ceil(32)];
+                    offset_all = true;
                     for r in 0..m.rows {
                         let ok = (r * groups..(r + 1) * groups).all(|i| offset_exact(scale_dtype.get(ss, i), scale_dtype.get(bs, i)));
                         bits[r / 32] |= (ok as u32) << (r % 32);
+                        offset_all &= ok;
                     }
-                    offset_all = (0..m.rows).all(|r| bits[r / 32] >> (r % 32) & 1 == 1);
                     Some(self.stream.clone_htod(&bits).map_err(|e| dev_err(&format!("uploading {}", m.name), e))?)
                 } else {
                     None

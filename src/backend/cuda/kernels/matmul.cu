@@ -262,11 +262,11 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 // ---- One token (decode) ----
 //
 // A warp computes one group of R rows, each row's words in batches of U per lane (words
-// jl + lane + 32u for the batch starting at word jl). Two register buffers alternate: while the warp computes one batch the next
-// is in flight, so a row longer than one batch keeps loads going during the FMAs. The first two
-// batches are requested before pdl_enter(): weights only, so they arrive while the previous
-// kernel ends. Each lane's words still come in
-// the canonical order (numerics §2).
+// jl + lane + 32u for the batch starting at word jl). Two register buffers alternate: while the
+// warp computes one batch the next is in flight, so a row longer than one batch keeps loads
+// going during the FMAs. The first two batches are requested before pdl_enter(): weights only,
+// so they arrive while the previous kernel ends. Each lane's words still come in the canonical
+// order (numerics §2).
 
 // Words per lane per batch, for one row and for two; with 64 registers (4 blocks of 256 per
 // multiprocessor) two buffers fit without spilling. (Measured on the H200, 2b decode: 1.50 ms
