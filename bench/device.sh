@@ -13,6 +13,7 @@
 #   bash bench/device.sh nsys              # per-kernel device time inside the 2b decode graph (nsys)
 #   bash bench/device.sh exact             # every exactness check and compute-sanitizer (final without bench)
 #   bash bench/device.sh probe             # 2b decode with kernel families skipped (attribution)
+#   bash bench/device.sh timeline          # per-kernel time inside the decode graph (TF_PROBE_TIMELINE)
 #   SWEEP='A=1;A=2 B=3' bash bench/device.sh sweep   # 2b decode under each environment setting
 #   SWEEP='BIN=base;X=0' bash bench/device.sh sweep   # ... and A/B against .device/base.xz
 #   bash bench/device.sh all
@@ -208,6 +209,26 @@ probe() {
   done
 }
 
+# Where a decode token's time goes, graph node by graph node: kernels built with
+# TF_PROBE_TIMELINE record when block 0's wait on the previous kernel returned, the backend
+# averages the gaps over the replayed tokens (backend/cuda/timeline.rs). Each model at context 0
+# and 4096, plus the bench without the probe to show what the probe itself costs.
+timeline() {
+  local models=${TIMELINE_MODELS:-2b 9b}
+  PRESETS="$models" synth_models
+  for p in $models; do
+    log "bench $p without the probe"
+    $TF bench --device cuda -m /tmp/tf/models/$p -p 16 -c 0,4096 -n 128 -r 3 2>&1 | grep -E "^tg" | tee -a "$OUT/summary.txt"
+    for c in 0 4096; do
+      log "timeline $p @$c"
+      TENSORFOLD_CUDA_DEFINES="TF_PROBE_TIMELINE=1" TENSORFOLD_TIMELINE="$OUT/timeline-$p-$c.txt" \
+        $TF bench --device cuda -m /tmp/tf/models/$p -p 16 -c $c -n 256 -r 2 2>&1 | grep -E "^tg" | tee -a "$OUT/summary.txt"
+      grep -A40 "by label" "$OUT/timeline-$p-$c.txt" | head -30 | tee -a "$OUT/summary.txt"
+      head -1 "$OUT/timeline-$p-$c.txt" | tee -a "$OUT/summary.txt"
+    done
+  done
+}
+
 # Decode of SWEEP_MODELS (default 2b) under each setting of SWEEP (settings separated by ';', each
 # a list of VAR=VALUE for the bench's environment), e.g. SWEEP='TENSORFOLD_CUDA_PREFETCH_MB=0;TENSORFOLD_CUDA_PREFETCH_MB=16'.
 env_sweep() {
@@ -242,6 +263,7 @@ case "${1:-all}" in
   iterate) iterate ;;
   probe) probe ;;
   sweep) env_sweep ;;
+  timeline) timeline ;;
   checkpoint) checkpoint ;;
   verify-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; iterate_bench ;;
   verify-all-bench) verify_fixtures; PRESETS="0.8b 2b" synth_verify; gpu_bench ;;

@@ -15,6 +15,7 @@
 //! backend returns with device work that reads host memory still pending.
 
 pub mod compile;
+mod timeline;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -319,6 +320,8 @@ struct Step {
     /// Kernel timings while profiling: (name, start event, end event).
     profile: Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
     event_pool: Vec<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    /// The timeline probe (`TENSORFOLD_TIMELINE`, timeline.rs), when on.
+    timeline: Option<timeline::Timeline>,
 }
 
 /// The CUDA backend on one device.
@@ -380,9 +383,13 @@ impl Cuda {
         let arch = format!("sm_{maj}{min}");
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
         let mut funcs = HashMap::new();
+        let timeline = timeline::Timeline::from_env(&stream)?;
         for src in compile::SOURCES {
             let cubin = compile::compile_cached(src, &arch).map_err(BackendError::Device)?;
             let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(cubin)).map_err(|e| dev_err(&format!("loading {}", src.file), e))?;
+            if let Some(t) = &timeline {
+                t.attach(&module, &stream)?;
+            }
             for &entry in src.entries {
                 let f = module.load_function(entry).map_err(|e| dev_err(&format!("{}: {entry}", src.file), e))?;
                 funcs.insert(entry, f);
@@ -425,6 +432,7 @@ impl Cuda {
             capture_start: 0,
             profile: None,
             event_pool: Vec::new(),
+            timeline,
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         // Programmatic launches inside captured graphs need sm_90 and a CUDA 12.3 driver.
@@ -581,7 +589,8 @@ impl Cuda {
 
     /// Whether eager launches are being timed (a profile label is worth formatting).
     fn profiling(&self) -> bool {
-        self.step.lock().unwrap().profile.is_some()
+        let st = self.step.lock().unwrap();
+        st.profile.is_some() || st.timeline.is_some()
     }
 
     /// [`Cuda::launch`], timed under `label` instead of `what` when profiling.
@@ -595,6 +604,9 @@ impl Cuda {
         let start = if timed { self.event_pair(&mut st).ok() } else { None };
         if let Some((a, _)) = &start {
             let _ = a.record(&self.stream);
+        }
+        if let (Mode::Capturing(_), Some(t)) = (st.mode, st.timeline.as_mut()) {
+            t.label(label.as_deref().unwrap_or(what));
         }
         if let Err(e) = f(&mut st) {
             if st.error.is_none() {
@@ -658,7 +670,13 @@ impl Cuda {
                 }
                 return;
             }
-            Mode::Capturing(_) => st.captured_chooser = Some(kind),
+            Mode::Capturing(_) => {
+                st.captured_chooser = Some(kind);
+                if let Some(t) = st.timeline.as_mut() {
+                    let names: &[&str] = if kind == Chooser::Argmax { &["argmax_part", "argmax_rows"] } else { &["sample_rows"] };
+                    names.iter().for_each(|n| t.label(n));
+                }
+            }
             Mode::Eager => {}
         }
         if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
@@ -795,7 +813,8 @@ impl Cuda {
         (d, row0)
     }
 
-    /// A product launch's name in the eager profile (`name ROWSxCOLS [+res]`), when profiling.
+    /// A product launch's name in the eager profile (`name ROWSxCOLS [+res]`), when profiling or
+    /// probing the timeline.
     fn profile_label(&self, name: &str, rows: u32, cols: usize, res: u64) -> Option<String> {
         self.profiling().then(|| format!("{name} {rows}x{cols}{}", if res != 0 { " +res" } else { "" }))
     }
@@ -1228,6 +1247,9 @@ impl Backend for Cuda {
                 st.graphs.insert(key, Recorded { graph, nodes, chooser });
             }
             Mode::Replaying(key) => {
+                if let Some(t) = st.timeline.as_mut() {
+                    t.arm(&self.stream)?;
+                }
                 st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 if let Some(p) = st.pending_chooser.take() {
                     self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
@@ -1280,6 +1302,9 @@ impl Backend for Cuda {
                     Ok(()) => {
                         st.mode = Mode::Capturing(key);
                         st.capture_start = st.launches;
+                        if let Some(t) = st.timeline.as_mut() {
+                            t.begin_capture();
+                        }
                     }
                     Err(e) => {
                         st.error.get_or_insert(dev_err("beginning graph capture", e));
@@ -1520,6 +1545,9 @@ impl Backend for Cuda {
         }
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
         st.waits += 1;
+        if let Some(t) = st.timeline.as_mut() {
+            t.collect(&self.stream)?;
+        }
         // The argmax kernel also wrote these ids where the next step reads its tokens.
         st.device_ids = out.clone();
         drop(st);

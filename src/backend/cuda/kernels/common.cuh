@@ -169,9 +169,24 @@ __device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }
 // writes are visible to later grids). That needs at least one block of every kernel to reach
 // pdl_enter() (a block that exits first counts as triggered without waiting): every step
 // kernel's block 0 does.
+#ifdef TF_PROBE_TIMELINE
+// Timeline probe (backend/cuda/timeline.rs; timing only): the host points this at a buffer,
+// [0] a counter, then one %globaltimer reading per kernel taken by block 0 after its wait.
+__device__ unsigned long long* tf_timeline = nullptr;
+#endif
 __device__ __forceinline__ void pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+#ifdef TF_PROBE_TIMELINE
+    if (tf_timeline && threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        unsigned int i = atomicAdd((unsigned int*)tf_timeline, 1u);
+        if (i < 4096u) tf_timeline[1 + i] = t;
+    }
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

@@ -1,0 +1,141 @@
+//! The timeline probe: where a replayed decode graph's time goes, kernel by kernel.
+//!
+//! Only with kernels built with `-DTF_PROBE_TIMELINE` (`TENSORFOLD_CUDA_DEFINES`) and
+//! `TENSORFOLD_TIMELINE=FILE` set: block 0 of every kernel then appends a `%globaltimer`
+//! reading (nanoseconds) taken when its wait on the previous kernel returned (`pdl_enter`,
+//! common.cuh) to a device buffer whose address each module's `tf_timeline` holds. The gap
+//! between kernel i's reading and kernel i+1's is the time kernel i held the chain (its work
+//! after the wait, its completion and the next kernel's release). The host clears the counter
+//! before each replay and, after the token's wait, adds each gap to a per-node sum; the report
+//! (written when the backend is dropped) gives the mean per graph node with the node's
+//! launch label. `%globaltimer` ticks coarsely (about a microsecond), so a node's mean is only
+//! good over many tokens. Timing only: this does not change what any kernel computes.
+
+use std::fmt::Write as _;
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaModule, CudaSlice, CudaStream};
+
+use crate::backend::BackendError;
+
+/// Readings the device buffer holds (after its counter word).
+pub const CAPACITY: usize = 4096;
+
+/// One captured graph's nodes and the sums of their gaps.
+#[derive(Default)]
+struct Record {
+    labels: Vec<String>,
+    /// Sum over tokens of each node's gap, nanoseconds.
+    sums: Vec<f64>,
+    tokens: usize,
+    /// Replays whose reading count differed from the node count (not summed).
+    skipped: usize,
+}
+
+/// The probe's device buffer, labels and sums.
+pub struct Timeline {
+    path: String,
+    buf: CudaSlice<u64>,
+    records: Vec<Record>,
+    armed: bool,
+}
+
+impl Timeline {
+    /// `Some` when `TENSORFOLD_TIMELINE` names a report file.
+    pub fn from_env(stream: &Arc<CudaStream>) -> Result<Option<Self>, BackendError> {
+        let Some(path) = std::env::var_os("TENSORFOLD_TIMELINE") else { return Ok(None) };
+        let buf = stream.alloc_zeros::<u64>(CAPACITY + 1).map_err(|e| super::dev_err("allocating the timeline", e))?;
+        Ok(Some(Timeline { path: path.to_string_lossy().into_owned(), buf, records: Vec::new(), armed: false }))
+    }
+
+    /// Points `module`'s `tf_timeline` at the buffer (modules built without the probe have none).
+    pub fn attach(&self, module: &Arc<CudaModule>, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
+        let p = super::ptr(&self.buf, stream);
+        if let Ok(mut g) = module.get_global("tf_timeline", stream) {
+            stream.memcpy_htod(&p.to_le_bytes(), &mut g).map_err(|e| super::dev_err("setting tf_timeline", e))?;
+        }
+        Ok(())
+    }
+
+    /// A capture begins: its launches are labelled from here.
+    pub fn begin_capture(&mut self) {
+        self.records.push(Record::default());
+    }
+
+    /// Labels the next node of the graph being captured.
+    pub fn label(&mut self, label: &str) {
+        if let Some(r) = self.records.last_mut() {
+            r.labels.push(label.to_string());
+        }
+    }
+
+    /// Before a replay: clear the counter.
+    pub fn arm(&mut self, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
+        let mut head = self.buf.slice_mut(0..1);
+        stream.memset_zeros(&mut head).map_err(|e| super::dev_err("clearing the timeline", e))?;
+        self.armed = true;
+        Ok(())
+    }
+
+    /// After the replay's wait: add its gaps to the sums.
+    pub fn collect(&mut self, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
+        if !std::mem::take(&mut self.armed) {
+            return Ok(());
+        }
+        let mut v = vec![0u64; CAPACITY + 1];
+        stream.memcpy_dtoh(&self.buf, v.as_mut_slice()).map_err(|e| super::dev_err("reading the timeline", e))?;
+        stream.synchronize().map_err(|e| super::dev_err("synchronize", e))?;
+        let n = (v[0] & 0xffff_ffff) as usize;
+        let Some(r) = self.records.last_mut() else { return Ok(()) };
+        if n != r.labels.len() || n < 2 || n > CAPACITY {
+            r.skipped += 1;
+            return Ok(());
+        }
+        r.sums.resize(n, 0.0);
+        for i in 0..n - 1 {
+            r.sums[i] += v[2 + i].wrapping_sub(v[1 + i]) as f64;
+        }
+        r.tokens += 1;
+        Ok(())
+    }
+
+    /// The report: per graph, mean microseconds per node and per label family.
+    pub fn report(&self) -> String {
+        let mut s = String::new();
+        for (g, r) in self.records.iter().enumerate() {
+            if r.tokens == 0 {
+                continue;
+            }
+            let t = r.tokens as f64;
+            let total: f64 = r.sums.iter().sum::<f64>() / t / 1e3;
+            let _ = writeln!(s, "graph {g}: {} nodes, {} tokens ({} skipped); first wait to last wait {total:.1} us", r.labels.len(), r.tokens, r.skipped);
+            let mut fam: Vec<(String, f64, usize)> = Vec::new();
+            for (i, l) in r.labels.iter().enumerate() {
+                let us = r.sums.get(i).copied().unwrap_or(0.0) / t / 1e3;
+                let _ = writeln!(s, "  {i:4} {us:8.2} us  {l}");
+                match fam.iter_mut().find(|f| f.0 == *l) {
+                    Some(f) => {
+                        f.1 += us;
+                        f.2 += 1;
+                    }
+                    None => fam.push((l.clone(), us, 1)),
+                }
+            }
+            fam.sort_by(|a, b| b.1.total_cmp(&a.1));
+            let _ = writeln!(s, "  by label (us per token, nodes, us each):");
+            for (l, us, n) in fam {
+                let _ = writeln!(s, "    {us:8.1}  {n:3}  {:7.2}  {l}", us / n as f64);
+            }
+        }
+        s
+    }
+}
+
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(&self.path, self.report()) {
+            eprintln!("timeline: writing {}: {e}", self.path);
+        }
+    }
+}
