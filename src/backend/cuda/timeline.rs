@@ -88,7 +88,7 @@ impl Timeline {
         stream.synchronize().map_err(|e| super::dev_err("synchronize", e))?;
         let n = (v[0] & 0xffff_ffff) as usize;
         let Some(r) = self.records.last_mut() else { return Ok(()) };
-        if n != r.labels.len() || n < 2 || n > CAPACITY {
+        if n != r.labels.len() || !(2..=CAPACITY).contains(&n) {
             r.skipped += 1;
             return Ok(());
         }
