@@ -28,6 +28,7 @@ pub const SOURCES: &[Source] = &[
     Source { file: "gdn_conv.cu", text: include_str!("kernels/gdn_conv.cu"), entries: &["gdn_conv"] },
     Source { file: "gdn_heads.cu", text: include_str!("kernels/gdn_heads.cu"), entries: &["gdn_heads"] },
     Source { file: "attention_kv.cu", text: include_str!("kernels/attention_kv.cu"), entries: &["attn_write_kv"] },
+    Source { file: "attention_scores.cu", text: include_str!("kernels/attention_scores.cu"), entries: &["attn_scores"] },
     Source { file: "attention_tiles.cu", text: include_str!("kernels/attention_tiles.cu"), entries: &["attn_tiles"] },
     Source { file: "attention_combine.cu", text: include_str!("kernels/attention_combine.cu"), entries: &["attn_combine"] },
     Source { file: "argmax.cu", text: include_str!("kernels/argmax.cu"), entries: &["argmax_part", "argmax_rows"] },

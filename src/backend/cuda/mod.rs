@@ -51,10 +51,11 @@ pub fn device_count() -> usize {
 pub const MAX_ROWS: usize = 4096;
 /// Slots the device-side slot table holds.
 pub const MAX_SLOTS: usize = 1024;
-/// Blocks per query head that share the attention tiles (any number gives the same bits;
-/// `TENSORFOLD_ATTN_BLOCKS` overrides it, for measuring). 32: up to 8 192 positions each block
-/// computes one tile (H200, 2b decode @4096: 16 blocks 1.37 ms, 32 1.32, 64 1.33).
-const ATTN_BLOCKS: u32 = 32;
+/// Most blocks per query head of `attn_scores` and `attn_tiles`, whose work items are a tile's
+/// 32 positions or 32 values (any number gives the same bits; `TENSORFOLD_ATTN_BLOCKS`
+/// overrides it, for measuring). 128: up to 4 096 positions every item of a head of 256 values
+/// has its own block.
+const ATTN_BLOCKS: u32 = 128;
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -347,7 +348,7 @@ pub struct Cuda {
     /// output and down projections: 3.55 -> 3.85 ms), keep a warp per row for the warps
     /// (measured on the H200, bench/results README "Fourth pass").
     t1r2_min_rows: usize,
-    /// Blocks per query head of `attn_tiles` ([`ATTN_BLOCKS`] unless `TENSORFOLD_ATTN_BLOCKS`).
+    /// Most blocks per query head of the attention kernels ([`ATTN_BLOCKS`] unless `TENSORFOLD_ATTN_BLOCKS`).
     attn_blocks: u32,
 }
 
@@ -1012,8 +1013,11 @@ impl Backend for Cuda {
         if cfg.hidden_size > 8192 || cfg.intermediate_size > 65536 {
             return Err(BackendError::Device(format!("hidden_size {} > 8192 is not supported by the CUDA RMSNorm kernel", cfg.hidden_size)));
         }
-        if cfg.head_dim > 256 || !cfg.num_attention_heads.is_multiple_of(cfg.num_key_value_heads) {
-            return Err(BackendError::Device(format!("head_dim {} > 256 is not supported by the CUDA kernels", cfg.head_dim)));
+        if cfg.head_dim > 256 || !cfg.head_dim.is_multiple_of(32) || !cfg.num_attention_heads.is_multiple_of(cfg.num_key_value_heads) {
+            return Err(BackendError::Device(format!(
+                "head_dim {} (num_attention_heads {}, num_key_value_heads {}) is not supported by the CUDA kernels: they need a head_dim of at most 256, a multiple of 32, and whole query groups",
+                cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+            )));
         }
         *self.cfg_cache.lock().unwrap() = Some(cfg.clone());
         let mut st = self.step.lock().unwrap();
@@ -1215,9 +1219,9 @@ impl Backend for Cuda {
             self.stream.memcpy_htod(&batch.logit_rows, &mut v).map_err(|e| dev_err("logit rows", e))?;
         }
         self.ensure_temps(&mut st, &cfg, batch.rows())?;
-        // Attention partials: [rows][Hq][tiles][Dh + 2].
+        // Attention partials: [rows][Hq][tiles][Dh + 2 + tile] (m, l, o, the tile's scores).
         let tiles = top.div_ceil(ATTENTION_TILE).max(1);
-        let per_row = cfg.num_attention_heads * (cfg.head_dim + 2);
+        let per_row = cfg.num_attention_heads * (cfg.head_dim + 2 + ATTENTION_TILE);
         let need = batch.rows() * per_row * tiles;
         if st.part_eager.as_ref().is_none_or(|b| b.len() < need) {
             st.part_eager = Some(self.stream.alloc_zeros::<f32>(need).map_err(|e| dev_err("attention partials", e))?);
@@ -1280,7 +1284,7 @@ impl Backend for Cuda {
                 // Graphs use a partial buffer sized for the longest context, never reallocated.
                 let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
                 let tiles = cfg.max_position_embeddings.div_ceil(ATTENTION_TILE);
-                let per_row = cfg.num_attention_heads * (cfg.head_dim + 2);
+                let per_row = cfg.num_attention_heads * (cfg.head_dim + 2 + ATTENTION_TILE);
                 if st.part_graph.as_ref().is_none_or(|b| b.len() < batch.rows() * per_row * tiles) {
                     match self.stream.alloc_zeros::<f32>(batch.rows() * per_row * tiles) {
                         Ok(b) => {
@@ -1432,7 +1436,10 @@ impl Backend for Cuda {
             let a = self.args().buf(&k.buf).buf(&v.buf).buf(&w.k_norm).val(eps).buf(st.rope.as_ref().unwrap()).val(rd).val(hkv).val(dh).val(l).val(max_pages).buf(&st.rows).buf(&st.slot_table);
             self.kernel("attn_write_kv", (rows, hkv, 1), 32, 0, a)
         });
-        self.launch("attn_tiles", |st| unsafe {
+        // Work items: (tile, 32 positions) for the scores, (tile, 32 values) for the tiles; a
+        // graph is sized for any context, an eager step for its own.
+        let items = |st: &Step, per_tile: u32| (st.max_tiles as u32 * per_tile).clamp(1, self.attn_blocks);
+        self.launch("attn_scores", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));
             let max_tiles = st.max_tiles as u32;
             let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
@@ -1452,7 +1459,14 @@ impl Backend for Cuda {
                 .buf(&st.rows)
                 .buf(&st.slot_table)
                 .buf(part);
-            self.kernel("attn_tiles", (rows * hq, self.attn_blocks, 1), 256, 0, a)
+            self.kernel("attn_scores", (rows * hq, items(st, ATTENTION_TILE as u32 / 32), 1), 256, 0, a)
+        });
+        self.launch("attn_tiles", |st| unsafe {
+            let graph = matches!(st.mode, Mode::Capturing(_));
+            let max_tiles = st.max_tiles as u32;
+            let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
+            let a = self.args().val(hq).val(hkv).val(dh).val(l).val(max_pages).val(max_tiles).buf(&st.rows).buf(&st.slot_table).buf(part);
+            self.kernel("attn_tiles", (rows * hq, items(st, dh / 32), 1), 256, 0, a)
         });
         self.launch("attn_combine", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));

@@ -1,131 +1,73 @@
-// Gated attention, part 1: per (query row, head, tile of 256 positions) the tile's max score m,
-// sum of exponentials l and weighted values o[Dh] (numerics §6). Blocks stride over the tiles,
-// so any grid size gives the same partials.
-// CPU twin: backend::cpu::kernels::attend (tile loop) after attention_group's q norm and RoPE.
-// Grid: (rows · Hq, blocks per query), block 256 (8 warps).
+// Gated attention, part 2: per (query row, head, tile of 256 positions) the tile's max score m,
+// sum of exponentials l and weighted values o[Dh] (numerics §6), from the scores attn_scores
+// wrote into the tile's partial entry.
+// CPU twin: backend::cpu::kernels::attend (tile loop).
+// Grid: (rows · Hq, blocks), block 256 (8 warps). Work items are (tile, 32 of the Dh values);
+// blocks stride over them, so any grid gives the same partials. An item first asks for its
+// slice of the tile's values, [positions][32] (every thread 8 vector loads, all in flight:
+// one round trip to memory per item, where a thread walking its own column waited once per
+// batch), then computes the tile's m and exponentials e_i = exp(s_i - m) (every item of a tile
+// the same numbers), parks the slice in shared memory, and warp 0 sums e_i · v_i for its 32
+// values sequentially in i. The item of the first 32 values also writes m and l, l summed by one
+// thread in i order. Needs dh <= 256 and dh % 32 == 0 (checked on the host).
 
-// Loads in flight (scheduling only, never the arithmetic; TENSORFOLD_CUDA_DEFINES): ATTN_SP
-// positions per warp and ATTN_DU of their 32-element steps in the score loop, ATTN_VB positions
-// per thread in the value loop.
-#ifndef ATTN_SP
-#define ATTN_SP 8
-#endif
-#ifndef ATTN_DU
-#define ATTN_DU 4
-#endif
-#ifndef ATTN_VB
-#define ATTN_VB 32
-#endif
-#if ATTN_SP < 1 || ATTN_DU < 1 || ATTN_VB < 1
-#error "ATTN_SP, ATTN_DU and ATTN_VB must be at least 1 (a step of no positions never ends)"
-#endif
-#define TF_PRAGMA(x) _Pragma(#x)
-#define TF_UNROLL(n) TF_PRAGMA(unroll n)
+#define AT_DC 32                   // values per work item
+#define AT_V4 (TILE * AT_DC / 4 / 256)  // float4 loads per thread for a whole tile's slice
 
-extern "C" __global__ void attn_tiles(const float* q_gate, const float* q_norm, float eps, const float* rope,
-                                      u32 rd, u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles,
-                                      const RowDesc* rows, const SlotDesc* slots, float* part) {
-    __shared__ float q[256];
+extern "C" __global__ void __launch_bounds__(256) attn_tiles(u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles,
+                                                             const RowDesc* rows, const SlotDesc* slots, float* part) {
     __shared__ float e[TILE];
+    __shared__ float4 vs[TILE * AT_DC / 4];  // the item's values, [position][AT_DC]
     __shared__ float red[8];
-    __shared__ float inv_s;
     u32 r = blockIdx.x / hq, h = blockIdx.x % hq;
     u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     RowDesc row = rows[r];
     u32 p = row.pos;
-    u32 n_tiles = p / TILE + 1;
-    if (blockIdx.y >= n_tiles) return;
+    u32 n_tiles = p / TILE + 1, nd = dh / AT_DC;
+    u32 items = n_tiles * nd;
+    if (blockIdx.y >= items) return;
     u32 g = h / (hq / hkv);
     const u64* pages = (const u64*)slots[row.slot].pages + (u64)layer * 2 * max_pages;
-    // The row, slot and page tables come from the host before the step: read above without
-    // waiting; the queries and the new key and value rows come from the previous kernels.
+    // The tables come from the host before the step; the scores (previous kernel) and the new
+    // value row (the kernel before it) are read after the wait.
     pdl_enter();
     PROBE_SKIP(ATTN);
-    // q: RMSNorm with q_norm, then RoPE (attention_group).
-    const float* qr = q_gate + (u64)r * hq * 2 * dh + (u64)h * 2 * dh;
-    if (warp == 0) {
-        float ss = warp_dot(qr, qr, dh);
-        if (lane == 0) inv_s = tf_rsqrt(ss / (float)dh + eps);
-    }
-    __syncthreads();
-    for (u32 d = threadIdx.x; d < dh; d += blockDim.x) q[d] = (qr[d] * inv_s) * q_norm[d];
-    __syncthreads();
-    u32 half = rd / 2;
-    const float* cs = rope + (u64)p * rd;
-    for (u32 i = threadIdx.x; i < half; i += blockDim.x) {
-        float x0 = q[i], x1 = q[i + half], c = cs[i], s = cs[half + i];
-        q[i] = fmaf(x0, c, -(x1 * s));
-        q[i + half] = fmaf(x1, c, x0 * s);
-    }
-    __syncthreads();
-    float scale = tf_rsqrt((float)dh);
-    for (u32 t = blockIdx.y; t < n_tiles; t += gridDim.y) {
-        u32 lo = t * TILE;
+    for (u32 k = blockIdx.y; k < items; k += gridDim.y) {
+        u32 t = k / nd, c = k % nd, lo = t * TILE;
         u32 n = (p + 1 - lo) < TILE ? (p + 1 - lo) : TILE;
-        const float* kp = (const float*)pages[t];
-        const float* vp = (const float*)pages[max_pages + t];
-        // The tile's values are read after the scores: ask L2 for them now.
-        for (u32 c = threadIdx.x * 32; c < n * dh; c += blockDim.x * 32) {
-            u32 i = c / dh, d = c % dh;
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(vp + ((u64)i * hkv + g) * dh + d));
+        const float* vp = (const float*)pages[max_pages + t] + (u64)g * dh + c * AT_DC;
+        float4 vr[AT_V4];
+        float4 zero;
+        zero.x = zero.y = zero.z = zero.w = 0.0f;
+#pragma unroll
+        for (u32 q = 0; q < AT_V4; q++) {
+            u32 f = threadIdx.x + 256 * q, i = f / (AT_DC / 4), d4 = f % (AT_DC / 4);
+            vr[q] = i < n ? ((const float4*)(vp + (u64)i * hkv * dh))[d4] : zero;
         }
-        // Scores: warp w takes positions w + 8k, SP of them at a time so that their key loads
-        // are in flight together; each is warp_dot's canonical order (lane l: elements l, l+32,
-        // ... ascending; fmaf(q, k) = fmaf(k, q) exactly).
-        const u32 SP = ATTN_SP;
-        for (u32 i0 = warp; i0 < n; i0 += 8 * SP) {
-            float acc[SP];
-#pragma unroll
-            for (u32 k = 0; k < SP; k++) acc[k] = 0.0f;
-            TF_UNROLL(ATTN_DU)
-            for (u32 d = lane; d < dh; d += 32) {
-                float qd = q[d], kv[SP];
-#pragma unroll
-                for (u32 k = 0; k < SP; k++) {
-                    u32 i = i0 + 8 * k;
-                    kv[k] = i < n ? kp[((u64)i * hkv + g) * dh + d] : 0.0f;
-                }
-#pragma unroll
-                for (u32 k = 0; k < SP; k++) acc[k] = fmaf(qd, kv[k], acc[k]);
-            }
-#pragma unroll
-            for (u32 k = 0; k < SP; k++) {
-                float s = fold32(acc[k]) * scale;
-                if (lane == 0 && i0 + 8 * k < n) e[i0 + 8 * k] = s;
-            }
-        }
-        __syncthreads();
+        float* out = part + (((u64)r * hq + h) * max_tiles + t) * PART_STRIDE(dh);
+        float s = threadIdx.x < n ? out[dh + 2 + threadIdx.x] : __int_as_float(0xff800000);
         // m = max over the tile (exact in any order).
-        float m = threadIdx.x < n ? e[threadIdx.x] : __int_as_float(0xff800000);
+        float m = s;
         for (u32 o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
         if (lane == 0) red[warp] = m;
         __syncthreads();
         m = red[0];
         for (u32 w = 1; w < 8; w++) m = fmaxf(m, red[w]);
+        if (threadIdx.x < n) e[threadIdx.x] = tf_exp(s - m);
+#pragma unroll
+        for (u32 q = 0; q < AT_V4; q++) vs[threadIdx.x + 256 * q] = vr[q];
         __syncthreads();
-        if (threadIdx.x < n) e[threadIdx.x] = tf_exp(e[threadIdx.x] - m);
-        __syncthreads();
-        float* out = part + (((u64)r * hq + h) * max_tiles + t) * (dh + 2);
-        if (threadIdx.x == 0) {
+        if (c == 0 && threadIdx.x == 32) {  // warp 1: warp 0 is busy with the values
             float l = 0.0f;
             for (u32 i = 0; i < n; i++) l += e[i];
             out[0] = m;
             out[1] = l;
         }
-        // Weighted values, sequential in i per d; VB value loads in flight per thread.
-        const u32 VB = ATTN_VB;
-        for (u32 d = threadIdx.x; d < dh; d += blockDim.x) {
+        if (warp == 0) {
+            const float* vf = (const float*)vs;
             float acc = 0.0f;
-            u32 i = 0;
-            for (; i + VB <= n; i += VB) {
-                float vv[VB];
-#pragma unroll
-                for (u32 k = 0; k < VB; k++) vv[k] = vp[((u64)(i + k) * hkv + g) * dh + d];
-#pragma unroll
-                for (u32 k = 0; k < VB; k++) acc = fmaf(e[i + k], vv[k], acc);
-            }
-            for (; i < n; i++) acc = fmaf(e[i], vp[((u64)i * hkv + g) * dh + d], acc);
-            out[2 + d] = acc;
+            for (u32 i = 0; i < n; i++) acc = fmaf(e[i], vf[i * AT_DC + lane], acc);
+            out[2 + c * AT_DC + lane] = acc;
         }
         __syncthreads();
     }

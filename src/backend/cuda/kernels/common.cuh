@@ -10,6 +10,8 @@ typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 #define TILE 256  // cpu::kernels::ATTENTION_TILE
+// Floats of one attention tile's partial entry: m, l, o[dh], then the tile's scores (attn_scores).
+#define PART_STRIDE(dh) ((dh) + 2 + TILE)
 
 // One sequence's rows in a step (backend::SeqRows).
 struct SeqDesc {
