@@ -1436,9 +1436,16 @@ impl Backend for Cuda {
             let a = self.args().buf(&k.buf).buf(&v.buf).buf(&w.k_norm).val(eps).buf(st.rope.as_ref().unwrap()).val(rd).val(hkv).val(dh).val(l).val(max_pages).buf(&st.rows).buf(&st.slot_table);
             self.kernel("attn_write_kv", (rows, hkv, 1), 32, 0, a)
         });
-        // Work items: (tile, 32 positions) for the scores, (tile, 32 values) for the tiles; a
-        // graph is sized for any context, an eager step for its own.
-        let items = |st: &Step, per_tile: u32| (st.max_tiles as u32 * per_tile).clamp(1, self.attn_blocks);
+        // Work items: (tile, 32 positions) for the scores, (tile, gw·32 values) for the tiles. A
+        // decode step (a few rows) takes the most items, one warp of values each (gw = 1), up to
+        // ATTN_BLOCKS blocks per head; a prompt step, whose rows already fill the device, keeps
+        // every warp of an item busy (gw = 8 for head_dim 256) and at most 32 blocks per head,
+        // so each block's query norm and rotation serve more positions. A graph is sized for any
+        // context, an eager step for its own.
+        let decode = rows <= 64;
+        let gw = if decode { 1 } else { [8u32, 4, 2, 1].into_iter().find(|g| (dh / 32).is_multiple_of(*g)).unwrap_or(1) };
+        let cap = if decode { self.attn_blocks } else { self.attn_blocks.min(32) };
+        let items = |st: &Step, per_tile: u32| (st.max_tiles as u32 * per_tile).clamp(1, cap);
         self.launch("attn_scores", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));
             let max_tiles = st.max_tiles as u32;
@@ -1465,8 +1472,8 @@ impl Backend for Cuda {
             let graph = matches!(st.mode, Mode::Capturing(_));
             let max_tiles = st.max_tiles as u32;
             let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
-            let a = self.args().val(hq).val(hkv).val(dh).val(l).val(max_pages).val(max_tiles).buf(&st.rows).buf(&st.slot_table).buf(part);
-            self.kernel("attn_tiles", (rows * hq, items(st, dh / 32), 1), 256, 0, a)
+            let a = self.args().val(hq).val(hkv).val(dh).val(l).val(max_pages).val(max_tiles).val(gw).buf(&st.rows).buf(&st.slot_table).buf(part);
+            self.kernel("attn_tiles", (rows * hq, items(st, dh / (32 * gw)), 1), 256, 0, a)
         });
         self.launch("attn_combine", |st| unsafe {
             let graph = matches!(st.mode, Mode::Capturing(_));
