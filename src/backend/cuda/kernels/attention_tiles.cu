@@ -10,15 +10,18 @@
 // e_i · v_i for its 32 values in position order. The item of the first values also writes m and
 // l, l summed by one thread in i order. Decode uses G = 1 (a whole tile's slice in one round
 // trip, the most items); prompt steps, which have rows to spare, G = 8 (every warp busy).
-// Needs dh <= 256 and dh % (32·G) == 0 (checked on the host).
+// Needs dh <= 256 and dh % (32·G) == 0, G a power of two up to 8 (chosen on the host).
 
 #define AT_V4 (TILE * 32 / 4 / 256)  // float4 loads per thread per stage (8)
 
-extern "C" __global__ void __launch_bounds__(256) attn_tiles(u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles, u32 gw,
-                                                             const RowDesc* rows, const SlotDesc* slots, float* part) {
-    __shared__ float e[TILE];
-    __shared__ float4 vs[TILE * 32 / 4];  // one stage's values, [position][gw·32]
-    __shared__ float red[8];
+// One set for every instantiation of tiles_body (a function's own would be one per G).
+__shared__ float e[TILE];
+__shared__ float4 vs[TILE * 32 / 4];  // one stage's values, [position][gw·32]
+__shared__ float red[8];
+
+template <u32 gw>
+__device__ __forceinline__ void tiles_body(u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles, const RowDesc* rows,
+                                           const SlotDesc* slots, float* part) {
     u32 r = blockIdx.x / hq, h = blockIdx.x % hq;
     u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     RowDesc row = rows[r];
@@ -83,4 +86,13 @@ extern "C" __global__ void __launch_bounds__(256) attn_tiles(u32 hq, u32 hkv, u3
         }
         if (warp < gw) out[2 + c * width + warp * 32 + lane] = acc;
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_tiles(u32 hq, u32 hkv, u32 dh, u32 layer, u32 max_pages, u32 max_tiles, u32 gw,
+                                                             const RowDesc* rows, const SlotDesc* slots, float* part) {
+    // G a compile-time constant: the slice's indexing is shifts, not divisions.
+    if (gw == 8) tiles_body<8>(hq, hkv, dh, layer, max_pages, max_tiles, rows, slots, part);
+    else if (gw == 4) tiles_body<4>(hq, hkv, dh, layer, max_pages, max_tiles, rows, slots, part);
+    else if (gw == 2) tiles_body<2>(hq, hkv, dh, layer, max_pages, max_tiles, rows, slots, part);
+    else tiles_body<1>(hq, hkv, dh, layer, max_pages, max_tiles, rows, slots, part);
 }
