@@ -92,43 +92,74 @@ impl Timeline {
             r.skipped += 1;
             return Ok(());
         }
-        r.sums.resize(n, 0.0);
-        for i in 0..n - 1 {
-            r.sums[i] += v[2 + i].wrapping_sub(v[1 + i]) as f64;
-        }
+        add_gaps(&mut r.sums, &v[1..1 + n]);
         r.tokens += 1;
         Ok(())
     }
 
     /// The report: per graph, mean microseconds per node and per label family.
     pub fn report(&self) -> String {
-        let mut s = String::new();
-        for (g, r) in self.records.iter().enumerate() {
-            if r.tokens == 0 {
-                continue;
-            }
-            let t = r.tokens as f64;
-            let total: f64 = r.sums.iter().sum::<f64>() / t / 1e3;
-            let _ = writeln!(s, "graph {g}: {} nodes, {} tokens ({} skipped); first wait to last wait {total:.1} us", r.labels.len(), r.tokens, r.skipped);
-            let mut fam: Vec<(String, f64, usize)> = Vec::new();
-            for (i, l) in r.labels.iter().enumerate() {
-                let us = r.sums.get(i).copied().unwrap_or(0.0) / t / 1e3;
-                let _ = writeln!(s, "  {i:4} {us:8.2} us  {l}");
-                match fam.iter_mut().find(|f| f.0 == *l) {
-                    Some(f) => {
-                        f.1 += us;
-                        f.2 += 1;
-                    }
-                    None => fam.push((l.clone(), us, 1)),
+        report(&self.records)
+    }
+}
+
+/// Adds to node i's sum the gap between readings i and i + 1 (nanoseconds); the last node has
+/// no later reading and gets nothing.
+fn add_gaps(sums: &mut Vec<f64>, readings: &[u64]) {
+    sums.resize(readings.len(), 0.0);
+    for (i, w) in readings.windows(2).enumerate() {
+        sums[i] += w[1].wrapping_sub(w[0]) as f64;
+    }
+}
+
+/// Per graph with tokens: each node's mean time in microseconds, then the labels' totals.
+fn report(records: &[Record]) -> String {
+    let mut s = String::new();
+    for (g, r) in records.iter().enumerate() {
+        if r.tokens == 0 {
+            continue;
+        }
+        let t = r.tokens as f64;
+        let total: f64 = r.sums.iter().sum::<f64>() / t / 1e3;
+        let _ = writeln!(s, "graph {g}: {} nodes, {} tokens ({} skipped); first wait to last wait {total:.1} us", r.labels.len(), r.tokens, r.skipped);
+        let mut fam: Vec<(String, f64, usize)> = Vec::new();
+        for (i, l) in r.labels.iter().enumerate() {
+            let us = r.sums.get(i).copied().unwrap_or(0.0) / t / 1e3;
+            let _ = writeln!(s, "  {i:4} {us:8.2} us  {l}");
+            match fam.iter_mut().find(|f| f.0 == *l) {
+                Some(f) => {
+                    f.1 += us;
+                    f.2 += 1;
                 }
-            }
-            fam.sort_by(|a, b| b.1.total_cmp(&a.1));
-            let _ = writeln!(s, "  by label (us per token, nodes, us each):");
-            for (l, us, n) in fam {
-                let _ = writeln!(s, "    {us:8.1}  {n:3}  {:7.2}  {l}", us / n as f64);
+                None => fam.push((l.clone(), us, 1)),
             }
         }
-        s
+        fam.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let _ = writeln!(s, "  by label (us per token, nodes, us each):");
+        for (l, us, n) in fam {
+            let _ = writeln!(s, "    {us:8.1}  {n:3}  {:7.2}  {l}", us / n as f64);
+        }
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gaps_go_to_the_earlier_node_and_average_per_token() {
+        let mut r = Record { labels: vec!["a".into(), "b".into(), "a".into()], ..Record::default() };
+        add_gaps(&mut r.sums, &[1_000, 3_000, 4_000]);
+        add_gaps(&mut r.sums, &[10_000, 14_000, 15_000]);
+        r.tokens = 2;
+        assert_eq!(r.sums, vec![6_000.0, 2_000.0, 0.0]);
+        let text = report(&[Record::default(), r]);
+        // The empty record is skipped; node 0 averages 3 us, node 1 1 us; label a totals 3 us over two nodes.
+        assert!(text.starts_with("graph 1: 3 nodes, 2 tokens (0 skipped); first wait to last wait 4.0 us"), "{text}");
+        assert!(text.contains("     0     3.00 us  a\n"), "{text}");
+        assert!(text.contains("     1     1.00 us  b\n"), "{text}");
+        assert!(text.contains("         3.0    2     1.50  a\n"), "{text}");
     }
 }
 
