@@ -143,6 +143,14 @@ fn report(records: &[Record]) -> String {
     s
 }
 
+impl Drop for Timeline {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::write(&self.path, self.report()) {
+            eprintln!("timeline: writing {}: {e}", self.path);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -160,13 +168,5 @@ mod tests {
         assert!(text.contains("     0     3.00 us  a\n"), "{text}");
         assert!(text.contains("     1     1.00 us  b\n"), "{text}");
         assert!(text.contains("         3.0    2     1.50  a\n"), "{text}");
-    }
-}
-
-impl Drop for Timeline {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::write(&self.path, self.report()) {
-            eprintln!("timeline: writing {}: {e}", self.path);
-        }
     }
 }
