@@ -51,10 +51,10 @@ pub fn device_count() -> usize {
 pub const MAX_ROWS: usize = 4096;
 /// Slots the device-side slot table holds.
 pub const MAX_SLOTS: usize = 1024;
-/// Most blocks per query head of `attn_scores` and `attn_tiles`, whose work items are a tile's
-/// 32 positions or 32 values (any number gives the same bits; `TENSORFOLD_ATTN_BLOCKS`
-/// overrides it, for measuring). 128: up to 4 096 positions every item of a head of 256 values
-/// has its own block.
+/// Most blocks per query head of `attn_scores` and `attn_tiles` in decode steps, whose work
+/// items are a tile's 32 positions or 32 values (any number gives the same bits;
+/// `TENSORFOLD_ATTN_BLOCKS` overrides it, for measuring). 128: up to 4 096 positions every item
+/// of a head of 256 values has its own block. Prompt steps use at most 32.
 const ATTN_BLOCKS: u32 = 128;
 
 #[repr(C)]
@@ -240,6 +240,8 @@ struct Recorded {
     nodes: u64,
     /// The token-choosing kernel recorded with it, if any.
     chooser: Option<Chooser>,
+    /// Its record in the timeline probe, when that is on.
+    timeline_record: Option<usize>,
 }
 
 /// A token-choosing kernel to run after a replayed graph that was recorded without it.
@@ -321,8 +323,10 @@ struct Step {
     /// Kernel timings while profiling: (name, start event, end event).
     profile: Option<Vec<(String, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
     event_pool: Vec<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
-    /// The timeline probe (`TENSORFOLD_TIMELINE`, timeline.rs), when on.
+    /// The timeline probe (`TENSORFOLD_TIMELINE`, timeline.rs), when on, and the record of the
+    /// graph being captured.
     timeline: Option<timeline::Timeline>,
+    timeline_record: Option<usize>,
 }
 
 /// The CUDA backend on one device.
@@ -434,6 +438,7 @@ impl Cuda {
             profile: None,
             event_pool: Vec::new(),
             timeline,
+            timeline_record: None,
         };
         let use_graphs = std::env::var("TENSORFOLD_CUDA_GRAPHS").map(|v| v != "0").unwrap_or(true);
         // Programmatic launches inside captured graphs need sm_90 and a CUDA 12.3 driver.
@@ -1248,11 +1253,14 @@ impl Backend for Cuda {
                 graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 let chooser = st.captured_chooser.take();
                 let nodes = st.launches - st.capture_start;
-                st.graphs.insert(key, Recorded { graph, nodes, chooser });
+                let timeline_record = st.timeline_record.take();
+                st.graphs.insert(key, Recorded { graph, nodes, chooser, timeline_record });
             }
             Mode::Replaying(key) => {
-                if let Some(t) = st.timeline.as_mut() {
-                    t.arm(&self.stream)?;
+                if let Some(record) = st.graphs[&key].timeline_record {
+                    if let Some(t) = st.timeline.as_mut() {
+                        t.arm(&self.stream, record)?;
+                    }
                 }
                 st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
                 if let Some(p) = st.pending_chooser.take() {
@@ -1279,7 +1287,7 @@ impl Backend for Cuda {
             let key = GraphKey { rows: batch.rows(), seqs: batch.seqs.len(), logit_rows: batch.logit_rows.len(), scratch: x.id };
             st.captured_chooser = None;
             st.pending_chooser = None;
-            let decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= 64;
+            let mut decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= 64;
             if decode_like {
                 // Graphs use a partial buffer sized for the longest context, never reallocated.
                 let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
@@ -1293,10 +1301,16 @@ impl Backend for Cuda {
                             st.graphs.clear();
                         }
                         Err(e) => {
+                            // Reported at the step's end; the step runs eagerly meanwhile (the
+                            // partial buffer sized for it), so nothing indexes past a buffer.
                             st.error.get_or_insert(dev_err("attention partials for graphs", e));
+                            decode_like = false;
                         }
                     }
                 }
+            }
+            if decode_like {
+                let eager_tiles = st.max_tiles;
                 st.max_tiles = st.part_graph_tiles;
                 if st.graphs.contains_key(&key) {
                     st.mode = Mode::Replaying(key);
@@ -1306,12 +1320,11 @@ impl Backend for Cuda {
                     Ok(()) => {
                         st.mode = Mode::Capturing(key);
                         st.capture_start = st.launches;
-                        if let Some(t) = st.timeline.as_mut() {
-                            t.begin_capture();
-                        }
+                        st.timeline_record = st.timeline.as_mut().map(|t| t.begin_capture());
                     }
                     Err(e) => {
                         st.error.get_or_insert(dev_err("beginning graph capture", e));
+                        st.max_tiles = eager_tiles;
                     }
                 }
             }

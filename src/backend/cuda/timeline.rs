@@ -38,7 +38,8 @@ pub struct Timeline {
     path: String,
     buf: CudaSlice<u64>,
     records: Vec<Record>,
-    armed: bool,
+    /// The record of the graph being replayed, until its readings are collected.
+    armed: Option<usize>,
 }
 
 impl Timeline {
@@ -46,7 +47,7 @@ impl Timeline {
     pub fn from_env(stream: &Arc<CudaStream>) -> Result<Option<Self>, BackendError> {
         let Some(path) = std::env::var_os("TENSORFOLD_TIMELINE") else { return Ok(None) };
         let buf = stream.alloc_zeros::<u64>(CAPACITY + 1).map_err(|e| super::dev_err("allocating the timeline", e))?;
-        Ok(Some(Timeline { path: path.to_string_lossy().into_owned(), buf, records: Vec::new(), armed: false }))
+        Ok(Some(Timeline { path: path.to_string_lossy().into_owned(), buf, records: Vec::new(), armed: None }))
     }
 
     /// Points `module`'s `tf_timeline` at the buffer (modules built without the probe have none).
@@ -58,9 +59,11 @@ impl Timeline {
         Ok(())
     }
 
-    /// A capture begins: its launches are labelled from here.
-    pub fn begin_capture(&mut self) {
+    /// A capture begins: its launches are labelled from here. Returns its record, which the
+    /// graph's replays name in [`Timeline::arm`].
+    pub fn begin_capture(&mut self) -> usize {
         self.records.push(Record::default());
+        self.records.len() - 1
     }
 
     /// Labels the next node of the graph being captured.
@@ -70,24 +73,22 @@ impl Timeline {
         }
     }
 
-    /// Before a replay: clear the counter.
-    pub fn arm(&mut self, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
+    /// Before a replay of the graph whose record is `record`: clear the counter.
+    pub fn arm(&mut self, stream: &Arc<CudaStream>, record: usize) -> Result<(), BackendError> {
         let mut head = self.buf.slice_mut(0..1);
         stream.memset_zeros(&mut head).map_err(|e| super::dev_err("clearing the timeline", e))?;
-        self.armed = true;
+        self.armed = Some(record);
         Ok(())
     }
 
     /// After the replay's wait: add its gaps to the sums.
     pub fn collect(&mut self, stream: &Arc<CudaStream>) -> Result<(), BackendError> {
-        if !std::mem::take(&mut self.armed) {
-            return Ok(());
-        }
+        let Some(record) = self.armed.take() else { return Ok(()) };
         let mut v = vec![0u64; CAPACITY + 1];
         stream.memcpy_dtoh(&self.buf, v.as_mut_slice()).map_err(|e| super::dev_err("reading the timeline", e))?;
         stream.synchronize().map_err(|e| super::dev_err("synchronize", e))?;
         let n = (v[0] & 0xffff_ffff) as usize;
-        let Some(r) = self.records.last_mut() else { return Ok(()) };
+        let Some(r) = self.records.get_mut(record) else { return Ok(()) };
         if n != r.labels.len() || !(2..=CAPACITY).contains(&n) {
             r.skipped += 1;
             return Ok(());

@@ -1,4 +1,4 @@
-// Gated attention, part 2: combine a query's tiles in increasing order and apply the sigmoid
+// Gated attention, part 3: combine a query's tiles in increasing order and apply the sigmoid
 // gate (numerics §6). CPU twin: backend::cpu::kernels::attend (combine) and attention_group (gate).
 // Grid: rows · Hq, block Dh threads.
 

@@ -8,8 +8,9 @@
 // walks the positions in stages of 256/G: the stage's value slice [positions][G·32] is requested
 // at once (every thread 8 vector loads, all in flight) into shared memory, and warp w < G adds
 // e_i · v_i for its 32 values in position order. The item of the first values also writes m and
-// l, l summed by one thread in i order. Decode uses G = 1 (a whole tile's slice in one round
-// trip, the most items); prompt steps, which have rows to spare, G = 8 (every warp busy).
+// l, l summed by one thread in i order. Steps of up to 64 rows (decode, batched decode) use
+// G = 1 (a whole tile's slice in one round trip, the most items); larger steps (prompts), which
+// have rows to spare, the largest G of 8, 4, 2 dividing head_dim / 32 (8 for head_dim 256).
 // Needs dh <= 256 and dh % (32·G) == 0, G a power of two up to 8 (chosen on the host).
 
 #define AT_V4 (TILE * 32 / 4 / 256)  // float4 loads per thread per stage (8)
