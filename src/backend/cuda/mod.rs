@@ -49,6 +49,9 @@ pub fn device_count() -> usize {
 
 /// Largest number of rows (tokens) one step may hold on this backend.
 pub const MAX_ROWS: usize = 4096;
+/// Most rows of a step recorded as a graph: decode steps, one token per sequence. The attention
+/// kernels also take their decode shape up to here.
+const GRAPH_MAX_ROWS: usize = 64;
 /// Slots the device-side slot table holds.
 pub const MAX_SLOTS: usize = 1024;
 /// Most blocks per query head of `attn_scores` and `attn_tiles` in decode steps, whose work
@@ -329,6 +332,22 @@ struct Step {
     timeline_record: Option<usize>,
 }
 
+impl Step {
+    /// The attention partial buffer this step's kernels use (the graphs' while capturing, else
+    /// the eager one) and the tiles per query it holds.
+    fn attention_partials(&self) -> (&CudaSlice<f32>, u32) {
+        let part = if matches!(self.mode, Mode::Capturing(_)) { &self.part_graph } else { &self.part_eager };
+        (part.as_ref().expect("begin_step sized the partials"), self.max_tiles as u32)
+    }
+
+    /// Labels the next node of the graph being captured for the timeline probe (when both are on).
+    fn label_node(&mut self, label: &str) {
+        if let (Mode::Capturing(_), Some(t)) = (self.mode, self.timeline.as_mut()) {
+            t.label(label);
+        }
+    }
+}
+
 /// The CUDA backend on one device.
 pub struct Cuda {
     /// Keeps the context alive as long as the backend (streams and buffers hold it too).
@@ -593,8 +612,9 @@ impl Cuda {
         self.launch_as(what, None, f)
     }
 
-    /// Whether eager launches are being timed (a profile label is worth formatting).
-    fn profiling(&self) -> bool {
+    /// Whether a launch's label is worth formatting: eager launches are being timed, or the
+    /// timeline probe labels graph nodes.
+    fn labels_wanted(&self) -> bool {
         let st = self.step.lock().unwrap();
         st.profile.is_some() || st.timeline.is_some()
     }
@@ -611,9 +631,7 @@ impl Cuda {
         if let Some((a, _)) = &start {
             let _ = a.record(&self.stream);
         }
-        if let (Mode::Capturing(_), Some(t)) = (st.mode, st.timeline.as_mut()) {
-            t.label(label.as_deref().unwrap_or(what));
-        }
+        st.label_node(label.as_deref().unwrap_or(what));
         if let Err(e) = f(&mut st) {
             if st.error.is_none() {
                 st.error = Some(dev_err(what, e));
@@ -676,13 +694,7 @@ impl Cuda {
                 }
                 return;
             }
-            Mode::Capturing(_) => {
-                st.captured_chooser = Some(kind);
-                if let Some(t) = st.timeline.as_mut() {
-                    let names: &[&str] = if kind == Chooser::Argmax { &["argmax_part", "argmax_rows"] } else { &["sample_rows"] };
-                    names.iter().for_each(|n| t.label(n));
-                }
-            }
+            Mode::Capturing(_) => st.captured_chooser = Some(kind),
             Mode::Eager => {}
         }
         if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
@@ -697,26 +709,31 @@ impl Cuda {
         unsafe {
             match kind {
                 Chooser::Argmax => {
+                    st.label_node("argmax_part");
+                    st.label_node("argmax_rows");
                     self.kernel("argmax_part", (64, rows, 1), 256, 0, self.args().val(logits).val(v_eff).val(ld).buf(&st.argmax_v).buf(&st.argmax_i))?;
                     self.kernel("argmax_rows", (rows, 1, 1), 64, 0, self.args().buf(&st.argmax_v).buf(&st.argmax_i).buf(&st.sampled).buf(&st.ids))
                 }
-                Chooser::Sample => self.kernel(
-                    "sample_rows",
-                    (rows, 1, 1),
-                    1024,
-                    0,
-                    self.args()
-                        .val(logits)
-                        .val(v_eff)
-                        .val(ld)
-                        .buf(&st.sample_params)
-                        .buf(&st.sample_win)
-                        .buf(&st.sample_wlen)
-                        .buf(&st.sample_pos)
-                        .buf(st.sample_work.as_ref().expect("set_sampling ran"))
-                        .buf(&st.sampled)
-                        .buf(&st.ids),
-                ),
+                Chooser::Sample => {
+                    st.label_node("sample_rows");
+                    self.kernel(
+                        "sample_rows",
+                        (rows, 1, 1),
+                        1024,
+                        0,
+                        self.args()
+                            .val(logits)
+                            .val(v_eff)
+                            .val(ld)
+                            .buf(&st.sample_params)
+                            .buf(&st.sample_win)
+                            .buf(&st.sample_wlen)
+                            .buf(&st.sample_pos)
+                            .buf(st.sample_work.as_ref().expect("set_sampling ran"))
+                            .buf(&st.sampled)
+                            .buf(&st.ids),
+                    )
+                }
             }
         }
     }
@@ -822,7 +839,7 @@ impl Cuda {
     /// A product launch's name in the eager profile (`name ROWSxCOLS [+res]`), when profiling or
     /// probing the timeline.
     fn profile_label(&self, name: &str, rows: u32, cols: usize, res: u64) -> Option<String> {
-        self.profiling().then(|| format!("{name} {rows}x{cols}{}", if res != 0 { " +res" } else { "" }))
+        self.labels_wanted().then(|| format!("{name} {rows}x{cols}{}", if res != 0 { " +res" } else { "" }))
     }
 
     /// `y_i = W_i · x` over `rows` tokens (one token, prompt steps, batched decode), adding each output to
@@ -882,14 +899,14 @@ impl Cuda {
         if rows == 1 {
             let name = "matmul_swiglu_t1";
             let grid = ((gate_w.rows as u32).div_ceil(8), 1, 1);
-            let label = self.profiling().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
+            let label = self.labels_wanted().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
             self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).buf(&act.buf)) });
             return;
         }
         let (name, t) = if rows <= 4 { ("matmul_swiglu_t4", 4u32) } else { ("matmul_swiglu_t8", 8) };
         let (ldx, n_tok) = (x.cols as u32, rows as u32);
         let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
-        let label = self.profiling().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
+        let label = self.labels_wanted().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
         self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok).buf(&act.buf)) });
     }
 }
@@ -1287,7 +1304,7 @@ impl Backend for Cuda {
             let key = GraphKey { rows: batch.rows(), seqs: batch.seqs.len(), logit_rows: batch.logit_rows.len(), scratch: x.id };
             st.captured_chooser = None;
             st.pending_chooser = None;
-            let mut decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= 64;
+            let mut decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= GRAPH_MAX_ROWS;
             if decode_like {
                 // Graphs use a partial buffer sized for the longest context, never reallocated.
                 let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
@@ -1455,14 +1472,12 @@ impl Backend for Cuda {
         // every warp of an item busy (gw = 8 for head_dim 256) and at most 32 blocks per head,
         // so each block's query norm and rotation serve more positions. A graph is sized for any
         // context, an eager step for its own.
-        let decode = rows <= 64;
+        let decode = rows as usize <= GRAPH_MAX_ROWS;
         let gw = if decode { 1 } else { [8u32, 4, 2, 1].into_iter().find(|g| (dh / 32).is_multiple_of(*g)).unwrap_or(1) };
         let cap = if decode { self.attn_blocks } else { self.attn_blocks.min(32) };
         let items = |st: &Step, per_tile: u32| (st.max_tiles as u32 * per_tile).clamp(1, cap);
         self.launch("attn_scores", |st| unsafe {
-            let graph = matches!(st.mode, Mode::Capturing(_));
-            let max_tiles = st.max_tiles as u32;
-            let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
+            let (part, max_tiles) = st.attention_partials();
             let a = self
                 .args()
                 .buf(&q_gate.buf)
@@ -1482,16 +1497,12 @@ impl Backend for Cuda {
             self.kernel("attn_scores", (rows * hq, items(st, ATTENTION_TILE as u32 / 32), 1), 256, 0, a)
         });
         self.launch("attn_tiles", |st| unsafe {
-            let graph = matches!(st.mode, Mode::Capturing(_));
-            let max_tiles = st.max_tiles as u32;
-            let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
+            let (part, max_tiles) = st.attention_partials();
             let a = self.args().val(hq).val(hkv).val(dh).val(l).val(max_pages).val(max_tiles).val(gw).buf(&st.rows).buf(&st.slot_table).buf(part);
             self.kernel("attn_tiles", (rows * hq, items(st, dh / (32 * gw)), 1), 256, 0, a)
         });
         self.launch("attn_combine", |st| unsafe {
-            let graph = matches!(st.mode, Mode::Capturing(_));
-            let max_tiles = st.max_tiles as u32;
-            let part = if graph { st.part_graph.as_ref().unwrap() } else { st.part_eager.as_ref().unwrap() };
+            let (part, max_tiles) = st.attention_partials();
             self.kernel("attn_combine", (rows * hq, 1, 1), dh, 0, self.args().buf(part).buf(&q_gate.buf).val(hq).val(dh).val(max_tiles).buf(&st.rows).buf(&out.buf))
         });
     }

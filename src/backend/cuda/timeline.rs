@@ -19,7 +19,8 @@ use cudarc::driver::{CudaModule, CudaSlice, CudaStream};
 
 use crate::backend::BackendError;
 
-/// Readings the device buffer holds (after its counter word).
+/// Readings the device buffer holds (after its counter word); `pdl_enter` in common.cuh stops at
+/// the same number.
 pub const CAPACITY: usize = 4096;
 
 /// One captured graph's nodes and the sums of their gaps.
