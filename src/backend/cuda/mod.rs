@@ -1667,7 +1667,7 @@ mod tests {
         assert!(!offset_exact(1024.0, -1.0078125));
         // Magnitudes too far apart for the check's own arithmetic.
         assert!(!offset_exact(2f32.powi(-80), 1.0));
-        // And a typical group is accepted.
-        assert!(offset_exact(0.0123291015625, -0.0986328125));
+        // And a typical group is accepted (bf16-sized scale and bias: 101·2^-13, -101·2^-10).
+        assert!(offset_exact(101.0 / 8192.0, -101.0 / 1024.0));
     }
 }
