@@ -197,9 +197,11 @@ sanitizer() {
 
 # Which kernel families the 2b decode time goes to: the bench with each family compiled to
 # return right after pdl_enter() (TF_PROBE_*, common.cuh; results wrong, timing only), and with
-# the product's code-to-float subtraction removed. Cubins for these defines can be carried in
+# the product's code-to-float subtraction removed; and the one-token products' speed of light:
+# the same loads with the decode free (TF_PROBE_DECODE_FREE: one FMA per weight) or with one FMA
+# per word of codes (TF_PROBE_LOADS_ONLY). Cubins for these defines can be carried in
 # .device/cache.tar.xz (TENSORFOLD_CUDA_DEFINES=... tensorfold kernels --check --cache).
-PROBES=("" "TF_PROBE_NO_FSUB" "TF_PROBE_SKIP_GDN=1" "TF_PROBE_SKIP_NORM=1" "TF_PROBE_SKIP_ATTN=1" "TF_PROBE_SKIP_LMHEAD=1" "TF_PROBE_SKIP_T1=1"
+PROBES=("" "TF_PROBE_NO_FSUB" "TF_PROBE_DECODE_FREE" "TF_PROBE_LOADS_ONLY" "TF_PROBE_SKIP_GDN=1" "TF_PROBE_SKIP_NORM=1" "TF_PROBE_SKIP_ATTN=1" "TF_PROBE_SKIP_LMHEAD=1" "TF_PROBE_SKIP_T1=1"
         "TF_PROBE_SKIP_GDN=1 TF_PROBE_SKIP_NORM=1 TF_PROBE_SKIP_ATTN=1 TF_PROBE_SKIP_T1=1")
 probe() {
   PRESETS=2b synth_models

@@ -364,6 +364,23 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
                 s[r] = b[r] = 0.0f;
                 if constexpr (affine) unpack_sb<SDT>(d.sb[u][r], s[r], b[r]);
             }
+#if defined(TF_PROBE_DECODE_FREE) || defined(TF_PROBE_LOADS_ONLY)
+            // Speed-of-light probes (wrong values; bench/device.sh probe): the same loads of
+            // codes, scales and inputs, with the decode free (one FMA per element, the code
+            // word as its weight) or with one FMA per word.
+            if constexpr (true) {
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    float wf = __uint_as_float((d.wd[u][r] & 0x3F7FFFFFu) ^ __float_as_uint(s[r]));
+#ifdef TF_PROBE_LOADS_ONLY
+                    acc[r] = fmaf(wf, xv[(u + r) % E], acc[r]);
+#else
+#pragma unroll
+                    for (int e = 0; e < E; e++) acc[r] = fmaf(wf, xv[e], acc[r]);
+#endif
+                }
+            } else
+#endif
             if constexpr (OFS) {
                 static_assert(FMT == 4, "the offset decode is for 4-bit codes");
                 u32 lo[R], hi[R];
