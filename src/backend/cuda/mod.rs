@@ -348,6 +348,41 @@ impl Step {
     }
 }
 
+/// How `matmul_t1s` (kernels/matmul.cu) lays out a block's shared memory for rows of `cols`
+/// 4-bit codes in groups of `group`: x (`cols` floats), `2·nslot` mbarriers, then, from the next
+/// multiple of 128 bytes, `nslot` slots of [`T1S_ROWS`] rows (their codes, then their
+/// 16-bit scale/bias pairs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StreamLayout {
+    /// Slots in the ring (2 to 8: fewer leave the producer no room to run ahead).
+    nslot: u32,
+    /// Bytes of one slot.
+    slot: u32,
+    /// Dynamic shared memory of a block, in bytes.
+    smem: u32,
+}
+
+/// Consumer warps of a `matmul_t1s` block (`S_WARPS` in matmul.cu; the block adds one producer
+/// warp) and rows per chunk (`S_ROWS`: two per consumer warp, one word of the offset bitmap).
+const T1S_WARPS: u32 = 16;
+const T1S_ROWS: usize = 32;
+
+impl StreamLayout {
+    /// The layout with the most slots that fits in `smem_max` bytes, or `None` when the rows
+    /// do not suit the kernel: `cols` a multiple of 256 (whole 32-word batches per lane) and at
+    /// most 8192, `cols / group` a multiple of 4 (bulk copies move multiples of 16 bytes), or
+    /// fewer than two slots fit.
+    fn new(cols: usize, group: usize, smem_max: usize) -> Option<Self> {
+        if !cols.is_multiple_of(256) || cols > 8192 || group == 0 || !cols.is_multiple_of(group) || !(cols / group).is_multiple_of(4) {
+            return None;
+        }
+        let slot = T1S_ROWS * (cols / 2 + 4 * (cols / group));
+        let head = |n: usize| (cols * 4 + 16 * n).next_multiple_of(128);
+        let nslot = (2..=8).rev().find(|&n| head(n) + n * slot <= smem_max)?;
+        Some(Self { nslot: nslot as u32, slot: slot as u32, smem: (head(nslot) + nslot * slot) as u32 })
+    }
+}
+
 /// The CUDA backend on one device.
 pub struct Cuda {
     /// Keeps the context alive as long as the backend (streams and buffers hold it too).
@@ -373,6 +408,14 @@ pub struct Cuda {
     t1r2_min_rows: usize,
     /// Most blocks per query head of the attention kernels ([`ATTN_BLOCKS`] unless `TENSORFOLD_ATTN_BLOCKS`).
     attn_blocks: u32,
+    /// Multiprocessors: the grid of the streamed one-token product (`matmul_t1s`).
+    sms: u32,
+    /// Shared memory one `matmul_t1s` block may use (the device's opt-in maximum; 0 before
+    /// sm_90, where the kernel's bulk copies do not exist).
+    t1s_smem: u32,
+    /// One-token launches of a single matrix of at least this many rows stream it
+    /// (`matmul_t1s`; `TENSORFOLD_T1S_MIN_ROWS`, default 65 536: the LM head).
+    t1s_min_rows: usize,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -418,6 +461,15 @@ impl Cuda {
                 let f = module.load_function(entry).map_err(|e| dev_err(&format!("{}: {entry}", src.file), e))?;
                 funcs.insert(entry, f);
             }
+        }
+        let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("attribute", e))? as u32;
+        let mut t1s_smem = 0;
+        if maj >= 9 {
+            let optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(|e| dev_err("attribute", e))?;
+            funcs["matmul_t1s"]
+                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin)
+                .map_err(|e| dev_err("matmul_t1s shared memory", e))?;
+            t1s_smem = optin as u32;
         }
         let alloc = |n: usize| -> Result<CudaSlice<u32>, BackendError> { stream.alloc_zeros::<u32>(n).map_err(|e| dev_err("allocating step buffers", e)) };
         let step = Step {
@@ -477,6 +529,9 @@ impl Cuda {
             use_graphs: std::sync::atomic::AtomicBool::new(use_graphs),
             pdl,
             t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
+            sms,
+            t1s_smem,
+            t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
         })
     }
@@ -816,6 +871,15 @@ impl Cuda {
 
     /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
     /// same input width.
+    /// For a one-token product of `m` alone that `matmul_t1s` may stream (4-bit codes with
+    /// 16-bit scales, a launch of at least `t1s_min_rows` rows, sm_90): its [`StreamLayout`].
+    fn stream_fits(&self, m: &CudaMatrix) -> Option<StreamLayout> {
+        if self.t1s_smem == 0 || m.rows < self.t1s_min_rows || m.fmt != 4 || !matches!(m.sdtype, 1 | 2) {
+            return None;
+        }
+        StreamLayout::new(m.cols, m.group as usize, self.t1s_smem as usize)
+    }
+
     fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
         (a.fmt, a.group, a.sdtype, a.offset_rows.is_some(), a.cols) == (b.fmt, b.group, b.sdtype, b.offset_rows.is_some(), b.cols)
     }
@@ -857,6 +921,16 @@ impl Cuda {
                 let mut j = i + 1;
                 while j < outs.len() && j - i < 4 && Self::same_format(outs[i].0, outs[j].0) {
                     j += 1;
+                }
+                if j == i + 1 {
+                    if let Some(StreamLayout { nslot, slot, smem }) = self.stream_fits(outs[i].0) {
+                        let (d, row0) = self.mat_descs(&outs[i..j], res, 1);
+                        let label = self.profile_label("matmul_t1s", row0, outs[i].0.cols, res);
+                        let grid = (self.sms, 1, 1);
+                        self.launch_as("matmul_t1s", label, |_| unsafe { self.kernel("matmul_t1s", grid, 32 * (T1S_WARPS + 1), smem, self.args().val(d).buf(&x.buf).val(nslot).val(slot)) });
+                        i = j;
+                        continue;
+                    }
                 }
                 let total: usize = outs[i..j].iter().map(|(m, _)| m.rows).sum();
                 // Two rows per warp halve the warps: worth it where many warps remain and each
@@ -1603,7 +1677,29 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::offset_exact;
+    use super::{offset_exact, StreamLayout, T1S_ROWS, T1S_WARPS};
+
+    #[test]
+    fn stream_layout_fits_the_h200_and_matches_the_kernel() {
+        // The kernel's constants are the host's.
+        let src = include_str!("kernels/matmul.cu");
+        assert!(src.contains(&format!("#define S_ROWS {T1S_ROWS} ")), "S_ROWS in matmul.cu");
+        assert!(src.contains(&format!("#define S_WARPS {T1S_WARPS}\n")), "S_WARPS in matmul.cu");
+        assert_eq!(T1S_ROWS as u32, 2 * T1S_WARPS);
+        // 227 KiB, the H200's opt-in shared memory per block.
+        let h200 = 232_448;
+        // 2B's LM head: 32 rows of 1024 code bytes and 32 scale/bias pairs; x takes 8 KiB.
+        assert_eq!(StreamLayout::new(2048, 64, h200), Some(StreamLayout { nslot: 6, slot: 36_864, smem: 8_320 + 6 * 36_864 }));
+        // 0.8B: at most eight slots.
+        assert_eq!(StreamLayout::new(1024, 64, h200), Some(StreamLayout { nslot: 8, slot: 18_432, smem: 4_224 + 8 * 18_432 }));
+        // 9B: two slots of 72 KiB.
+        assert_eq!(StreamLayout::new(4096, 64, h200), Some(StreamLayout { nslot: 2, slot: 73_728, smem: 16_512 + 2 * 73_728 }));
+        // Rows that do not suit the kernel, or no room for two slots.
+        assert_eq!(StreamLayout::new(2112, 64, h200), None, "cols not a multiple of 256");
+        assert_eq!(StreamLayout::new(256, 128, h200), None, "two groups a row: 8-byte copies");
+        assert_eq!(StreamLayout::new(8192, 32, h200), None, "two slots do not fit");
+        assert_eq!(StreamLayout::new(2048, 64, 48 * 1024), None, "two slots do not fit");
+    }
     use crate::numerics::{bf16_to_f32, f16_to_f32};
 
     /// The offset decode's value, as matmul.cu computes it from the code's float 0.5 + q/256.

@@ -599,3 +599,175 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats
     LAYOUT_SWITCH(CALL)
 #undef CALL
 }
+
+// ---- One token, streamed through shared memory (launches of many rows: the LM head) ----
+//
+// A persistent grid of one block per multiprocessor. The block's last warp (the producer) copies
+// chunks of S_ROWS rows, their codes and then their scales and biases, into a ring of slots in
+// shared memory with bulk copies (cp.async.bulk, completing on the slot's `full` mbarrier), and
+// reuses a slot once every consumer warp has arrived on its `empty` mbarrier. It never waits on
+// the input, so DRAM stays busy, and its first slots are requested before pdl_enter() (weights
+// only). Warps 0..S_WARPS-1 compute two rows each per chunk from shared memory with group_t1's
+// arithmetic: lane l's words l, l+32, ... in order, the offset decode when both rows pass (else
+// the plain decode, which gives the same bits), then the fold by halves (numerics §2). A word
+// costs no address arithmetic beyond a shared-memory offset and no bounds predicate.
+// (bench/proto/persistent_stream.cu measured the idea first. Two rows per warp measured faster
+// than four: 2B's LM head 133 against 147 us, H200.)
+// CPU twin: as matmul_t1r1 (Cpu::matmul, dot_decoded).
+// Needs (Cuda::stream_fits on the host): 4-bit codes with 16-bit scales, cols a multiple of 256
+// and at most 8192, cols / group a multiple of 4 (16-byte copies), sm_90. Grid: one block per
+// multiprocessor; block 32·(S_WARPS + 1); dynamic shared memory: x [cols] floats, 2·nslot
+// mbarriers, then (128-byte aligned) nslot slots of slot_bytes = S_ROWS·(cols/2 + 4·cols/group).
+#define S_ROWS 32  // one word of the offset bitmap
+#define S_WARPS 16
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void mb_init(u64* b, u32 n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(b)), "r"(n) : "memory"); }
+__device__ __forceinline__ void mb_expect(u64* b, u32 tx) { asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(b)), "r"(tx) : "memory"); }
+__device__ __forceinline__ void mb_arrive(u64* b) { asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(b)) : "memory"); }
+__device__ __forceinline__ void mb_wait(u64* b, u32 parity) {
+    // (A label inside braces is local to them, so every inlined copy may use the same name.)
+    asm volatile("{\n .reg .pred p;\n MB_WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n @!p bra MB_WAIT;\n}\n" ::"r"(smem_addr(b)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* b) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_addr(dst)), "l"(src), "r"(bytes),
+                 "r"(smem_addr(b))
+                 : "memory");
+}
+
+// Two rows of a chunk: codes [2][cw] and scale/bias entries [2][cg] in shared memory, x in xs.
+template <int SDT, int GSH, bool OFS>
+__device__ __forceinline__ void stream_rows(const u32* codes, const u32* sbs, u32 cw, u32 cg, const float* xs, float (&acc)[2]) {
+    const u32 lane = threadIdx.x & 31;
+    acc[0] = acc[1] = 0.0f;
+    for (u32 j = lane; j < cw; j += 32) {
+        float xv[8];
+        load_x<8>(xs + 8 * j, xv);
+        float s[2], b[2];
+        u32 wd[2];
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            wd[r] = codes[r * cw + j];
+            unpack_sb<SDT>(sbs[r * cg + ((8 * j) >> GSH)], s[r], b[r]);
+        }
+        if constexpr (OFS) {
+            u32 lo[2], hi[2];
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                b[r] = fmaf(-128.0f, s[r], b[r]);
+                s[r] = s[r] * 256.0f;
+                lo[r] = wd[r] & 0x0F0F0F0Fu;
+                hi[r] = (wd[r] >> 4) & 0x0F0F0F0Fu;
+            }
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) acc[r] = fmaf(fmaf(s[r], nib_to_float_offset((e & 1) ? hi[r] : lo[r], e >> 1), b[r]), xv[e], acc[r]);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; e++)
+#pragma unroll
+                for (int r = 0; r < 2; r++) acc[r] = fmaf(decode<4>(wd[r], e, s[r], b[r]), xv[e], acc[r]);
+        }
+    }
+}
+
+template <int SDT, int GSH>
+__device__ __forceinline__ void t1s_body(const Mat& m, const float* x, u32 nslot, u32 slot_bytes, unsigned char* smem) {
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = gridDim.x;
+    const u32 cols = m.cols, cw = cols / 8, cg = cols >> GSH, nch = (m.rows + S_ROWS - 1) / S_ROWS;
+    float* xs = (float*)smem;
+    u64* full = (u64*)(smem + cols * 4);
+    u64* empty = full + nslot;
+    unsigned char* ring = smem + ((cols * 4 + 16 * nslot + 127) & ~127u);
+    if (threadIdx.x == 0) {
+        for (u32 i = 0; i < nslot; i++) {
+            mb_init(&full[i], 1);
+            mb_init(&empty[i], S_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == S_WARPS) {
+        // The producer: this block's chunks c = blockIdx.x + G·i in order, each into slot i % nslot.
+        if (lane == 0) {
+            u32 it = 0;
+            for (u32 c = blockIdx.x; c < nch; c += G, it++) {
+                if (it == nslot) pdl_enter();  // the first nslot chunks were requested before the wait
+                const u32 slot = it % nslot, use = it / nslot;
+                if (use > 0) mb_wait(&empty[slot], (use - 1) & 1);
+                const u32 r0 = c * S_ROWS, n = m.rows - r0 < S_ROWS ? m.rows - r0 : S_ROWS;
+                const u32 cb = n * cw * 4, sbb = n * cg * 4;
+                unsigned char* dst = ring + slot * slot_bytes;
+                mb_expect(&full[slot], cb + sbb);
+                bulk_copy(dst, (const u32*)m.w + (u64)r0 * cw, cb, &full[slot]);
+                bulk_copy(dst + S_ROWS * cw * 4, (const u32*)m.sb + (u64)r0 * cg, sbb, &full[slot]);
+            }
+            if (it <= nslot) pdl_enter();
+        } else {
+            pdl_enter();
+        }
+        return;
+    }
+    pdl_enter();
+    for (u32 i = threadIdx.x; i < cols; i += 32 * S_WARPS) xs[i] = x[i];
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * S_WARPS) : "memory");
+    const u32 rr = 2 * warp;  // this warp's rows of each chunk
+    // The offset bits of a chunk's 32 rows are one word of the bitmap (CudaMatrix::offset_rows),
+    // requested a chunk ahead so that its load never waits behind the chunk's copy.
+    auto offset_bits = [&](u32 c) -> u32 { return m.offset == 2 ? ~0u : m.offset == 1 ? m.offset_rows[c] : 0u; };
+    u32 bits_next = blockIdx.x < nch ? offset_bits(blockIdx.x) : 0u;
+    u32 it = 0;
+    for (u32 c = blockIdx.x; c < nch; c += G, it++) {
+        const u32 slot = it % nslot, use = it / nslot;
+        const u32 bits = bits_next;
+        if (c + G < nch) bits_next = offset_bits(c + G);
+        mb_wait(&full[slot], use & 1);
+        const u32 r0 = c * S_ROWS, n = m.rows - r0 < S_ROWS ? m.rows - r0 : S_ROWS;
+        float acc[2];
+        if (rr < n) {
+            const u32* codes = (const u32*)(ring + slot * slot_bytes) + rr * cw;
+            const u32* sbs = (const u32*)(ring + slot * slot_bytes + S_ROWS * cw * 4) + rr * cg;
+            // A second row past the matrix's end computes on stale bytes and is never written.
+            if (((bits >> rr) & 1u) && (rr + 1 >= n || ((bits >> (rr + 1)) & 1u))) stream_rows<SDT, GSH, true>(codes, sbs, cw, cg, xs, acc);
+            else stream_rows<SDT, GSH, false>(codes, sbs, cw, cg, xs, acc);
+        }
+        __syncwarp();
+        if (lane == 0) mb_arrive(&empty[slot]);
+        if (rr < n) {
+            float v0 = fold32(acc[0]), v1 = fold32(acc[1]);
+            if (lane == 0) {
+                const u32 o = r0 + rr;
+                m.y[o] = v0;
+                if (m.res) m.res[o] = m.res[o] + v0;
+                if (rr + 1 < n) {
+                    m.y[o + 1] = v1;
+                    if (m.res) m.res[o + 1] = m.res[o + 1] + v1;
+                }
+            }
+        }
+    }
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * (S_WARPS + 1), 1) matmul_t1s(Mats ms, const float* x, u32 nslot, u32 slot_bytes) {
+    extern __shared__ __align__(128) unsigned char t1s_smem[];
+    if (TF_PROBE_SKIP_T1 || TF_PROBE_SKIP_LMHEAD) {
+        pdl_enter();
+        return;
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const Mat& m = ms.m[0];
+    const u32 sdt = m.sdtype, group = m.group;
+#define CALL(S, G) t1s_body<S, G>(m, x, nslot, slot_bytes, t1s_smem)
+    OFS_SWITCH(CALL)
+#undef CALL
+#else
+    pdl_enter();
+#endif
+}
