@@ -6,10 +6,16 @@
 // Each product's input is the previous product's output (a grid-wide counter per product), so the
 // chain of dependencies is a token's; the norms, GDN heads and attention are left out.
 //
-//   nvcc -O3 -arch=sm_90 --fmad=false -o /tmp/ps bench/proto/persistent_stream.cu && /tmp/ps
+//   nvcc -O3 -arch=sm_90 --fmad=false -o /tmp/ps bench/proto/persistent_stream.cu
+//   /tmp/ps          # the chain: each product reads the previous one's output
+//   /tmp/ps nodep    # every product reads the same input (no dependencies)
+//   /tmp/ps lm       # the LM head alone
 //
 // Prints ms per token for the exact decode and for a loads-only variant (one FMA per word), the
-// bytes, and a device-to-device copy's bandwidth for reference.
+// bytes, and a device-to-device copy's bandwidth for reference. The H200's figures and what they
+// led to: bench/results/2026-12-01-h200-persistent-prototype.txt (matmul_t1s in matmul.cu is
+// this loop, for the LM head). nvcc and the CUDA runtime headers are the device machine's; the
+// engine itself compiles its kernels with NVRTC and includes no CUDA header.
 #include <cstdio>
 #include <cstdint>
 #include <cstdlib>
