@@ -463,13 +463,14 @@ impl Cuda {
             }
         }
         let sms = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(|e| dev_err("attribute", e))? as u32;
+        // The streamed one-token product (sm_90's bulk copies) gets the most shared memory a
+        // block may opt into; where that cannot be set it is not used (matmul_t1r2 remains).
         let mut t1s_smem = 0;
         if maj >= 9 {
-            let optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map_err(|e| dev_err("attribute", e))?;
-            funcs["matmul_t1s"]
-                .set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin)
-                .map_err(|e| dev_err("matmul_t1s shared memory", e))?;
-            t1s_smem = optin as u32;
+            let optin = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).unwrap_or(0);
+            if optin > 0 && funcs["matmul_t1s"].set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin).is_ok() {
+                t1s_smem = optin as u32;
+            }
         }
         let alloc = |n: usize| -> Result<CudaSlice<u32>, BackendError> { stream.alloc_zeros::<u32>(n).map_err(|e| dev_err("allocating step buffers", e)) };
         let step = Step {
@@ -869,17 +870,18 @@ impl Cuda {
         cfg.linear_num_value_heads == cfg.linear_num_key_heads
     }
 
-    /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
-    /// same input width.
     /// For a one-token product of `m` alone that `matmul_t1s` may stream (4-bit codes with
-    /// 16-bit scales, a launch of at least `t1s_min_rows` rows, sm_90): its [`StreamLayout`].
+    /// 16-bit scales in groups of 32, 64 or 128, a launch of at least `t1s_min_rows` rows,
+    /// sm_90): its [`StreamLayout`].
     fn stream_fits(&self, m: &CudaMatrix) -> Option<StreamLayout> {
-        if self.t1s_smem == 0 || m.rows < self.t1s_min_rows || m.fmt != 4 || !matches!(m.sdtype, 1 | 2) {
+        if self.t1s_smem == 0 || m.rows < self.t1s_min_rows || m.fmt != 4 || !matches!(m.sdtype, 1 | 2) || !matches!(m.group, 32 | 64 | 128) {
             return None;
         }
         StreamLayout::new(m.cols, m.group as usize, self.t1s_smem as usize)
     }
 
+    /// Whether two matrices store their weights alike (format, group size, scale dtype) over the
+    /// same input width.
     fn same_format(a: &CudaMatrix, b: &CudaMatrix) -> bool {
         (a.fmt, a.group, a.sdtype, a.offset_rows.is_some(), a.cols) == (b.fmt, b.group, b.sdtype, b.offset_rows.is_some(), b.cols)
     }

@@ -605,9 +605,10 @@ extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_swiglu_t1(Mats
 // A persistent grid of one block per multiprocessor. The block's last warp (the producer) copies
 // chunks of S_ROWS rows, their codes and then their scales and biases, into a ring of slots in
 // shared memory with bulk copies (cp.async.bulk, completing on the slot's `full` mbarrier), and
-// reuses a slot once every consumer warp has arrived on its `empty` mbarrier. It never waits on
-// the input, so DRAM stays busy, and its first slots are requested before pdl_enter() (weights
-// only). Warps 0..S_WARPS-1 compute two rows each per chunk from shared memory with group_t1's
+// reuses a slot once every consumer warp has arrived on its `empty` mbarrier. It never reads the
+// input: it waits only for free slots (and, once its first nslot chunks are requested, for the
+// previous kernel in pdl_enter(), as every thread does), so DRAM stays busy, and those first
+// chunks are weights requested before the wait. Warps 0..S_WARPS-1 compute two rows each per chunk from shared memory with group_t1's
 // arithmetic: lane l's words l, l+32, ... in order, the offset decode when both rows pass (else
 // the plain decode, which gives the same bits), then the fold by halves (numerics §2). A word
 // costs no address arithmetic beyond a shared-memory offset and no bounds predicate.
@@ -655,6 +656,21 @@ __device__ __forceinline__ void stream_rows(const u32* codes, const u32* sbs, u3
             wd[r] = codes[r * cw + j];
             unpack_sb<SDT>(sbs[r * cg + ((8 * j) >> GSH)], s[r], b[r]);
         }
+#if defined(TF_PROBE_DECODE_FREE) || defined(TF_PROBE_LOADS_ONLY)
+        // The speed-of-light probes of group_t1 (wrong values).
+        if constexpr (true) {
+#pragma unroll
+            for (int r = 0; r < 2; r++) {
+                float wf = __uint_as_float((wd[r] & 0x3F7FFFFFu) ^ __float_as_uint(s[r]));
+#ifdef TF_PROBE_LOADS_ONLY
+                acc[r] = fmaf(wf, xv[r], acc[r]);
+#else
+#pragma unroll
+                for (int e = 0; e < 8; e++) acc[r] = fmaf(wf, xv[e], acc[r]);
+#endif
+            }
+        } else
+#endif
         if constexpr (OFS) {
             u32 lo[2], hi[2];
 #pragma unroll
@@ -757,7 +773,7 @@ __device__ __forceinline__ void t1s_body(const Mat& m, const float* x, u32 nslot
 
 extern "C" __global__ void __launch_bounds__(32 * (S_WARPS + 1), 1) matmul_t1s(Mats ms, const float* x, u32 nslot, u32 slot_bytes) {
     extern __shared__ __align__(128) unsigned char t1s_smem[];
-    if (TF_PROBE_SKIP_T1 || TF_PROBE_SKIP_LMHEAD) {
+    if (TF_PROBE_SKIP_T1 || (TF_PROBE_SKIP_LMHEAD && ms.m[0].rows > 65536)) {
         pdl_enter();
         return;
     }
