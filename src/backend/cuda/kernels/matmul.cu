@@ -284,6 +284,52 @@ extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const flo
 #error "T1_U1 and T1_U2 must be at least 1 (a batch of no words never ends)"
 #endif
 
+// One word of each of R rows into acc[R]: its E elements in order, each decoded (the offset
+// decode when OFS: 4-bit codes whose rows pass offset_row; s and b are the group's scale and
+// bias, turned into 256·s and b − 128·s here) and multiplied into the row's running sum with
+// one FMA (numerics §2). Shared by every one-token kernel (group_t1, stream_rows).
+template <int R, int FMT, bool OFS>
+__device__ __forceinline__ void word_t1(const u32 (&wd)[R], float (&s)[R], float (&b)[R], const float (&xv)[Fmt<FMT>::E], float (&acc)[R]) {
+    const int E = Fmt<FMT>::E;
+#if defined(TF_PROBE_DECODE_FREE) || defined(TF_PROBE_LOADS_ONLY)
+    // Speed-of-light probes (wrong values; bench/device.sh probe): the same loads of codes,
+    // scales and inputs, with the decode free (one FMA per element, the code word as its
+    // weight) or with one FMA per word.
+    if constexpr (true) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            float wf = __uint_as_float((wd[r] & 0x3F7FFFFFu) ^ __float_as_uint(s[r]));
+#ifdef TF_PROBE_LOADS_ONLY
+            acc[r] = fmaf(wf, xv[r % E], acc[r]);
+#else
+#pragma unroll
+            for (int e = 0; e < E; e++) acc[r] = fmaf(wf, xv[e], acc[r]);
+#endif
+        }
+    } else
+#endif
+    if constexpr (OFS) {
+        static_assert(FMT == 4, "the offset decode is for 4-bit codes");
+        u32 lo[R], hi[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            b[r] = fmaf(-128.0f, s[r], b[r]);
+            s[r] = s[r] * 256.0f;
+            lo[r] = wd[r] & 0x0F0F0F0Fu;
+            hi[r] = (wd[r] >> 4) & 0x0F0F0F0Fu;
+        }
+#pragma unroll
+        for (int e = 0; e < E; e++)
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] = fmaf(fmaf(s[r], nib_to_float_offset((e & 1) ? hi[r] : lo[r], e >> 1), b[r]), xv[e], acc[r]);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; e++)
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(wd[r], e, s[r], b[r]), xv[e], acc[r]);
+    }
+}
+
 // The codes and interleaved scales and biases of a warp's R rows.
 template <int R>
 struct Group {
@@ -364,44 +410,7 @@ __device__ __forceinline__ void group_t1(u32 words, u32 gshift, const Group<R>& 
                 s[r] = b[r] = 0.0f;
                 if constexpr (affine) unpack_sb<SDT>(d.sb[u][r], s[r], b[r]);
             }
-#if defined(TF_PROBE_DECODE_FREE) || defined(TF_PROBE_LOADS_ONLY)
-            // Speed-of-light probes (wrong values; bench/device.sh probe): the same loads of
-            // codes, scales and inputs, with the decode free (one FMA per element, the code
-            // word as its weight) or with one FMA per word.
-            if constexpr (true) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    float wf = __uint_as_float((d.wd[u][r] & 0x3F7FFFFFu) ^ __float_as_uint(s[r]));
-#ifdef TF_PROBE_LOADS_ONLY
-                    acc[r] = fmaf(wf, xv[(u + r) % E], acc[r]);
-#else
-#pragma unroll
-                    for (int e = 0; e < E; e++) acc[r] = fmaf(wf, xv[e], acc[r]);
-#endif
-                }
-            } else
-#endif
-            if constexpr (OFS) {
-                static_assert(FMT == 4, "the offset decode is for 4-bit codes");
-                u32 lo[R], hi[R];
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    b[r] = fmaf(-128.0f, s[r], b[r]);
-                    s[r] = s[r] * 256.0f;
-                    lo[r] = d.wd[u][r] & 0x0F0F0F0Fu;
-                    hi[r] = (d.wd[u][r] >> 4) & 0x0F0F0F0Fu;
-                }
-#pragma unroll
-                for (int e = 0; e < E; e++)
-#pragma unroll
-                    for (int r = 0; r < R; r++)
-                        acc[r] = fmaf(fmaf(s[r], nib_to_float_offset((e & 1) ? hi[r] : lo[r], e >> 1), b[r]), xv[e], acc[r]);
-            } else {
-#pragma unroll
-                for (int e = 0; e < E; e++)
-#pragma unroll
-                    for (int r = 0; r < R; r++) acc[r] = fmaf(decode<FMT>(d.wd[u][r], e, s[r], b[r]), xv[e], acc[r]);
-            }
+            word_t1<R, FMT, OFS>(d.wd[u], s, b, xv, acc);
         });
         xc += 32 * U * E;
         jc += 32 * U;
@@ -641,7 +650,8 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes,
                  : "memory");
 }
 
-// Two rows of a chunk: codes [2][cw] and scale/bias entries [2][cg] in shared memory, x in xs.
+// Two rows of a chunk: codes [2][cw] and scale/bias entries [2][cg] in shared memory, x in xs;
+// each lane's words in group_t1's order, each through word_t1.
 template <int SDT, int GSH, bool OFS>
 __device__ __forceinline__ void stream_rows(const u32* codes, const u32* sbs, u32 cw, u32 cg, const float* xs, float (&acc)[2]) {
     const u32 lane = threadIdx.x & 31;
@@ -656,40 +666,7 @@ __device__ __forceinline__ void stream_rows(const u32* codes, const u32* sbs, u3
             wd[r] = codes[r * cw + j];
             unpack_sb<SDT>(sbs[r * cg + ((8 * j) >> GSH)], s[r], b[r]);
         }
-#if defined(TF_PROBE_DECODE_FREE) || defined(TF_PROBE_LOADS_ONLY)
-        // The speed-of-light probes of group_t1 (wrong values).
-        if constexpr (true) {
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                float wf = __uint_as_float((wd[r] & 0x3F7FFFFFu) ^ __float_as_uint(s[r]));
-#ifdef TF_PROBE_LOADS_ONLY
-                acc[r] = fmaf(wf, xv[r], acc[r]);
-#else
-#pragma unroll
-                for (int e = 0; e < 8; e++) acc[r] = fmaf(wf, xv[e], acc[r]);
-#endif
-            }
-        } else
-#endif
-        if constexpr (OFS) {
-            u32 lo[2], hi[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                b[r] = fmaf(-128.0f, s[r], b[r]);
-                s[r] = s[r] * 256.0f;
-                lo[r] = wd[r] & 0x0F0F0F0Fu;
-                hi[r] = (wd[r] >> 4) & 0x0F0F0F0Fu;
-            }
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) acc[r] = fmaf(fmaf(s[r], nib_to_float_offset((e & 1) ? hi[r] : lo[r], e >> 1), b[r]), xv[e], acc[r]);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 8; e++)
-#pragma unroll
-                for (int r = 0; r < 2; r++) acc[r] = fmaf(decode<4>(wd[r], e, s[r], b[r]), xv[e], acc[r]);
-        }
+        word_t1<2, 4, OFS>(wd, s, b, xv, acc);
     }
 }
 
