@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use crate::backend::{Backend, BackendError, Batch, SequenceState};
+use crate::backend::{Backend, BackendError, Batch, SeqRows, SequenceState};
 use crate::model::{Model, Scratch};
 use crate::sampling::SamplingParams;
 use crate::session::{self, ModelIdentity, PrefixCache, Residence, Reuse, Session, SessionError, SessionRecord, SnapshotConfig};
@@ -26,6 +26,9 @@ pub struct Engine<B: Backend> {
     chunk: usize,
     prefill: Option<Scratch<B>>,
     decode: Scratch<B>,
+    /// Buffers of decode-shaped steps of several sessions (`batch_capacity` rows).
+    batch_decode: Option<Scratch<B>>,
+    batch_capacity: usize,
     logits: Vec<f32>,
     snapshots: PrefixCache,
     /// Where the model's files are, for its identity in session files.
@@ -46,6 +49,8 @@ impl<B: Backend> Engine<B> {
             chunk,
             prefill: None,
             decode,
+            batch_decode: None,
+            batch_capacity: 1,
             logits: Vec::new(),
             snapshots: PrefixCache::new(SnapshotConfig::disabled()),
             model_dir: None,
@@ -240,6 +245,141 @@ impl<B: Backend> Engine<B> {
         Ok(())
     }
 
+    /// One model step over the pending tokens of several resident sessions: `rows[i].take`
+    /// tokens of session `i` (from its position), rows in the order given, the last row of each
+    /// `rows[i].logits` session wanting logits. Every session advances by its `take`.
+    ///
+    /// `choose` says what comes back: the logits rows (`[k, V]`, in the order of the sessions
+    /// that want them), or the ids chosen where the logits are (greedy, or the device sampler
+    /// prepared by [`Backend::set_sampling`] with one entry per logits row). Decode-shaped steps
+    /// (one row per session) of up to [`Engine::set_batch_capacity`] rows run on buffers
+    /// allocated once, so a device records one graph per shape and replays it.
+    ///
+    /// # Errors
+    /// [`BackendError::Batch`] when a session is not resident or `take` exceeds its pending
+    /// tokens; [`BackendError::TokenId`] for an id outside the vocabulary (nothing is consumed);
+    /// the backend's own errors.
+    pub fn step_sessions(&mut self, rows: &mut [StepRows<'_>], choose: Choose) -> Result<Chosen, BackendError> {
+        let mut batch = Batch::default();
+        for r in rows.iter() {
+            let s = &*r.session;
+            let slot = s.slot().ok_or_else(|| BackendError::Batch("a session in the step is not resident".into()))?;
+            if r.take == 0 || s.position + r.take > s.tokens.len() {
+                return Err(BackendError::Batch(format!("{} tokens asked of a session with {} pending", r.take, s.tokens.len() - s.position)));
+            }
+            let ids = &s.tokens[s.position..s.position + r.take];
+            self.check_ids(ids)?;
+            let first = batch.ids.len() as u32;
+            batch.ids.extend_from_slice(ids);
+            batch.seqs.push(SeqRows { slot, first_row: first, len: r.take as u32, pos: s.position as u32 });
+            if r.all_logits {
+                batch.logit_rows.extend(first..first + r.take as u32);
+            } else if r.logits {
+                batch.logit_rows.push(first + r.take as u32 - 1);
+            }
+        }
+        let (n, k) = (batch.rows(), batch.logit_rows.len());
+        if n == 0 {
+            return Err(BackendError::Batch("an empty step".into()));
+        }
+        let decode_shaped = n == batch.seqs.len();
+        let scratch = if n == 1 {
+            &mut self.decode
+        } else if decode_shaped && n <= self.batch_capacity {
+            if self.batch_decode.is_none() {
+                self.batch_decode = Some(self.model.scratch(self.batch_capacity, self.batch_capacity)?);
+            }
+            self.batch_decode.as_mut().expect("allocated above")
+        } else {
+            prefill_scratch(&self.model, &mut self.prefill, self.chunk.max(n), n, k)?
+        };
+        let chosen = match choose {
+            _ if k == 0 => {
+                self.model.step(&batch, &mut self.states, scratch)?;
+                Chosen::Logits(Vec::new())
+            }
+            Choose::Logits => {
+                self.model.step(&batch, &mut self.states, scratch)?;
+                let mut out = Vec::new();
+                self.model.backend.read_tensor(&scratch.logits, k, &mut out)?;
+                Chosen::Logits(out)
+            }
+            Choose::Greedy { v_eff } => Chosen::Ids(self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?),
+            Choose::Sample { v_eff } => Chosen::Ids(self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?),
+        };
+        for r in rows.iter_mut() {
+            r.session.position += r.take;
+        }
+        Ok(chosen)
+    }
+
+    /// Decode-shaped steps of up to `rows` sessions run on buffers allocated once (at the first
+    /// such step) instead of the prompt buffers; the default is 1 (none).
+    pub fn set_batch_capacity(&mut self, rows: usize) {
+        let rows = rows.clamp(1, self.model.backend.max_rows());
+        if rows != self.batch_capacity {
+            self.batch_capacity = rows;
+            self.batch_decode = None;
+        }
+    }
+
+    /// Makes `prompt` the session's history without processing it, reusing as much state as
+    /// possible: the session's own state when the tokens it consumed are a prefix of `prompt`,
+    /// or the longest snapshot that is (whichever is longer; at least the last token is left
+    /// pending, for its logits), else the zero state. Returns what was reused; the pending
+    /// tokens are `prompt[reused..]`.
+    ///
+    /// # Errors
+    /// An empty prompt, an id outside the vocabulary (the session is then unchanged), or the
+    /// backend's errors placing the state.
+    pub fn prepare_prompt(&mut self, s: &mut Session, prompt: &[u32]) -> Result<Reuse, BackendError> {
+        let n = prompt.len();
+        if n == 0 {
+            return Err(BackendError::Batch("the prompt is empty".into()));
+        }
+        self.check_ids(prompt)?;
+        let own = (s.position < n && prompt.starts_with(&s.tokens[..s.position])).then_some(s.position);
+        let snap_len = if self.snapshots.config().enabled() { self.snapshots.lookup(prompt, n - 1).map(|sn| sn.tokens().len()) } else { None };
+        let reuse = match (own, snap_len) {
+            (o, Some(l)) if o.is_none_or(|o| l > o) => {
+                let st = self.snapshots.longest_prefix(prompt, l).expect("found above").state();
+                match s.home {
+                    Residence::Device(slot) => self.model.backend.import_slot(&mut self.states, slot, st)?,
+                    Residence::Host(_) => s.home = Residence::Host(Box::new(st.clone())),
+                }
+                s.position = l;
+                Reuse { reused: l, from_snapshot: true, processed: n - l }
+            }
+            (Some(o), _) => Reuse { reused: o, from_snapshot: false, processed: n - o },
+            (None, _) => {
+                self.reset(s)?;
+                Reuse { reused: 0, from_snapshot: false, processed: n }
+            }
+        };
+        s.tokens.clear();
+        s.tokens.extend_from_slice(prompt);
+        Ok(reuse)
+    }
+
+    /// A new session holding `state` after `tokens[..state.position]`, with the rest of
+    /// `tokens` pending (a loaded session file), in a new slot.
+    ///
+    /// # Errors
+    /// A state that does not fit the model, more consumed positions than tokens, ids outside
+    /// the vocabulary, or no free slot.
+    pub fn session_from_saved(&mut self, tokens: &[u32], state: &SequenceState, params: SamplingParams) -> Result<Session, BackendError> {
+        if state.position > tokens.len() {
+            return Err(BackendError::Batch(format!("a state at position {} with {} tokens", state.position, tokens.len())));
+        }
+        state.check(&self.model.config)?;
+        self.check_ids(tokens)?;
+        let slot = self.place(state)?;
+        let mut s = Session::new(Residence::Device(slot), params);
+        s.tokens = tokens.to_vec();
+        s.position = state.position;
+        Ok(s)
+    }
+
     /// Keeps the state of `s` at its position as a snapshot (when snapshots are on, it fits the
     /// budget and that prefix is not held already). Returns whether one was taken.
     pub fn snapshot(&mut self, s: &Session) -> Result<bool, BackendError> {
@@ -259,37 +399,7 @@ impl<B: Backend> Engine<B> {
     /// starts from the zero state. Takes a snapshot at the end of the prompt (when snapshots are
     /// on) and at every stride position on the way.
     pub fn prompt(&mut self, s: &mut Session, prompt: &[u32], progress: &mut dyn FnMut(usize, usize)) -> Result<(Reuse, &[f32]), BackendError> {
-        let n = prompt.len();
-        if n == 0 {
-            return Err(BackendError::Batch("the prompt is empty".into()));
-        }
-        // Before the session's state is replaced by a snapshot or reset.
-        self.check_ids(prompt)?;
-        let own = (s.position < n && prompt.starts_with(&s.tokens[..s.position])).then_some(s.position);
-        let snap_len = if self.snapshots.config().enabled() {
-            self.snapshots.longest_prefix(prompt, n - 1).map(|sn| sn.tokens().len())
-        } else {
-            None
-        };
-        let reuse = match (own, snap_len) {
-            (o, Some(l)) if o.is_none_or(|o| l > o) => {
-                let st = self.snapshots.longest_prefix(prompt, l).expect("found above").state();
-                match s.home {
-                    Residence::Device(slot) => self.model.backend.import_slot(&mut self.states, slot, st)?,
-                    Residence::Host(_) => s.home = Residence::Host(Box::new(st.clone())),
-                }
-                s.position = l;
-                Reuse { reused: l, from_snapshot: true, processed: n - l }
-            }
-            (Some(o), _) => Reuse { reused: o, from_snapshot: false, processed: n - o },
-            (None, _) => {
-                self.reset(s)?;
-                Reuse { reused: 0, from_snapshot: false, processed: n }
-            }
-        };
-        // The reused prefix is `prompt[..reused]` in every case.
-        s.tokens.clear();
-        s.tokens.extend_from_slice(prompt);
+        let reuse = self.prepare_prompt(s, prompt)?;
         if let Err(e) = self.process(s, false, progress) {
             s.tokens.truncate(s.position);
             return Err(e);
@@ -474,6 +584,40 @@ impl<B: Backend> Engine<B> {
         s.position = tokens.len();
         Ok(s)
     }
+}
+
+/// One session's part of a step ([`Engine::step_sessions`]).
+pub struct StepRows<'a> {
+    pub session: &'a mut Session,
+    /// Pending tokens to feed (from the session's position).
+    pub take: usize,
+    /// Whether the last of them wants logits.
+    pub logits: bool,
+    /// Whether every one of them wants logits (a prompt whose logits are all kept); implies
+    /// `logits`.
+    pub all_logits: bool,
+}
+
+/// What a step returns ([`Engine::step_sessions`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Choose {
+    /// The logits rows, read back to the host.
+    Logits,
+    /// The greedy id of every logits row over ids `< v_eff`, taken where the logits are.
+    Greedy { v_eff: usize },
+    /// The id sampled for every logits row by the device sampler ([`Backend::set_sampling`],
+    /// called before the step with one entry per logits row and returning `true`).
+    Sample { v_eff: usize },
+}
+
+/// The result of [`Engine::step_sessions`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum Chosen {
+    /// `[k, V]` logits, one row per session that wanted logits, in step order (empty when none
+    /// did).
+    Logits(Vec<f32>),
+    /// One id per session that wanted logits, in step order.
+    Ids(Vec<u32>),
 }
 
 /// The prompt-step buffers `slot` holds, first (re)allocated when they cannot hold a step of

@@ -10,6 +10,7 @@ pub mod config;
 pub mod engine;
 pub mod model;
 pub mod numerics;
+pub mod runtime;
 pub mod sampling;
 pub mod session;
 pub mod synth;

@@ -238,17 +238,139 @@ impl Snapshot {
 /// Snapshots of states by token prefix, within a memory budget, least recently used evicted
 /// first. The state after a prefix does not depend on the session that computed it, so one
 /// cache serves every session of a model.
+///
+/// The prefixes are the paths of a token trie: finding the longest snapshot that prefixes a
+/// prompt walks the prompt once (`O(len · log fan-out)`), whatever the number of snapshots.
 #[derive(Debug)]
 pub struct PrefixCache {
     config: SnapshotConfig,
-    entries: Vec<Snapshot>,
+    /// Snapshots by slab index (`None`: a free index).
+    entries: Vec<Option<Snapshot>>,
+    free: Vec<usize>,
+    /// `last_used → entry`, oldest first.
+    lru: std::collections::BTreeMap<u64, usize>,
+    trie: Trie,
     bytes: u64,
     clock: u64,
+    /// Lookups that found a snapshot, and the tokens those snapshots held.
+    hits: u64,
+    reused_tokens: u64,
+    lookups: u64,
+}
+
+/// A token trie whose nodes may mark a snapshot (node 0 is the empty prefix).
+#[derive(Debug)]
+struct Trie {
+    nodes: Vec<TrieNode>,
+    free: Vec<usize>,
+}
+
+#[derive(Debug, Default)]
+struct TrieNode {
+    /// `(token, child node)`, sorted by token.
+    children: Vec<(u32, usize)>,
+    parent: usize,
+    token: u32,
+    /// The snapshot of this prefix (an index into `PrefixCache::entries`).
+    entry: Option<usize>,
+}
+
+impl Trie {
+    fn new() -> Self {
+        Self { nodes: vec![TrieNode::default()], free: Vec::new() }
+    }
+
+    fn child(&self, node: usize, token: u32) -> Option<usize> {
+        let c = &self.nodes[node].children;
+        c.binary_search_by_key(&token, |&(t, _)| t).ok().map(|i| c[i].1)
+    }
+
+    /// The node of `tokens`, if present.
+    fn find(&self, tokens: &[u32]) -> Option<usize> {
+        tokens.iter().try_fold(0, |n, &t| self.child(n, t))
+    }
+
+    /// The node of `tokens`, created as needed.
+    fn insert(&mut self, tokens: &[u32]) -> usize {
+        let mut n = 0;
+        for &t in tokens {
+            n = match self.nodes[n].children.binary_search_by_key(&t, |&(c, _)| c) {
+                Ok(i) => self.nodes[n].children[i].1,
+                Err(i) => {
+                    let node = TrieNode { children: Vec::new(), parent: n, token: t, entry: None };
+                    let id = match self.free.pop() {
+                        Some(id) => {
+                            self.nodes[id] = node;
+                            id
+                        }
+                        None => {
+                            self.nodes.push(node);
+                            self.nodes.len() - 1
+                        }
+                    };
+                    self.nodes[n].children.insert(i, (t, id));
+                    id
+                }
+            };
+        }
+        n
+    }
+
+    /// Clears the mark of `node` and removes the nodes that then lead to no snapshot.
+    fn remove(&mut self, mut node: usize) {
+        self.nodes[node].entry = None;
+        while node != 0 && self.nodes[node].entry.is_none() && self.nodes[node].children.is_empty() {
+            let (parent, token) = (self.nodes[node].parent, self.nodes[node].token);
+            let c = &mut self.nodes[parent].children;
+            if let Ok(i) = c.binary_search_by_key(&token, |&(t, _)| t) {
+                c.remove(i);
+            }
+            self.free.push(node);
+            node = parent;
+        }
+    }
+
+    /// The deepest marked node along `ids[..max_len]`.
+    fn longest(&self, ids: &[u32], max_len: usize) -> Option<usize> {
+        let mut best = None;
+        let mut n = 0;
+        for &t in &ids[..max_len.min(ids.len())] {
+            match self.child(n, t) {
+                Some(c) => n = c,
+                None => break,
+            }
+            if let Some(e) = self.nodes[n].entry {
+                best = Some(e);
+            }
+        }
+        best
+    }
+}
+
+/// Counters of a [`PrefixCache`] since it was made.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixStats {
+    /// Prompt lookups, and those that found a snapshot.
+    pub lookups: u64,
+    pub hits: u64,
+    /// Prompt tokens those snapshots covered.
+    pub reused_tokens: u64,
 }
 
 impl PrefixCache {
     pub fn new(config: SnapshotConfig) -> Self {
-        Self { config, entries: Vec::new(), bytes: 0, clock: 0 }
+        Self {
+            config,
+            entries: Vec::new(),
+            free: Vec::new(),
+            lru: std::collections::BTreeMap::new(),
+            trie: Trie::new(),
+            bytes: 0,
+            clock: 0,
+            hits: 0,
+            reused_tokens: 0,
+            lookups: 0,
+        }
     }
 
     pub fn config(&self) -> SnapshotConfig {
@@ -263,11 +385,11 @@ impl PrefixCache {
 
     /// Number of snapshots held.
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.lru.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.lru.is_empty()
     }
 
     /// Bytes held by all snapshots.
@@ -275,24 +397,38 @@ impl PrefixCache {
         self.bytes
     }
 
+    /// Lookups, hits and reused tokens so far ([`PrefixCache::lookup`]).
+    pub fn stats(&self) -> PrefixStats {
+        PrefixStats { lookups: self.lookups, hits: self.hits, reused_tokens: self.reused_tokens }
+    }
+
     /// The snapshots, in no particular order.
     pub fn iter(&self) -> impl Iterator<Item = &Snapshot> {
-        self.entries.iter()
+        self.entries.iter().flatten()
     }
 
     /// Drops every snapshot.
     pub fn clear(&mut self) {
         self.entries.clear();
+        self.free.clear();
+        self.lru.clear();
+        self.trie = Trie::new();
         self.bytes = 0;
+    }
+
+    fn mark_used(&mut self, e: usize) {
+        self.clock += 1;
+        let entry = self.entries[e].as_mut().expect("a live entry");
+        self.lru.remove(&entry.last_used);
+        entry.last_used = self.clock;
+        self.lru.insert(self.clock, e);
     }
 
     /// Whether a snapshot of exactly `tokens` is held (marks it used).
     pub fn touch(&mut self, tokens: &[u32]) -> bool {
-        self.clock += 1;
-        let now = self.clock;
-        match self.entries.iter_mut().find(|e| e.tokens == tokens) {
+        match self.trie.find(tokens).and_then(|n| self.trie.nodes[n].entry) {
             Some(e) => {
-                e.last_used = now;
+                self.mark_used(e);
                 true
             }
             None => false,
@@ -315,7 +451,20 @@ impl PrefixCache {
         }
         self.evict_to(self.config.budget_bytes - bytes);
         self.clock += 1;
-        self.entries.push(Snapshot { tokens: tokens.to_vec(), state, bytes, last_used: self.clock });
+        let snap = Snapshot { tokens: tokens.to_vec(), state, bytes, last_used: self.clock };
+        let e = match self.free.pop() {
+            Some(e) => {
+                self.entries[e] = Some(snap);
+                e
+            }
+            None => {
+                self.entries.push(Some(snap));
+                self.entries.len() - 1
+            }
+        };
+        let node = self.trie.insert(tokens);
+        self.trie.nodes[node].entry = Some(e);
+        self.lru.insert(self.clock, e);
         self.bytes += bytes;
         true
     }
@@ -323,23 +472,30 @@ impl PrefixCache {
     /// The longest snapshot whose tokens are a prefix of `ids` and at most `max_len` long;
     /// marks it used.
     pub fn longest_prefix(&mut self, ids: &[u32], max_len: usize) -> Option<&Snapshot> {
-        let best = self
-            .entries
-            .iter()
-            .enumerate()
-            .filter(|(_, e)| e.tokens.len() <= max_len && ids.starts_with(&e.tokens))
-            .max_by_key(|(_, e)| e.tokens.len())
-            .map(|(i, _)| i)?;
-        self.clock += 1;
-        self.entries[best].last_used = self.clock;
-        Some(&self.entries[best])
+        let e = self.trie.longest(ids, max_len)?;
+        self.mark_used(e);
+        self.entries[e].as_ref()
+    }
+
+    /// [`PrefixCache::longest_prefix`] for a new prompt, counted in [`PrefixCache::stats`].
+    pub fn lookup(&mut self, ids: &[u32], max_len: usize) -> Option<&Snapshot> {
+        self.lookups += 1;
+        let e = self.trie.longest(ids, max_len)?;
+        self.hits += 1;
+        self.mark_used(e);
+        let snap = self.entries[e].as_ref().expect("a live entry");
+        self.reused_tokens += snap.tokens.len() as u64;
+        Some(snap)
     }
 
     fn evict_to(&mut self, budget: u64) {
         while self.bytes > budget {
-            let (i, _) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).expect("bytes > 0 means entries");
-            let e = self.entries.swap_remove(i);
-            self.bytes -= e.bytes;
+            let (_, e) = self.lru.pop_first().expect("bytes > 0 means entries");
+            let snap = self.entries[e].take().expect("a live entry");
+            self.free.push(e);
+            let node = self.trie.find(&snap.tokens).expect("every entry has its node");
+            self.trie.remove(node);
+            self.bytes -= snap.bytes;
         }
     }
 }

@@ -401,7 +401,18 @@ impl Tokenizer {
     /// An incremental detokenizer for generated ids (see [`TokenStream`]).
     pub fn stream(&self) -> TokenStream<'_> {
         TokenStream {
-            tokenizer: self,
+            tokenizer: TokenizerRef::Borrowed(self),
+            ids: Vec::new(),
+            read_offset: 0,
+            prefix: String::new(),
+        }
+    }
+
+    /// [`Tokenizer::stream`] holding a shared handle, so the stream can live apart from any
+    /// borrow (one per running sequence of the batched runtime).
+    pub fn stream_shared(self: &std::sync::Arc<Self>) -> TokenStream<'static> {
+        TokenStream {
+            tokenizer: TokenizerRef::Shared(self.clone()),
             ids: Vec::new(),
             read_offset: 0,
             prefix: String::new(),
@@ -1191,13 +1202,29 @@ fn write_python_string(s: &str, ensure_ascii: bool, out: &mut String) {
 /// because it cannot flush a held-back tail at the end of generation, which
 /// [`finish`](Self::finish) does.
 pub struct TokenStream<'a> {
-    tokenizer: &'a Tokenizer,
+    tokenizer: TokenizerRef<'a>,
     /// Ids of the last emitted chunk (context), then ids not yet emitted.
     ids: Vec<u32>,
     /// `ids[..read_offset]` is the context.
     read_offset: usize,
     /// Decoded text of the context.
     prefix: String,
+}
+
+/// The tokenizer a [`TokenStream`] decodes with: borrowed, or shared.
+enum TokenizerRef<'a> {
+    Borrowed(&'a Tokenizer),
+    Shared(std::sync::Arc<Tokenizer>),
+}
+
+impl std::ops::Deref for TokenizerRef<'_> {
+    type Target = Tokenizer;
+    fn deref(&self) -> &Tokenizer {
+        match self {
+            TokenizerRef::Borrowed(t) => t,
+            TokenizerRef::Shared(t) => t,
+        }
+    }
 }
 
 impl std::fmt::Debug for TokenStream<'_> {
