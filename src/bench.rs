@@ -202,3 +202,104 @@ mod tests {
         assert!((0..50).all(|v| a.contains(&v)));
     }
 }
+
+/// The figures of one concurrency level ([`concurrent`]).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Concurrent {
+    /// Requests submitted together.
+    pub concurrency: usize,
+    pub prompt_tokens: usize,
+    pub generated_tokens: usize,
+    /// Tokens per second of all sequences together while all of them decode: tokens emitted
+    /// after the last sequence's first token, over the time from then to the last token.
+    pub decode_tokens_per_second: f64,
+    /// Every token of every sequence over the whole run (prompts included).
+    pub total_tokens_per_second: f64,
+    /// Time to first token, seconds (from submission).
+    pub ttft_median: f64,
+    pub ttft_p99: f64,
+    /// Gaps between a sequence's consecutive tokens, seconds.
+    pub itl_median: f64,
+    pub itl_p99: f64,
+    /// The runtime's own work per tick outside the model steps, as a share of the ticks' time.
+    pub host_share: f64,
+    pub seconds: f64,
+}
+
+/// The `q`-quantile of a sample (nearest rank).
+fn quantile(xs: &mut [f64], q: f64) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let i = ((q * xs.len() as f64).ceil() as usize).clamp(1, xs.len()) - 1;
+    xs[i]
+}
+
+/// Submits `c` greedy requests of `prompt_len` distinct ids each, every one generating exactly
+/// `generate` tokens (no end-of-sequence ids), all at once, and times their tokens.
+///
+/// # Errors
+/// A request the runtime refuses, or one that does not finish by length.
+pub fn concurrent(rt: &crate::runtime::Runtime, c: usize, prompt_len: usize, generate: usize, seed: u64) -> Result<Concurrent, String> {
+    use crate::runtime::{Event, FinishReason, Request, StopRules};
+    use std::time::Instant;
+    let vocab = rt.info().v_eff;
+    let before = rt.stats();
+    let t0 = Instant::now();
+    let mut handles = Vec::with_capacity(c);
+    for i in 0..c {
+        let r = Request::new(ids(prompt_len, vocab, seed + i as u64), SamplingParams::greedy(), StopRules { eos_ids: Vec::new(), strings: Vec::new(), max_tokens: Some(generate) });
+        handles.push(rt.submit(r).map_err(|e| e.to_string())?);
+    }
+    // Token times per sequence (read in turn: the channels keep every event).
+    let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(generate); c];
+    let mut open: Vec<bool> = vec![true; c];
+    while open.iter().any(|&o| o) {
+        let mut idle = true;
+        for (i, h) in handles.iter_mut().enumerate() {
+            if !open[i] {
+                continue;
+            }
+            while let Some(ev) = h.try_next() {
+                idle = false;
+                match ev {
+                    Event::Token(_) => times[i].push(t0.elapsed().as_secs_f64()),
+                    Event::Finished(f) => {
+                        open[i] = false;
+                        if f.reason != FinishReason::Length {
+                            return Err(format!("request {i} ended by {:?}", f.reason));
+                        }
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if idle {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+    }
+    let seconds = t0.elapsed().as_secs_f64();
+    let after = rt.stats();
+    let all_started = times.iter().filter_map(|t| t.first().copied()).fold(0.0, f64::max);
+    let end = times.iter().filter_map(|t| t.last().copied()).fold(0.0, f64::max);
+    let in_window = times.iter().flatten().filter(|&&t| t > all_started).count();
+    let mut ttft: Vec<f64> = times.iter().filter_map(|t| t.first().copied()).collect();
+    let mut itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| w[1] - w[0])).collect();
+    let host = (after.host_time - before.host_time).as_secs_f64();
+    let step = (after.step_time - before.step_time).as_secs_f64();
+    Ok(Concurrent {
+        concurrency: c,
+        prompt_tokens: prompt_len,
+        generated_tokens: generate,
+        decode_tokens_per_second: if end > all_started { in_window as f64 / (end - all_started) } else { f64::NAN },
+        total_tokens_per_second: (c * (prompt_len + generate)) as f64 / seconds,
+        ttft_median: quantile(&mut ttft, 0.5),
+        ttft_p99: quantile(&mut ttft, 0.99),
+        itl_median: quantile(&mut itl, 0.5),
+        itl_p99: quantile(&mut itl, 0.99),
+        host_share: host / (host + step),
+        seconds,
+    })
+}

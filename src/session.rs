@@ -968,3 +968,33 @@ mod tests {
         assert!(!c.insert(&ids[..1], state(1, 0.0), 1));
     }
 }
+
+/// A session file's contents, for clients of the batched runtime (which keeps no `Session`s of
+/// theirs): the history, settings, application data and state.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SessionData {
+    pub tokens: Vec<u32>,
+    pub params: SamplingParams,
+    pub meta: String,
+    pub state: SequenceState,
+}
+
+impl SessionData {
+    /// Writes the session file (the format in the module documentation), atomically.
+    ///
+    /// # Errors
+    /// As [`crate::engine::Engine::save_session`].
+    pub fn save(&self, path: &Path, identity: ModelIdentity, cfg: &ModelConfig) -> Result<(), SessionError> {
+        let rec = SessionRecord { tokens: &self.tokens, params: self.params, meta: &self.meta, state: std::borrow::Cow::Borrowed(&self.state) };
+        write_session(path, &rec, identity, cfg)
+    }
+
+    /// Reads a session file written for the model of `identity` and `cfg`.
+    ///
+    /// # Errors
+    /// As [`crate::engine::Engine::load_session`].
+    pub fn load(path: &Path, cfg: &ModelConfig, identity: ModelIdentity) -> Result<Self, SessionError> {
+        let l = read_session(path, cfg, &mut || Ok(identity))?;
+        Ok(Self { tokens: l.tokens, params: l.params, meta: l.meta, state: l.state })
+    }
+}

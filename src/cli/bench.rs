@@ -46,6 +46,12 @@ pub struct BenchArgs {
     /// Also write the figures as JSON to this file.
     #[arg(long = "json")]
     pub json: Option<PathBuf>,
+    /// Instead of the phases: this many requests at once through the batched runtime, for each
+    /// value given (e.g. 1,8,32,64), each with a prompt of the first --n-prompt length and
+    /// --n-gen generated tokens; reports aggregate decode tokens/s, inter-token latency and time
+    /// to first token.
+    #[arg(long = "concurrency", value_delimiter = ',')]
+    pub concurrency: Option<Vec<usize>>,
 }
 
 /// What the device can do at best, measured in this run.
@@ -171,6 +177,9 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         MatrixData::Float { dtype, .. } => format!("{dtype:?}"),
     };
     let model_summary = format!("{:.3} B parameters, {quant}, {} layers, hidden {}", costs.parameters as f64 / 1e9, host.config.num_hidden_layers, host.config.hidden_size);
+    if let Some(levels) = &a.concurrency {
+        return concurrency(&a, &dir, host, levels);
+    }
     let plan = Plan { prompt_lens: a.prompts.clone(), decode_contexts: a.contexts.clone(), decode_tokens: a.decode_tokens, repeats: a.repeats };
     match a.device {
         super::Device::Cuda(n) => {
@@ -348,6 +357,61 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         let s = serde_json::to_string_pretty(&r)?;
         std::fs::write(path, s + "\n").with_context(|| format!("writing {}", path.display()))?;
         eprintln!("figures written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// `bench --concurrency`: requests submitted together through the runtime, per level.
+fn concurrency(a: &BenchArgs, dir: &std::path::Path, host: HostModel, levels: &[usize]) -> Result<()> {
+    use std::sync::Arc;
+    use tensorfold::runtime::{Runtime, RuntimeConfig};
+    if levels.is_empty() || levels.contains(&0) {
+        bail!("--concurrency: give levels of at least 1, e.g. 1,8,32,64");
+    }
+    let max = levels.iter().copied().max().unwrap_or(1);
+    let prompt = a.prompts[0];
+    let cfg = RuntimeConfig { max_seqs: max, max_waiting: max, max_batch_tokens: a.chunk.max(max), chunk: a.chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
+    let (chunk, threads) = (a.chunk, a.threads);
+    let host = Arc::new(host);
+    let h = host.clone();
+    let rt = match a.device {
+        super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> {
+            let cpu = match threads {
+                Some(t) => Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), t),
+                None => Cpu::new(),
+            };
+            Ok(Engine::new(Model::new(&h, cpu)?, chunk)?)
+        }),
+        super::Device::Cuda(n) => Runtime::start(cfg, None, move || -> Result<_> {
+            let gpu = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            Ok(Engine::new(Model::new(&h, gpu)?, chunk)?)
+        }),
+    }?;
+    println!("model: {} ({}), commit {}", dir.display(), rt.info().backend, commit());
+    println!("{:>5} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}", "conc", "prompt", "gen", "decode t/s", "total t/s", "ttft med", "ttft p99", "itl med", "itl p99", "host %");
+    let mut rows = Vec::new();
+    for &c in levels {
+        // Warm-up at this size (a device records its graphs for this batch shape).
+        tensorfold::bench::concurrent(&rt, c, prompt.min(16), 4, 1).map_err(anyhow::Error::msg)?;
+        let r = tensorfold::bench::concurrent(&rt, c, prompt, a.decode_tokens, 1000).map_err(anyhow::Error::msg)?;
+        println!(
+            "{:>5} {:>7} {:>5} {:>12.1} {:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms {:>6.2}%",
+            c,
+            prompt,
+            a.decode_tokens,
+            r.decode_tokens_per_second,
+            r.total_tokens_per_second,
+            r.ttft_median * 1e3,
+            r.ttft_p99 * 1e3,
+            r.itl_median * 1e3,
+            r.itl_p99 * 1e3,
+            r.host_share * 100.0
+        );
+        rows.push(r);
+    }
+    if let Some(p) = &a.json {
+        let j = serde_json::json!({ "tool": "tensorfold bench --concurrency", "commit": commit(), "model": dir.display().to_string(), "backend": rt.info().backend, "levels": rows });
+        std::fs::write(p, serde_json::to_string_pretty(&j)?).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 
 use std::io::{BufRead, IsTerminal, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -11,8 +12,9 @@ use tensorfold::backend::cpu::Cpu;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
-use tensorfold::sampling::Sampler;
-use tensorfold::session::{Session, SnapshotConfig, DEFAULT_SNAPSHOT_EVERY};
+use tensorfold::runtime::{Event, FinishReason, Request, Runtime, RuntimeConfig, Saved, StopRules};
+use tensorfold::sampling::SamplingParams;
+use tensorfold::session::{ModelIdentity, SessionData, SnapshotConfig, DEFAULT_SNAPSHOT_EVERY};
 use tensorfold::tokenizer::{ChatMessage, Tokenizer};
 
 use super::run::{checkpoint_params, SamplingArgs};
@@ -40,6 +42,9 @@ pub struct ChatArgs {
     /// Memory all snapshots may hold, in MiB (least recently used go first); 0 turns them off.
     #[arg(long = "snapshot-budget", value_name = "MiB", default_value_t = 1024)]
     pub snapshot_budget: u64,
+    /// cpu, cuda, cuda:N or auto (a GPU when one is present).
+    #[arg(long = "device", default_value = "auto")]
+    pub device: super::Device,
 }
 
 const HELP: &str = "commands: /save FILE, /load FILE, /reset, /quit (anything else is your message)";
@@ -53,7 +58,7 @@ struct Meta {
 pub fn chat(a: ChatArgs) -> Result<()> {
     let dir = super::model_dir(a.model.as_deref())?;
     let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
-    let tokenizer = Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?);
     let Some(template) = tokenizer.chat_template() else {
         bail!(
             "{}: the model has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja); `tensorfold chat` needs one (use `tensorfold run` for plain completion)",
@@ -64,21 +69,36 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let params = a.sampling.apply(checkpoint_params(&gc, dir.join("generation_config.json").exists()));
     params.validate()?;
 
-    let backend = Cpu::new();
-    let describe = tensorfold::backend::Backend::describe(&backend);
-    let model = Model::new(&host, backend)?;
-    let mut engine = Engine::new(model, a.chunk)?.with_model_dir(&dir);
-    engine.set_snapshots(SnapshotConfig { every: a.snapshot_every, budget_bytes: a.snapshot_budget.saturating_mul(1 << 20) });
-    let mut s = engine.new_session(params)?;
+    let boundary_ids: Vec<u32> = tokenizer.token_to_id("<|im_start|>").into_iter().collect();
+    let cfg = RuntimeConfig {
+        max_seqs: 1,
+        max_batch_tokens: a.chunk,
+        chunk: a.chunk,
+        max_waiting: 1,
+        state_budget: u64::MAX,
+        snapshots: SnapshotConfig { every: a.snapshot_every, budget_bytes: a.snapshot_budget.saturating_mul(1 << 20) },
+        boundary_ids,
+    };
+    let (chunk, model_dir) = (a.chunk, dir.clone());
+    let host = Arc::new(host);
+    let h = host.clone();
+    let runtime = match a.device {
+        super::Device::Cpu => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?.with_model_dir(model_dir)) }),
+        super::Device::Cuda(n) => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
+            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
+        }),
+    }?;
     let interactive = std::io::stdin().is_terminal();
-    eprintln!("model: {} ({describe}); {HELP}", dir.display());
+    eprintln!("model: {} ({}); {HELP}", dir.display(), runtime.info().backend);
+    let identity = || ModelIdentity::of_dir(&dir);
+    // The conversation's state after the last reply (what /save writes; the next turn resumes it).
+    let mut last: Option<Saved> = None;
+    let mut params = params;
 
     let system: Vec<ChatMessage> = a.system.iter().map(|t| ChatMessage::new("system", t.clone())).collect();
     let mut messages = system.clone();
-    let n_ids = tokenizer.vocab_size().min(host.config.vocab_size);
-    let max_new = if a.n_predict < 0 { usize::MAX } else { a.n_predict as usize };
-    let max_pos = host.config.max_position_embeddings;
-    let mut sampler = Sampler::new();
+    let max_new = if a.n_predict < 0 { None } else { Some(a.n_predict as usize) };
     let stdin = std::io::stdin();
     let mut lines = stdin.lock().lines();
     loop {
@@ -97,29 +117,33 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             match name {
                 "quit" | "exit" => break,
                 "reset" => {
-                    engine.reset(&mut s)?;
+                    last = None;
                     messages = system.clone();
                     eprintln!("(conversation reset)");
                 }
                 "save" if !arg.is_empty() => {
-                    s.meta = serde_json::to_string(&Meta { messages: messages.clone() })?;
-                    match engine.save_session(&s, Path::new(arg)) {
-                        Ok(()) => eprintln!("(session saved to {arg}: {} tokens, {} messages)", s.tokens().len(), messages.len()),
+                    let Some(st) = &last else {
+                        eprintln!("(nothing to save yet: the conversation is empty)");
+                        continue;
+                    };
+                    let data = SessionData { tokens: st.tokens.clone(), params, meta: serde_json::to_string(&Meta { messages: messages.clone() })?, state: st.state.clone() };
+                    match identity().and_then(|id| data.save(Path::new(arg), id, &host.config)) {
+                        Ok(()) => eprintln!("(session saved to {arg}: {} tokens, {} messages)", data.tokens.len(), messages.len()),
                         Err(e) => eprintln!("error: {e}"),
                     }
                 }
-                "load" if !arg.is_empty() => match engine.load_session(Path::new(arg)) {
-                    Ok(loaded) => {
-                        let old = std::mem::replace(&mut s, loaded);
-                        engine.free_session(old)?;
-                        messages = match serde_json::from_str::<Meta>(&s.meta) {
+                "load" if !arg.is_empty() => match identity().and_then(|id| SessionData::load(Path::new(arg), &host.config, id)) {
+                    Ok(data) => {
+                        messages = match serde_json::from_str::<Meta>(&data.meta) {
                             Ok(m) => m.messages,
                             Err(_) => {
                                 eprintln!("(the session holds no conversation; the next message starts one)");
                                 system.clone()
                             }
                         };
-                        eprintln!("(session loaded from {arg}: {} tokens, {} messages)", s.tokens().len(), messages.len());
+                        params = a.sampling.apply(data.params);
+                        eprintln!("(session loaded from {arg}: {} tokens, {} messages)", data.tokens.len(), messages.len());
+                        last = Some(Saved { tokens: data.tokens, state: data.state });
                     }
                     Err(e) => eprintln!("error: {e}"),
                 },
@@ -128,7 +152,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             continue;
         }
         messages.push(ChatMessage::new("user", line));
-        match turn(&mut engine, &mut s, &tokenizer, template, &messages, &mut sampler, n_ids, max_new, max_pos) {
+        match turn(&runtime, &tokenizer, template, &messages, params, max_new, &mut last) {
             Ok(reply) => messages.push(ChatMessage::new("assistant", reply)),
             Err(e) => {
                 messages.pop();
@@ -136,67 +160,61 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             }
         }
     }
-    engine.free_session(s)?;
     Ok(())
 }
 
-/// One exchange: renders `messages`, feeds what the session lacks, streams the reply to stdout
-/// and returns its text.
-#[allow(clippy::too_many_arguments)]
-fn turn(
-    engine: &mut Engine<Cpu>,
-    s: &mut Session,
-    tokenizer: &Tokenizer,
-    template: &tensorfold::tokenizer::ChatTemplate,
-    messages: &[ChatMessage],
-    sampler: &mut Sampler,
-    n_ids: usize,
-    max_new: usize,
-    max_pos: usize,
-) -> Result<String> {
+/// One exchange: renders `messages`, submits them (the runtime feeds only what its state or a
+/// snapshot lacks), streams the reply to stdout and returns its text; `last` becomes the state
+/// after the reply.
+fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokenizer::ChatTemplate, messages: &[ChatMessage], params: SamplingParams, max_new: Option<usize>, last: &mut Option<Saved>) -> Result<String> {
     // Templates write their own special tokens, so none are added (as transformers).
     let ids = tokenizer.encode_with(&template.render(messages, true, &Default::default())?, false)?;
-    let (reuse, logits) = engine.prompt(s, &ids, &mut |_, _| {})?;
-    let mut logits = logits.to_vec();
+    let mut req = Request::new(ids.clone(), params, StopRules { eos_ids: tokenizer.eos_ids().to_vec(), strings: Vec::new(), max_tokens: max_new });
+    req.resume = last.clone();
+    req.return_state = true;
+    let mut h = runtime.submit(req)?;
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    let mut stream = tokenizer.stream();
     let mut reply = String::new();
-    let mut generated = 0;
-    let mut stop = "length";
-    while generated < max_new {
-        let next = s.sample(sampler, &logits[..n_ids]);
-        s.push(next);
-        generated += 1;
-        if tokenizer.is_eos(next) {
-            stop = "eos";
-            break;
+    let mut cached = 0;
+    let mut finished = None;
+    while let Some(ev) = h.blocking_next() {
+        match ev {
+            Event::Started { cached_tokens } => cached = cached_tokens,
+            Event::Token(t) => {
+                write!(out, "{}", t.text)?;
+                out.flush()?;
+                reply.push_str(&t.text);
+            }
+            Event::Finished(f) => {
+                finished = Some(f);
+                break;
+            }
+            _ => {}
         }
-        if let Some(t) = stream.push(next)? {
-            write!(out, "{t}")?;
-            out.flush()?;
-            reply.push_str(&t);
-        }
-        if generated == max_new || s.tokens().len() >= max_pos {
-            stop = if generated == max_new { "length" } else { "context" };
-            break;
-        }
-        logits = engine.feed(s, &[], false, &mut |_, _| {})?.to_vec();
     }
-    let rest = stream.finish();
-    reply.push_str(&rest);
-    writeln!(out, "{rest}")?;
+    writeln!(out)?;
     out.flush()?;
+    let f = finished.context("the runtime stopped during the reply")?;
+    if let FinishReason::Error(e) = &f.reason {
+        bail!("{e}");
+    }
+    *last = f.saved;
+    let stop = match f.reason {
+        FinishReason::Eos(_) | FinishReason::StopString(_) => "eos",
+        FinishReason::Length => "length",
+        _ => "context",
+    };
+    let st = runtime.stats();
     eprintln!(
-        "[prompt {} tokens: {} reused{}, {} processed | reply {} tokens, stopped by {} | {} snapshots, {:.1} MiB]",
+        "[prompt {} tokens: {} reused, {} processed | reply {} tokens, stopped by {} | {} snapshots, {:.1} MiB]",
         ids.len(),
-        reuse.reused,
-        if reuse.from_snapshot { " from a snapshot" } else { "" },
-        reuse.processed,
-        generated,
+        cached,
+        ids.len() - cached,
+        f.usage.completion_tokens,
         stop,
-        engine.snapshots().len(),
-        engine.snapshots().bytes() as f64 / (1 << 20) as f64
+        st.snapshots,
+        st.snapshot_bytes as f64 / (1 << 20) as f64
     );
     Ok(reply)
 }

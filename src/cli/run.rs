@@ -7,11 +7,12 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::Cpu;
-use tensorfold::backend::Backend;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
-use tensorfold::sampling::{SamplingParams, Sampler};
+use tensorfold::runtime::{Event, FinishReason, Request, Runtime, RuntimeConfig, Saved, StopRules};
+use tensorfold::sampling::SamplingParams;
+use tensorfold::session::{ModelIdentity, SessionData};
 use tensorfold::tokenizer::{ChatMessage, Tokenizer};
 
 #[derive(Args, Debug)]
@@ -237,51 +238,77 @@ pub fn run(a: RunArgs) -> Result<()> {
         bail!("prompt id {bad} is outside the model's vocabulary (vocab_size {vocab})");
     }
 
-    match a.device {
-        super::Device::Cpu => generate(&a, &dir, &host, tokenizer.as_ref(), &prompt_ids, params, Cpu::new(), t_load),
-        super::Device::Cuda(n) => {
-            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-            generate(&a, &dir, &host, tokenizer.as_ref(), &prompt_ids, params, backend, t_load)
+    // Fail before any work on what would fail after it.
+    for (flag, path) in [("--save-session", &a.save_session), ("--dump-logits", &a.dump_logits)] {
+        if let Some(p) = path {
+            check_output_path(flag, p)?;
         }
     }
+    let resume = match &a.load_session {
+        Some(path) => {
+            let identity = ModelIdentity::of_dir(&dir)?;
+            let mut data = SessionData::load(path, &host.config, identity).context("loading the session")?;
+            // The session's own settings (seed included), with the flags given over them.
+            data.params = a.sampling.apply(data.params);
+            data.params.validate()?;
+            if data.state.position == data.tokens.len() && prompt_ids.is_empty() {
+                bail!("{}: the session has consumed all its {} tokens; pass a prompt (-p, -f, --prompt-ids) to continue it", path.display(), data.state.position);
+            }
+            eprintln!("session: {} tokens ({} to process) from {}", data.tokens.len(), data.tokens.len() - data.state.position, path.display());
+            Some(data)
+        }
+        None => None,
+    };
+    let max_pos = host.config.max_position_embeddings;
+    let total_prompt = resume.as_ref().map_or(0, |d| d.tokens.len()) + prompt_ids.len();
+    if total_prompt > max_pos {
+        bail!("the prompt holds {total_prompt} tokens; the model's context is {max_pos} tokens (max_position_embeddings in {})", dir.join("config.json").display());
+    }
+    let tokenizer = tokenizer.map(std::sync::Arc::new);
+    let cfg = RuntimeConfig { max_seqs: 1, max_batch_tokens: a.chunk, chunk: a.chunk, max_waiting: 1, state_budget: u64::MAX, ..RuntimeConfig::default() };
+    let chunk = a.chunk;
+    let model_dir = dir.clone();
+    let host = std::sync::Arc::new(host);
+    let h = host.clone();
+    let runtime = match a.device {
+        super::Device::Cpu => Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?.with_model_dir(model_dir)) }),
+        super::Device::Cuda(n) => Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> {
+            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
+        }),
+    }?;
+    generate(&a, &dir, &host, tokenizer.as_deref(), prompt_ids, params, resume, runtime, t_load)
 }
 
-/// Prompt processing and generation on one backend.
+/// Refuses an output path that cannot be written (a directory, a missing parent) before any
+/// work is done.
+fn check_output_path(flag: &str, p: &std::path::Path) -> Result<()> {
+    if p.is_dir() {
+        bail!("{flag} {}: is a directory; give a file name", p.display());
+    }
+    let parent = p.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(std::path::Path::new("."));
+    if !parent.is_dir() {
+        bail!("{flag} {}: the directory {} does not exist", p.display(), parent.display());
+    }
+    Ok(())
+}
+
+/// Prompt processing and generation through the runtime: one request, its events streamed.
 #[allow(clippy::too_many_arguments)]
-fn generate<B: Backend>(
+fn generate(
     a: &RunArgs,
     dir: &std::path::Path,
     host: &HostModel,
     tokenizer: Option<&Tokenizer>,
-    prompt_ids: &[u32],
+    prompt_ids: Vec<u32>,
     params: SamplingParams,
-    backend: B,
+    resume: Option<SessionData>,
+    runtime: Runtime,
     t_load: Instant,
 ) -> Result<()> {
-    let describe = backend.describe();
-    let model = Model::new(host, backend)?;
-    let mut engine = Engine::new(model, a.chunk)?.with_model_dir(dir);
-    let mut seq = match &a.load_session {
-        Some(path) => {
-            let mut s = engine.load_session(path).context("loading the session")?;
-            // The session's own settings (seed included), with the flags given over them.
-            s.params = a.sampling.apply(s.params);
-            s.params.validate()?;
-            if s.pending().is_empty() && prompt_ids.is_empty() {
-                bail!("{}: the session has consumed all its {} tokens; pass a prompt (-p, -f, --prompt-ids) to continue it", path.display(), s.position());
-            }
-            eprintln!("session: {} tokens ({} to process) from {}", s.tokens().len(), s.pending().len(), path.display());
-            s
-        }
-        None => engine.new_session(params)?,
-    };
-    let load_time = t_load.elapsed();
-    eprintln!("model: {} ({describe}), loaded in {:.2} s", dir.display(), load_time.as_secs_f64());
-    let start = seq.position();
-
-    // Sampling only among ids the tokenizer can decode (the logits row is padded past them).
+    let info = runtime.info().clone();
+    eprintln!("model: {} ({}), loaded in {:.2} s", dir.display(), info.backend, t_load.elapsed().as_secs_f64());
     let vocab = host.config.vocab_size;
-    let n_ids = tokenizer.map_or(vocab, |t| t.vocab_size().min(vocab));
     // End-of-sequence ids: the tokenizer's union, else config.json's and generation_config.json's.
     let eos: Vec<u32> = match tokenizer {
         Some(t) => t.eos_ids().to_vec(),
@@ -291,55 +318,32 @@ fn generate<B: Backend>(
             v
         }
     };
-    let is_eos = |id: u32| eos.contains(&id);
     let dump = a.dump_logits.is_some();
-    let mut dumped: Vec<f32> = Vec::new();
-    let mut dumped_ids: Vec<u32> = Vec::new();
+    let meta = resume.as_ref().map(|d| d.meta.clone()).unwrap_or_default();
+    let (mut prompt, params, resume) = match resume {
+        Some(d) => (d.tokens.clone(), d.params, Some(Saved { tokens: d.tokens, state: d.state })),
+        None => (Vec::new(), params, None),
+    };
+    let start = resume.as_ref().map_or(0, |r| r.state.position);
+    prompt.extend_from_slice(&prompt_ids);
+    let max_tokens = if a.n_predict < 0 { None } else { Some(a.n_predict as usize) };
+    let mut req = Request::new(prompt.clone(), params, StopRules { eos_ids: eos, strings: Vec::new(), max_tokens });
+    req.resume = resume;
+    req.return_state = a.save_session.is_some();
+    req.prompt_logits = dump;
+    req.return_logits = dump;
+    req.progress = true;
+    let t_prompt = Instant::now();
+    let mut handle = runtime.submit(req)?;
 
-    // Prompt processing, with a progress bar when it is long.
-    let bar = if prompt_ids.len() > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
-        let b = indicatif::ProgressBar::new(prompt_ids.len() as u64);
+    // A progress bar when the prompt is long.
+    let bar = if prompt.len() - start > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new((prompt.len() - start) as u64);
         b.set_style(indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({per_sec}, eta {eta})").unwrap());
         Some(b)
     } else {
         None
     };
-    let t_prompt = Instant::now();
-    let mut progress = |done: usize, _: usize| {
-        if let Some(b) = &bar {
-            b.set_position(done as u64);
-        }
-    };
-    // Greedy decoding without penalties or logits dumps takes the argmax where the logits are
-    // (on a GPU, inside the step's graph); otherwise the logits come back and the sampler runs here.
-    let p = seq.params;
-    let greedy = p.temperature <= 0.0 || p.temperature.is_nan() || p.top_k == 1;
-    let penalties = p.repeat_last_n != 0 && (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
-    let device_greedy = greedy && !penalties && !dump;
-    // Other settings sample on the device where the backend can (the same ids either way).
-    let mut device_sample = !greedy && !dump;
-    let mut next_greedy = None;
-    let mut logits = Vec::new();
-    if device_greedy {
-        next_greedy = Some(engine.feed_greedy(&mut seq, prompt_ids, n_ids, &mut progress)?);
-    } else if device_sample {
-        next_greedy = engine.feed_sample(&mut seq, prompt_ids, n_ids, &mut progress)?;
-        device_sample = next_greedy.is_some();
-    }
-    if next_greedy.is_none() {
-        logits = engine.feed(&mut seq, prompt_ids, dump, &mut progress)?.to_vec();
-    }
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
-    let prompt_time = t_prompt.elapsed();
-    let processed = seq.position() - start;
-    if dump {
-        dumped.extend_from_slice(&logits);
-        dumped_ids.extend_from_slice(&seq.tokens()[start..]);
-        logits = logits[logits.len() - vocab..].to_vec();
-    }
-
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     if !a.print_ids {
@@ -350,79 +354,95 @@ fn generate<B: Backend>(
             }
         }
     }
-    let mut stream = tokenizer.map(Tokenizer::stream);
-    let mut sampler = Sampler::new();
-    let max_new = if a.n_predict < 0 { usize::MAX } else { a.n_predict as usize };
-    let max_pos = host.config.max_position_embeddings;
+    let mut dumped: Vec<f32> = Vec::new();
+    let mut dumped_ids: Vec<u32> = prompt[start..].to_vec();
+    let mut prompt_time = None;
     let mut generated = 0usize;
-    let mut gen_time = Duration::ZERO;
-    let mut stop_reason = "length";
-    while generated < max_new {
-        let t = Instant::now();
-        let next = match next_greedy {
-            Some(id) => id,
-            None => seq.sample(&mut sampler, &logits[..n_ids]),
-        };
-        // In the history now, fed on the next step (a session saved after the last token
-        // continues by feeding it).
-        seq.push(next);
-        generated += 1;
-        if a.print_ids {
-            writeln!(out, "{next}")?;
-        } else if !is_eos(next) {
-            if let Some(text) = stream.as_mut().expect("text output has a tokenizer").push(next)? {
-                write!(out, "{text}")?;
+    let mut finished = None;
+    while let Some(ev) = handle.blocking_next() {
+        match ev {
+            Event::Started { cached_tokens } => {
+                if cached_tokens > start {
+                    dumped_ids.drain(..cached_tokens - start);
+                }
             }
-        }
-        out.flush()?;
-        if is_eos(next) {
-            stop_reason = "eos";
-            gen_time += t.elapsed();
-            break;
-        }
-        if generated == max_new || seq.tokens().len() >= max_pos {
-            if generated != max_new {
-                stop_reason = "context";
+            Event::Progress { done, .. } => {
+                if let Some(b) = &bar {
+                    b.set_position((done - start) as u64);
+                }
             }
-            gen_time += t.elapsed();
-            break;
-        }
-        if device_greedy {
-            next_greedy = Some(engine.feed_greedy(&mut seq, &[], n_ids, &mut |_, _| {})?);
-        } else if device_sample {
-            next_greedy = engine.feed_sample(&mut seq, &[], n_ids, &mut |_, _| {})?;
-            if next_greedy.is_none() {
-                anyhow::bail!("the device stopped accepting these sampling settings");
+            Event::PromptLogits(l) => dumped.extend_from_slice(&l),
+            Event::Token(t) => {
+                if prompt_time.is_none() {
+                    prompt_time = Some(t_prompt.elapsed());
+                    if let Some(b) = &bar {
+                        b.finish_and_clear();
+                    }
+                }
+                generated += 1;
+                if a.print_ids {
+                    writeln!(out, "{}", t.id)?;
+                } else {
+                    write!(out, "{}", t.text)?;
+                }
+                out.flush()?;
+                if dump {
+                    // The logits row of each generated id after the first is the row after the
+                    // id before it: rows follow the ids fed.
+                    dumped_ids.push(t.id);
+                    if let Some(l) = t.logits {
+                        if generated > 1 {
+                            dumped.extend_from_slice(&l);
+                        }
+                    }
+                }
             }
-        } else {
-            logits = engine.feed(&mut seq, &[], false, &mut |_, _| {})?.to_vec();
-        }
-        gen_time += t.elapsed();
-        if dump {
-            dumped.extend_from_slice(&logits);
-            dumped_ids.push(next);
+            Event::Finished(f) => {
+                finished = Some(f);
+                break;
+            }
         }
     }
     if !a.print_ids {
-        write!(out, "{}", stream.map(|s| s.finish()).unwrap_or_default())?;
         writeln!(out)?;
     }
     drop(out);
-
-    let rate = |n: usize, d: Duration| if d.as_secs_f64() > 0.0 { n as f64 / d.as_secs_f64() } else { f64::INFINITY };
+    let Some(f) = finished else { bail!("the runtime stopped before the request finished") };
+    if let FinishReason::Error(e) = &f.reason {
+        bail!("generation failed: {e}");
+    }
+    let total = t_prompt.elapsed();
+    let prompt_time = prompt_time.unwrap_or(total);
+    let gen_time = total.saturating_sub(prompt_time);
+    let processed = f.usage.prompt_tokens - f.usage.cached_tokens.max(start);
+    let stop_reason = match &f.reason {
+        FinishReason::Eos(_) | FinishReason::StopString(_) => "eos",
+        FinishReason::Length => "length",
+        FinishReason::ContextFull => "context",
+        FinishReason::Cancelled => "cancel",
+        FinishReason::Error(_) => "error",
+    };
+    // The last generated id is never fed, so its row is not dumped; the dump holds one row per
+    // id fed.
+    if dump {
+        dumped_ids.truncate(dumped.len() / vocab);
+    }
+    let rate = |n: usize, d: Duration| if n == 0 || d.is_zero() { "-".to_string() } else { format!("{:.1}", n as f64 / d.as_secs_f64()) };
     eprintln!(
-        "prompt: {} in {:.3} s ({:.1} tok/s) | generation: {} in {:.3} s ({:.1} tok/s), stopped by {}",
+        "prompt: {} in {:.3} s ({} tok/s) | generation: {} in {:.3} s ({} tok/s), stopped by {}",
         tokens(processed),
         prompt_time.as_secs_f64(),
         rate(processed, prompt_time),
         tokens(generated),
         gen_time.as_secs_f64(),
-        rate(generated, gen_time),
+        rate(generated.saturating_sub(1), gen_time),
         stop_reason
     );
     if let Some(path) = &a.save_session {
-        engine.save_session(&seq, path).context("saving the session")?;
-        eprintln!("session: {} tokens saved to {}", seq.tokens().len(), path.display());
+        let saved = f.saved.context("the runtime returned no state to save")?;
+        let data = SessionData { tokens: saved.tokens, params, meta, state: saved.state };
+        data.save(path, ModelIdentity::of_dir(dir)?, &host.config).context("saving the session")?;
+        eprintln!("session: {} tokens saved to {}", data.tokens.len(), path.display());
     }
     if let Some(path) = &a.dump_logits {
         write_logits(path, &dumped, &dumped_ids, vocab).with_context(|| format!("writing {}", path.display()))?;

@@ -8,7 +8,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::Cpu;
 use tensorfold::backend::cuda::Cuda;
+use std::sync::Arc;
 use tensorfold::engine::Engine;
+use tensorfold::runtime::{Event, FinishReason, Handle, Request, Runtime, RuntimeConfig, StopRules};
 use tensorfold::sampling::SamplingParams;
 use tensorfold::session::Session;
 use tensorfold::model::{HostModel, Model};
@@ -38,6 +40,11 @@ pub struct VerifyArgs {
     /// Tokens per prompt step.
     #[arg(long, default_value_t = 256)]
     pub chunk: usize,
+    /// Instead: N distinct requests through the batched runtime on --device (cpu allowed),
+    /// arriving at different ticks, greedy and seeded sampling mixed, one cancelled midway,
+    /// each compared bit for bit (ids and logits) with its solo run on the CPU.
+    #[arg(long = "concurrency", value_name = "N")]
+    pub concurrency: Option<usize>,
 }
 
 fn same(a: &[f32], b: &[f32]) -> (bool, f32) {
@@ -53,6 +60,9 @@ fn same(a: &[f32], b: &[f32]) -> (bool, f32) {
 }
 
 pub fn verify(a: VerifyArgs) -> Result<()> {
+    if let Some(n) = a.concurrency {
+        return concurrent(&a, n);
+    }
     let super::Device::Cuda(ordinal) = a.device else { bail!("verify compares the CPU with a GPU: pass --device cuda[:N]") };
     let dir = super::model_dir(a.model.as_deref())?;
     let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
@@ -197,4 +207,127 @@ fn diagnose(ec: &mut Engine<Cpu>, eg: &mut Engine<Cuda>, fc: &mut Session, fg: &
         }
     }
     bail!("the step differs, but every operation's output matched when rerun eagerly (a graph-only difference)")
+}
+
+/// One request's outcome: ids, the bits of the logits rows they were sampled from, the finish.
+struct Outcome {
+    ids: Vec<u32>,
+    logits: Vec<Vec<u32>>,
+    reason: Option<FinishReason>,
+}
+
+fn drain(h: &mut Handle, cancel_after: Option<usize>) -> Outcome {
+    let mut o = Outcome { ids: Vec::new(), logits: Vec::new(), reason: None };
+    while let Some(ev) = h.blocking_next() {
+        match ev {
+            Event::Token(t) => {
+                o.ids.push(t.id);
+                o.logits.push(t.logits.unwrap_or_default().iter().map(|x| x.to_bits()).collect());
+                if cancel_after == Some(o.ids.len()) {
+                    h.cancel();
+                }
+            }
+            Event::Finished(f) => {
+                o.reason = Some(f.reason);
+                break;
+            }
+            _ => {}
+        }
+    }
+    o
+}
+
+/// `verify --concurrency N`.
+fn concurrent(a: &VerifyArgs, n: usize) -> Result<()> {
+    if n == 0 {
+        bail!("--concurrency must be at least 1");
+    }
+    let dir = super::model_dir(a.model.as_deref())?;
+    let host = Arc::new(HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?);
+    let vocab = host.config.vocab_size;
+    let v_eff = Tokenizer::from_dir(&dir).map(|t| t.vocab_size().min(vocab)).unwrap_or(vocab);
+    let steps = a.steps.max(2);
+    let max_pos = host.config.max_position_embeddings;
+    // Distinct prompts of different lengths; greedy and seeded sampling alternate.
+    let cases: Vec<(Vec<u32>, SamplingParams)> = (0..n)
+        .map(|i| {
+            let len = (1 + (i * 37) % 300).min(max_pos.saturating_sub(steps + 1).max(1));
+            let p = if i % 2 == 0 { SamplingParams::greedy() } else { SamplingParams { seed: 7 + i as u64, repetition_penalty: 1.1, ..SamplingParams::default() } };
+            (tensorfold::bench::ids(len, v_eff, 100 + i as u64), p)
+        })
+        .collect();
+    let cancelled = n / 2;
+    let request = |(p, sp): &(Vec<u32>, SamplingParams)| {
+        let mut r = Request::new(p.clone(), *sp, StopRules { eos_ids: Vec::new(), strings: Vec::new(), max_tokens: Some(steps) });
+        r.return_logits = true;
+        r
+    };
+    let chunk = a.chunk;
+    let start = |device: super::Device, max_seqs: usize| -> Result<Runtime> {
+        let h = host.clone();
+        let cfg = RuntimeConfig { max_seqs, max_waiting: n.max(1), max_batch_tokens: chunk.max(max_seqs), chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
+        Ok(match device {
+            super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?) })?,
+            super::Device::Cuda(o) => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cuda::new(o).with_context(|| format!("opening CUDA device {o}"))?)?, chunk)?) })?,
+        })
+    };
+    let t0 = Instant::now();
+    let solo_rt = start(super::Device::Cpu, 1)?;
+    let solo: Vec<Outcome> = cases.iter().map(|c| Ok(drain(&mut solo_rt.submit(request(c))?, None))).collect::<Result<_>>()?;
+    drop(solo_rt);
+    println!("solo: {n} requests one at a time on the CPU, {steps} tokens each ({:.1} s)", t0.elapsed().as_secs_f64());
+
+    let t1 = Instant::now();
+    let rt = start(a.device, n)?;
+    let backend = rt.info().backend.clone();
+    // Half arrive at once; the others one by one as the first sequence generates.
+    let first_wave = n.div_ceil(2);
+    let mut handles: Vec<Handle> = cases[..first_wave].iter().map(|c| rt.submit(request(c))).collect::<Result<_, _>>()?;
+    let mut lead = Outcome { ids: Vec::new(), logits: Vec::new(), reason: None };
+    let mut next = first_wave;
+    while next < n {
+        match handles[0].blocking_next() {
+            Some(Event::Token(t)) => {
+                lead.ids.push(t.id);
+                lead.logits.push(t.logits.unwrap_or_default().iter().map(|x| x.to_bits()).collect());
+                handles.push(rt.submit(request(&cases[next]))?);
+                next += 1;
+            }
+            Some(Event::Finished(f)) => {
+                lead.reason = Some(f.reason);
+                handles.extend(cases[next..].iter().map(|c| rt.submit(request(c))).collect::<Result<Vec<_>, _>>()?);
+                next = n;
+            }
+            Some(_) => {}
+            None => bail!("the runtime stopped"),
+        }
+    }
+    let mut bad = 0;
+    for (i, h) in handles.iter_mut().enumerate() {
+        let mut got = if i == 0 && lead.reason.is_some() { std::mem::replace(&mut lead, Outcome { ids: Vec::new(), logits: Vec::new(), reason: None }) } else { drain(h, (i == cancelled && n > 1).then_some(steps / 2)) };
+        if i == 0 && !lead.ids.is_empty() {
+            let mut ids = std::mem::take(&mut lead.ids);
+            ids.extend(got.ids);
+            got.ids = ids;
+            let mut l = std::mem::take(&mut lead.logits);
+            l.extend(got.logits);
+            got.logits = l;
+        }
+        let want = &solo[i];
+        let k = got.ids.len();
+        let expect_cancel = i == cancelled && n > 1;
+        let ok = got.ids[..] == want.ids[..k] && got.logits[..] == want.logits[..k] && if expect_cancel { got.reason == Some(FinishReason::Cancelled) && k < steps } else { k == steps };
+        if !ok {
+            bad += 1;
+            let at = got.ids.iter().zip(&want.ids).zip(got.logits.iter().zip(&want.logits)).position(|((a, b), (x, y))| a != b || x != y);
+            println!("sequence {i} (prompt {} tokens, {}): {k} tokens, {:?}; first difference at token {at:?}", cases[i].0.len(), if i % 2 == 0 { "greedy" } else { "sampled" }, got.reason);
+        }
+    }
+    let st = rt.stats();
+    println!("batched: {n} requests on {backend} ({:.1} s, {} ticks, {} preemptions)", t1.elapsed().as_secs_f64(), st.ticks, st.preemptions);
+    if bad > 0 {
+        bail!("{bad} of {n} sequences differ from their solo runs");
+    }
+    println!("verify --concurrency {n}: every sequence's ids and logits bit-identical to its solo CPU run (sequence {cancelled} cancelled after {} tokens, as asked)", steps / 2);
+    Ok(())
 }

@@ -624,10 +624,18 @@ impl<B: Backend> Worker<B> {
             None => self.engine.new_session(s.req.params)?,
         };
         let r = if s.req.prompt_logits {
-            self.engine.reset(&mut session).map(|_| {
+            // Every position fed, for its logits: no snapshot; a resumed state still counts.
+            let keep = session.position;
+            if keep > 0 && keep < s.req.prompt.len() && s.req.prompt.starts_with(&session.tokens[..keep]) {
+                session.tokens.clear();
                 session.tokens.extend_from_slice(&s.req.prompt);
-                0
-            })
+                Ok(keep)
+            } else {
+                self.engine.reset(&mut session).map(|_| {
+                    session.tokens.extend_from_slice(&s.req.prompt);
+                    0
+                })
+            }
         } else {
             self.engine.prepare_prompt(&mut session, &s.req.prompt).map(|r| r.reused)
         };
@@ -785,7 +793,10 @@ impl<B: Backend> Worker<B> {
                 let se = s.session();
                 s.send(Event::Progress { done: se.position(), total: s.prompt_len });
             }
-            if samples[k] {
+            if samples[k] && s.req.stop.max_tokens == Some(0) {
+                // Only the prompt was asked for (its logits, its state).
+                done.push((i, FinishReason::Length));
+            } else if samples[k] {
                 let (id, row) = match &chosen {
                     Chosen::Ids(ids) => {
                         id_index += 1;
