@@ -250,8 +250,26 @@ env_sweep() {
   done
 }
 
+# The batched runtime: N requests together, each bit-identical to its solo CPU run, on every
+# fixture and synthetic 2b; then aggregate decode, TTFT and inter-token latency at 1/8/32/64
+# concurrent requests (128-token prompts, 128 generated) and batch-1 decode for comparison.
+runtime_checks() {
+  PRESETS=2b synth_models
+  for m in fixtures/tiny/mlx-q4 fixtures/heads/mlx-q4 fixtures/vocab/mlx-q4; do
+    log "verify --concurrency ${CONC:-64} $m"
+    $TF verify -m $TENSORFOLD_SHARED/$m --device cuda --concurrency ${CONC:-64} --steps 32 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  done
+  log "verify --concurrency ${CONC:-64} synthetic 2b (8 tokens each)"
+  $TF verify -m /tmp/tf/models/2b --device cuda --concurrency ${CONC:-64} --steps 8 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
+  log "bench --concurrency 1,8,32,64 synthetic 2b"
+  $TF bench -m /tmp/tf/models/2b --device cuda --concurrency ${LEVELS:-1,8,32,64} -p 128 -n 128 --json "$OUT/concurrency-2b.json" 2>&1 | tail -7 | tee -a "$OUT/summary.txt"
+  log "bench batch-1 decode synthetic 2b (engine directly)"
+  $TF bench -m /tmp/tf/models/2b --device cuda -p 128 -c 0 -n 128 -r 3 2>&1 | grep -E "tg|pp" | tail -3 | tee -a "$OUT/summary.txt"
+}
+
 case "${1:-all}" in
   verify) verify_fixtures ;;
+  runtime) runtime_checks ;;
   synth-verify) synth_verify ;;
   long) long_context ;;
   timing) gpu_timing ;;

@@ -303,3 +303,37 @@ pub fn concurrent(rt: &crate::runtime::Runtime, c: usize, prompt_len: usize, gen
         seconds,
     })
 }
+
+/// The same work as [`concurrent`] without the runtime: `c` sessions, each prompt fed alone,
+/// then `generate − 1` steps of all `c` rows at once through [`Engine::step_sessions`] with
+/// greedy choice on the device; returns the decode tokens per second of those steps (the
+/// backend driven directly, the floor the runtime's ticks are measured against).
+///
+/// # Errors
+/// The backend's.
+pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, generate: usize, seed: u64) -> Result<f64, BackendError> {
+    use crate::engine::{Choose, Chosen, StepRows};
+    let vocab = engine.vocab_size();
+    let mut sessions = Vec::with_capacity(c);
+    for i in 0..c {
+        let mut s = engine.new_session(SamplingParams::greedy())?;
+        let first = engine.feed_greedy(&mut s, &ids(prompt_len, vocab, seed + i as u64), vocab, &mut |_, _| {})?;
+        s.push(first);
+        sessions.push(s);
+    }
+    engine.set_batch_capacity(c);
+    let t0 = std::time::Instant::now();
+    let steps = generate.saturating_sub(1).max(1);
+    for _ in 0..steps {
+        let mut rows: Vec<StepRows<'_>> = sessions.iter_mut().map(|s| StepRows { session: s, take: 1, logits: true, all_logits: false }).collect();
+        let Chosen::Ids(next) = engine.step_sessions(&mut rows, Choose::Greedy { v_eff: vocab })? else { unreachable!("greedy steps return ids") };
+        for (s, id) in sessions.iter_mut().zip(next) {
+            s.push(id);
+        }
+    }
+    let dt = t0.elapsed().as_secs_f64();
+    for s in sessions {
+        engine.free_session(s)?;
+    }
+    Ok((steps * c) as f64 / dt)
+}

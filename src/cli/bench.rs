@@ -372,6 +372,34 @@ fn concurrency(a: &BenchArgs, dir: &std::path::Path, host: HostModel, levels: &[
     let prompt = a.prompts[0];
     let cfg = RuntimeConfig { max_seqs: max, max_waiting: max, max_batch_tokens: a.chunk.max(max), chunk: a.chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
     let (chunk, threads) = (a.chunk, a.threads);
+    // The backend driven directly first (its own engine, dropped before the runtime starts).
+    let mut direct = Vec::new();
+    {
+        let mut run_direct = |engine: &mut dyn FnMut(usize) -> Result<f64>| -> Result<()> {
+            for &c in levels {
+                direct.push(engine(c)?);
+            }
+            Ok(())
+        };
+        match a.device {
+            super::Device::Cpu => {
+                let cpu = match threads {
+                    Some(t) => Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), t),
+                    None => Cpu::new(),
+                };
+                let mut e = Engine::new(Model::new(&host, cpu)?, chunk)?;
+                run_direct(&mut |c| Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000)?))?;
+            }
+            super::Device::Cuda(n) => {
+                let gpu = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+                let mut e = Engine::new(Model::new(&host, gpu)?, chunk)?;
+                run_direct(&mut |c| {
+                    tensorfold::bench::direct(&mut e, c, prompt.min(16), 4, 1)?;
+                    Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000)?)
+                })?;
+            }
+        }
+    }
     let host = Arc::new(host);
     let h = host.clone();
     let rt = match a.device {
@@ -388,18 +416,19 @@ fn concurrency(a: &BenchArgs, dir: &std::path::Path, host: HostModel, levels: &[
         }),
     }?;
     println!("model: {} ({}), commit {}", dir.display(), rt.info().backend, commit());
-    println!("{:>5} {:>7} {:>5} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}", "conc", "prompt", "gen", "decode t/s", "total t/s", "ttft med", "ttft p99", "itl med", "itl p99", "host %");
+    println!("{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}", "conc", "prompt", "gen", "decode t/s", "direct t/s", "total t/s", "ttft med", "ttft p99", "itl med", "itl p99", "host %");
     let mut rows = Vec::new();
-    for &c in levels {
+    for (&c, &direct_tps) in levels.iter().zip(&direct) {
         // Warm-up at this size (a device records its graphs for this batch shape).
         tensorfold::bench::concurrent(&rt, c, prompt.min(16), 4, 1).map_err(anyhow::Error::msg)?;
         let r = tensorfold::bench::concurrent(&rt, c, prompt, a.decode_tokens, 1000).map_err(anyhow::Error::msg)?;
         println!(
-            "{:>5} {:>7} {:>5} {:>12.1} {:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms {:>6.2}%",
+            "{:>5} {:>7} {:>5} {:>12.1} {:>12.1} {:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms {:>6.2}%",
             c,
             prompt,
             a.decode_tokens,
             r.decode_tokens_per_second,
+            direct_tps,
             r.total_tokens_per_second,
             r.ttft_median * 1e3,
             r.ttft_p99 * 1e3,
@@ -407,7 +436,7 @@ fn concurrency(a: &BenchArgs, dir: &std::path::Path, host: HostModel, levels: &[
             r.itl_p99 * 1e3,
             r.host_share * 100.0
         );
-        rows.push(r);
+        rows.push(serde_json::json!({ "runtime": r, "direct_decode_tokens_per_second": direct_tps }));
     }
     if let Some(p) = &a.json {
         let j = serde_json::json!({ "tool": "tensorfold bench --concurrency", "commit": commit(), "model": dir.display().to_string(), "backend": rt.info().backend, "levels": rows });
