@@ -16,3 +16,4 @@ pub mod synth;
 #[doc(hidden)]
 pub mod testutil;
 pub mod tokenizer;
+pub mod writer;
