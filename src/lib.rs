@@ -8,6 +8,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;
+pub mod hub;
 pub mod model;
 pub mod numerics;
 pub mod sampling;
