@@ -7,6 +7,7 @@ pub mod backend;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod convert;
 pub mod engine;
 pub mod hub;
 pub mod model;

@@ -2,6 +2,7 @@
 
 mod bench;
 mod chat;
+mod convert;
 mod info;
 mod kernels;
 mod run;
@@ -39,6 +40,8 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Write a random-weight checkpoint with the real config of a Qwen3.5 size.
     Synth(synth::SynthArgs),
+    /// Convert a Hugging Face bf16 checkpoint to MLX affine 4/8-bit, as mlx_lm.convert writes it.
+    Convert(convert::ConvertArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
@@ -50,6 +53,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),
         Command::Synth(a) => synth::synth(a),
+        Command::Convert(a) => convert::convert(a),
     }
 }
 
