@@ -7,7 +7,9 @@ pub mod backend;
 pub mod bench;
 pub mod checkpoint;
 pub mod config;
+pub mod convert;
 pub mod engine;
+pub mod hub;
 pub mod model;
 pub mod numerics;
 pub mod runtime;
@@ -17,3 +19,4 @@ pub mod synth;
 #[doc(hidden)]
 pub mod testutil;
 pub mod tokenizer;
+pub mod writer;

@@ -103,6 +103,8 @@ use half::bf16;
 use safetensors::{Dtype, SafeTensorError, View};
 use serde_json::{json, Value};
 
+use crate::writer::{self, par_rows, write_json, Staging, WriteError};
+
 /// Padded vocabulary size of every Qwen3.5 size (`vocab_size` in `text_config`).
 pub const VOCAB_SIZE: usize = 248_320;
 /// Ids the Qwen3.5 tokenizer produces (248 044 BPE ranks + 33 specials); rows past it are padding.
@@ -130,8 +132,6 @@ const NORM_JITTER: f64 = 0.1;
 const MLX_SHARD_BYTES: u64 = 5 << 30;
 /// transformers' customary `max_shard_size="5GB"` (decimal).
 const HF_SHARD_BYTES: u64 = 5_000_000_000;
-/// Tensors smaller than this are generated on the calling thread.
-const PARALLEL_MIN_BYTES: usize = 1 << 22;
 
 const CHAT_TEMPLATE: &str = "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}";
 
@@ -309,6 +309,21 @@ pub enum SynthError {
     },
     #[error("tokenizer {path}: {reason}")]
     Tokenizer { path: PathBuf, reason: String },
+}
+
+impl From<WriteError> for SynthError {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::OutDirNotEmpty(p) => SynthError::OutDirNotEmpty(p),
+            WriteError::OutPathNotDir(p) => SynthError::OutPathNotDir(p),
+            WriteError::NoFileName(p) => SynthError::InvalidOption {
+                option: "out_dir",
+                reason: format!("{} has no final component", p.display()),
+            },
+            WriteError::Io { path, source } => SynthError::Io { path, source },
+            WriteError::Safetensors { path, source } => SynthError::Safetensors { path, source },
+        }
+    }
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
@@ -936,37 +951,6 @@ impl Generator<'_> {
     }
 }
 
-/// Calls `f(row, row_bytes)` for every row of `out`, split into contiguous blocks over up to
-/// `threads` scoped threads. The result does not depend on `threads`.
-fn par_rows(out: &mut [u8], row_bytes: usize, threads: usize, f: impl Fn(usize, &mut [u8]) + Sync) {
-    if row_bytes == 0 || out.is_empty() {
-        return;
-    }
-    let rows = out.len() / row_bytes;
-    let threads = if out.len() < PARALLEL_MIN_BYTES {
-        1
-    } else {
-        threads.clamp(1, rows)
-    };
-    let rows_per = rows.div_ceil(threads);
-    if threads == 1 {
-        for (r, buf) in out.chunks_exact_mut(row_bytes).enumerate() {
-            f(r, buf);
-        }
-        return;
-    }
-    std::thread::scope(|s| {
-        for (b, block) in out.chunks_mut(rows_per * row_bytes).enumerate() {
-            let f = &f;
-            s.spawn(move || {
-                for (r, buf) in block.chunks_exact_mut(row_bytes).enumerate() {
-                    f(b * rows_per + r, buf);
-                }
-            });
-        }
-    });
-}
-
 // ---------------------------------------------------------------------------------------------
 // Writing
 
@@ -1004,58 +988,6 @@ impl View for Lazy<'_> {
     fn data_len(&self) -> usize {
         self.stored.bytes()
     }
-}
-
-/// Splits `tensors` (in name order) into shards the way mlx-lm's `make_shards` and transformers'
-/// `shard_checkpoint` do: start a new shard when the next tensor would pass `limit`.
-fn shards(tensors: &[Stored], limit: u64) -> Vec<Vec<usize>> {
-    let mut out: Vec<Vec<usize>> = vec![Vec::new()];
-    let mut size = 0u64;
-    for (i, t) in tensors.iter().enumerate() {
-        let n = t.bytes() as u64;
-        if size + n > limit && !out.last().is_some_and(Vec::is_empty) {
-            out.push(Vec::new());
-            size = 0;
-        }
-        out.last_mut().expect("one shard at least").push(i);
-        size += n;
-    }
-    out
-}
-
-/// Removes a temporary directory on drop unless disarmed.
-struct TempDir {
-    path: PathBuf,
-    armed: bool,
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        if self.armed {
-            let _ = fs::remove_dir_all(&self.path);
-        }
-    }
-}
-
-fn write_json(
-    path: &Path,
-    value: &Value,
-    indent: &[u8],
-    trailing_newline: bool,
-) -> Result<(), SynthError> {
-    use serde::Serialize;
-    let mut buf = Vec::new();
-    let mut ser = serde_json::Serializer::with_formatter(
-        &mut buf,
-        serde_json::ser::PrettyFormatter::with_indent(indent),
-    );
-    value
-        .serialize(&mut ser)
-        .expect("serialising a serde_json::Value into memory cannot fail");
-    if trailing_newline {
-        buf.push(b'\n');
-    }
-    fs::write(path, buf).map_err(io_err(path))
 }
 
 /// mlx-lm's `total_parameters`: leaf modules only, so `A_log` and `dt_bias` (parameters of the
@@ -1114,52 +1046,11 @@ fn write_dims(
         }
     }
     let out_dir = &opts.out_dir;
-    match fs::metadata(out_dir) {
-        Ok(m) if !m.is_dir() => return Err(SynthError::OutPathNotDir(out_dir.clone())),
-        Ok(_) => {
-            if fs::read_dir(out_dir)
-                .map_err(io_err(out_dir))?
-                .next()
-                .is_some()
-            {
-                return Err(SynthError::OutDirNotEmpty(out_dir.clone()));
-            }
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => {
-            return Err(SynthError::Io {
-                path: out_dir.clone(),
-                source: e,
-            })
-        }
-    }
+    writer::check_out_dir(out_dir)?;
     if let Some(tok) = &opts.tokenizer {
         check_tokenizer(tok, dims.vocab)?;
     }
-    let dir_name = out_dir
-        .file_name()
-        .ok_or_else(|| SynthError::InvalidOption {
-            option: "out_dir",
-            reason: format!("{} has no final component", out_dir.display()),
-        })?;
-    let parent = match out_dir.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    fs::create_dir_all(&parent).map_err(io_err(&parent))?;
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let tmp_path = parent.join(format!(
-        ".{}.synth-{}-{nanos}",
-        dir_name.to_string_lossy(),
-        std::process::id()
-    ));
-    fs::create_dir(&tmp_path).map_err(io_err(&tmp_path))?;
-    let mut tmp = TempDir {
-        path: tmp_path,
-        armed: true,
-    };
+    let tmp = Staging::new(out_dir, "synth")?;
 
     // Tensors, in name order, split into shards.
     let mut stored = stored_tensors(&logical, opts.layout);
@@ -1168,14 +1059,9 @@ fn write_dims(
         SynthLayout::Mlx4Bit { .. } => (true, MLX_SHARD_BYTES),
         SynthLayout::HfBf16 => (false, HF_SHARD_BYTES),
     };
-    let shard_list = shards(&stored, limit);
-    let shard_name = |i: usize| {
-        if shard_list.len() == 1 {
-            "model.safetensors".to_string()
-        } else {
-            format!("model-{:05}-of-{:05}.safetensors", i + 1, shard_list.len())
-        }
-    };
+    let sizes: Vec<u64> = stored.iter().map(|t| t.bytes() as u64).collect();
+    let shard_list = writer::shards(&sizes, limit);
+    let shard_name = |i: usize| writer::shard_name(i, shard_list.len());
     let tensor_bytes: u64 = stored.iter().map(|t| t.bytes() as u64).sum();
     let parameters: u64 = logical.iter().map(Logical::elements).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -1195,7 +1081,7 @@ fn write_dims(
     let mut weight_map = BTreeMap::new();
     for (i, shard) in shard_list.iter().enumerate() {
         let file = shard_name(i);
-        let path = tmp.path.join(&file);
+        let path = tmp.path().join(&file);
         let views: Vec<(String, Lazy)> = shard
             .iter()
             .map(|&k| {
@@ -1211,18 +1097,7 @@ fn write_dims(
             })
             .collect();
         let metadata = HashMap::from([("format".to_string(), format.to_string())]);
-        safetensors::serialize_to_file(views, Some(metadata), &path).map_err(|source| {
-            SynthError::Safetensors {
-                path: path.clone(),
-                source,
-            }
-        })?;
-        // The writer's temporary file is created 0600; give the shard a download's usual mode.
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::PermissionsExt;
-            fs::set_permissions(&path, fs::Permissions::from_mode(0o644)).map_err(io_err(&path))?;
-        }
+        writer::write_safetensors(views, metadata, &path)?;
     }
     {
         let mut p = progress_state.borrow_mut();
@@ -1235,7 +1110,7 @@ fn write_dims(
         .into_iter()
         .map(|(k, v)| (k, Value::String(v)))
         .collect();
-    let d = &tmp.path;
+    let d = tmp.path();
     if is_mlx {
         // mlx-lm writes the index even for one shard: json.dump(indent=4), no trailing newline.
         let index = json!({
@@ -1335,12 +1210,7 @@ fn write_dims(
         files.push(entry.file_name().to_string_lossy().into_owned());
     }
     files.sort();
-    if out_dir.exists() {
-        // Checked empty above; rename(2) would replace an empty directory too, but not on Windows.
-        fs::remove_dir(out_dir).map_err(io_err(out_dir))?;
-    }
-    fs::rename(&tmp.path, out_dir).map_err(io_err(out_dir))?;
-    tmp.armed = false;
+    tmp.commit()?;
     Ok(SynthSummary {
         out_dir: out_dir.clone(),
         parameters,
@@ -1353,6 +1223,7 @@ fn write_dims(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::writer::PARALLEL_MIN_BYTES;
     use safetensors::SafeTensors;
     use std::collections::BTreeSet;
 
@@ -2289,16 +2160,6 @@ mod tests {
 
     #[test]
     fn shards_follow_the_size_limit() {
-        let t = |n: usize| Stored {
-            name: String::new(),
-            dtype: Dtype::U8,
-            shape: vec![n],
-            logical: 0,
-            part: Part::Values,
-        };
-        let ts = [t(4), t(4), t(3), t(9), t(1)];
-        assert_eq!(shards(&ts, 8), vec![vec![0, 1], vec![2], vec![3], vec![4]]);
-        assert_eq!(shards(&ts, 100), vec![vec![0, 1, 2, 3, 4]]);
         // The real 9B sizes: one MLX file (about 5.0 GB < 5 GiB), four HF files.
         let logical = logical_tensors(&Preset::Qwen35_9B.dims());
         for (layout, limit, n) in [
@@ -2307,7 +2168,8 @@ mod tests {
         ] {
             let mut st = stored_tensors(&logical, layout);
             st.sort_by(|a, b| a.name.cmp(&b.name));
-            assert_eq!(shards(&st, limit).len(), n, "{layout:?}");
+            let sizes: Vec<u64> = st.iter().map(|t| t.bytes() as u64).collect();
+            assert_eq!(writer::shards(&sizes, limit).len(), n, "{layout:?}");
         }
     }
 }

@@ -2,6 +2,7 @@
 
 mod bench;
 mod chat;
+mod convert;
 mod info;
 mod kernels;
 mod run;
@@ -10,7 +11,7 @@ mod verify;
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 
 /// An exact, fast inference engine for Qwen3.5 models.
@@ -39,6 +40,8 @@ pub enum Command {
     Verify(verify::VerifyArgs),
     /// Write a random-weight checkpoint with the real config of a Qwen3.5 size.
     Synth(synth::SynthArgs),
+    /// Convert a Hugging Face bf16 checkpoint to MLX affine 4/8-bit, as mlx_lm.convert writes it.
+    Convert(convert::ConvertArgs),
 }
 
 pub fn dispatch(cli: Cli) -> Result<()> {
@@ -50,6 +53,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),
         Command::Synth(a) => synth::synth(a),
+        Command::Convert(a) => convert::convert(a),
     }
 }
 
@@ -103,15 +107,15 @@ pub fn error_text(e: &anyhow::Error) -> String {
 /// The directory name of the model that ships with the repository.
 const DEMO: &str = "models/tensorfold-demo-py28m";
 
-/// The model directory: `-m DIR`, else `$TENSORFOLD_MODEL`, else the demo model shipped in the
-/// repository (looked up beside the executable's build tree, then in the source tree this binary
-/// was built from).
+/// The model directory: `-m DIR` (or `-m ORG/NAME[@REV]`, see [`resolve_model`]), else
+/// `$TENSORFOLD_MODEL` (the same), else the demo model shipped in the repository (looked up
+/// beside the executable's build tree, then in the source tree this binary was built from).
 pub fn model_dir(arg: Option<&Path>) -> Result<PathBuf> {
     if let Some(p) = arg {
-        return Ok(p.to_path_buf());
+        return Ok(resolve_model(p)?.0);
     }
     if let Some(p) = std::env::var_os("TENSORFOLD_MODEL") {
-        return Ok(PathBuf::from(p));
+        return Ok(resolve_model(Path::new(&p))?.0);
     }
     let mut candidates = Vec::new();
     if let Ok(exe) = std::env::current_exe() {
@@ -130,4 +134,23 @@ pub fn model_dir(arg: Option<&Path>) -> Result<PathBuf> {
         "no model given, and the demo model that ships with tensorfold was not found (looked in {}); pass -m DIR, a directory holding config.json, *.safetensors and tokenizer.json",
         candidates.iter().map(|c| c.display().to_string()).collect::<Vec<_>>().join(", ")
     )
+}
+
+/// A model argument as a directory, and the Hub repo it came from: an existing local directory
+/// always wins; else a Hugging Face repo id (`Qwen/Qwen3.5-0.8B`, `ORG/NAME@REV`) resolves from
+/// the Hub cache, downloading into it unless `HF_HUB_OFFLINE` is set; anything else is returned
+/// as given, for the loader to name what is missing.
+pub fn resolve_model(arg: &Path) -> Result<(PathBuf, Option<String>)> {
+    use tensorfold::hub;
+    if arg.is_dir() {
+        return Ok((arg.to_path_buf(), None));
+    }
+    match arg.to_str().and_then(hub::RepoSpec::parse) {
+        Some(spec) => {
+            let dir = hub::resolve(&spec, &hub::HubOptions::from_env())
+                .with_context(|| format!("{} is not a local directory, so it was taken as a Hugging Face repo id", arg.display()))?;
+            Ok((dir, Some(spec.repo_id)))
+        }
+        None => Ok((arg.to_path_buf(), None)),
+    }
 }

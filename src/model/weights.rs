@@ -334,7 +334,7 @@ impl Layout {
 }
 
 /// Prefixes of tensors a text engine skips (vision tower, multi-token-prediction head).
-const SKIPPED: &[&str] = &["model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "language_model.vision_tower.", "mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp."];
+pub(crate) const SKIPPED: &[&str] = &["model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "language_model.vision_tower.", "mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp."];
 
 struct Loader<'a> {
     ck: &'a Checkpoint,
