@@ -225,3 +225,31 @@ fn chat_with_a_tokenizer_wider_than_the_model_reports_the_id_and_goes_on() {
     assert!(o.status.success() && !e.contains("panicked"), "{e}");
     assert_eq!(e.matches("is outside the model's vocabulary (vocab_size 2048)").count(), 2, "{e}");
 }
+
+#[test]
+fn verify_concurrency_compares_staggered_batched_requests_with_solo_runs() {
+    let tiny = shared("fixtures/tiny/mlx-q4");
+    let out = ok(&["verify", "-m", tiny.to_str().unwrap(), "--device", "cpu", "--concurrency", "6", "--steps", "12"]);
+    assert!(out.contains("verify --concurrency 6: every sequence's ids and logits bit-identical to its solo CPU run"), "{out}");
+    assert!(out.contains("solo: 6 requests") && out.contains("batched: 6 requests on cpu"), "{out}");
+}
+
+#[test]
+fn over_long_prompts_and_unwritable_outputs_are_refused_before_any_work() {
+    let tmp = TempDir::new("early");
+    // The demo model's context is its max_position_embeddings: one id more is refused at once,
+    // naming both numbers.
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(shared("models/tensorfold-demo-py28m/mlx-q4/config.json")).unwrap()).unwrap();
+    let max = cfg["max_position_embeddings"].as_u64().unwrap() as usize;
+    let ids = vec!["1"; max + 1].join(",");
+    let e = err(&["run", "--device", "cpu", "--prompt-ids", &ids, "-n", "1"]);
+    assert!(e.contains(&format!("the prompt holds {} tokens", max + 1)) && e.contains(&format!("context is {max} tokens")), "{e}");
+    let e = err(&["run", "--device", "cpu", "-p", "x", "-n", "1", "--save-session", tmp.path().to_str().unwrap()]);
+    assert!(e.contains("--save-session") && e.contains("is a directory"), "{e}");
+    let e = err(&["run", "--device", "cpu", "-p", "x", "-n", "1", "--dump-logits", tmp.path().join("no/such/dir/x.safetensors").to_str().unwrap()]);
+    assert!(e.contains("--dump-logits") && e.contains("does not exist"), "{e}");
+    // -n 0 processes the prompt and reports no rate instead of "inf".
+    let o = tensorfold(&["run", "--device", "cpu", "-p", "def f", "-n", "0"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && stderr.contains("generation: 0 tokens") && !stderr.contains("inf"), "{stderr}");
+}
