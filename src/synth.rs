@@ -1353,6 +1353,7 @@ fn write_dims(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::shared;
     use safetensors::SafeTensors;
     use std::collections::BTreeSet;
 
@@ -1376,12 +1377,6 @@ mod tests {
         fn drop(&mut self) {
             let _ = fs::remove_dir_all(&self.0);
         }
-    }
-
-    fn shared(rel: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared")
-            .join(rel)
     }
 
     /// Dimensions of `shared/fixtures/tiny` (its README's table and config.json).

@@ -1264,23 +1264,13 @@ impl TokenStream<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::shared;
     use std::sync::OnceLock;
-
-    /// `shared/` beside the checkout (`../shared` from the crate root).
-    fn shared() -> PathBuf {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared");
-        assert!(
-            dir.is_dir(),
-            "test data missing: {} (the shared/ folder beside the checkout)",
-            dir.display()
-        );
-        dir
-    }
 
     /// The full Qwen3.5 tokenizer, loaded once (16 MB of JSON).
     fn qwen() -> &'static Tokenizer {
         static TOK: OnceLock<Tokenizer> = OnceLock::new();
-        TOK.get_or_init(|| Tokenizer::from_dir(&shared().join("tokenizers/qwen3.5")).unwrap())
+        TOK.get_or_init(|| Tokenizer::from_dir(&shared("tokenizers/qwen3.5")).unwrap())
     }
 
     #[derive(Deserialize)]
@@ -1318,16 +1308,16 @@ mod tests {
     fn qwen35_encode_cases() {
         let tok = qwen();
         assert_eq!(tok.vocab_size(), 248_077);
-        check_encode_cases(tok, &shared().join("tokenizers/qwen3.5/encode_cases.json"));
+        check_encode_cases(tok, &shared("tokenizers/qwen3.5/encode_cases.json"));
     }
 
     #[test]
     fn qwen35_v2048_encode_cases() {
-        let tok = Tokenizer::from_dir(&shared().join("tokenizers/qwen3.5-v2048")).unwrap();
+        let tok = Tokenizer::from_dir(&shared("tokenizers/qwen3.5-v2048")).unwrap();
         assert_eq!(tok.vocab_size(), 2048);
         check_encode_cases(
             &tok,
-            &shared().join("tokenizers/qwen3.5-v2048/encode_cases.json"),
+            &shared("tokenizers/qwen3.5-v2048/encode_cases.json"),
         );
     }
 
@@ -1386,7 +1376,7 @@ mod tests {
 
     #[test]
     fn vocab_fixture_chat_prompt_matches_reference_ids() {
-        let fixture = shared().join("fixtures/vocab");
+        let fixture = shared("fixtures/vocab");
         let tok = Tokenizer::from_dir(&fixture.join("mlx-q4")).unwrap();
         let template = tok
             .chat_template()
@@ -1412,18 +1402,18 @@ mod tests {
 
     #[test]
     fn eos_ids_from_all_config_files() {
-        let vocab = Tokenizer::from_dir(&shared().join("fixtures/vocab/mlx-q4")).unwrap();
+        let vocab = Tokenizer::from_dir(&shared("fixtures/vocab/mlx-q4")).unwrap();
         assert_eq!(vocab.eos_ids(), &[248_044, 248_046]);
         assert!(vocab.is_eos(248_046) && !vocab.is_eos(248_045));
         let demo =
-            Tokenizer::from_dir(&shared().join("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
+            Tokenizer::from_dir(&shared("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
         assert_eq!(demo.eos_ids(), &[8189]);
         assert!(demo.chat_template().is_none());
 
         // tiny/hf keeps its template inside tokenizer_config.json, tiny/mlx-q4 in a .jinja
         // file; both are the same ChatML template (shared/fixtures/README.md).
-        let hf = Tokenizer::from_dir(&shared().join("fixtures/tiny/hf")).unwrap();
-        let mlx = Tokenizer::from_dir(&shared().join("fixtures/tiny/mlx-q4")).unwrap();
+        let hf = Tokenizer::from_dir(&shared("fixtures/tiny/hf")).unwrap();
+        let mlx = Tokenizer::from_dir(&shared("fixtures/tiny/mlx-q4")).unwrap();
         assert_eq!(hf.eos_ids(), &[2015, 2017]);
         assert_eq!(mlx.eos_ids(), &[2015, 2017]);
         let (hf_t, mlx_t) = (hf.chat_template().unwrap(), mlx.chat_template().unwrap());
@@ -1452,7 +1442,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(
-            shared().join("tokenizers/qwen3.5-v2048/tokenizer.json"),
+            shared("tokenizers/qwen3.5-v2048/tokenizer.json"),
             dir.join("tokenizer.json"),
         )
         .unwrap();
