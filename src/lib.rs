@@ -8,6 +8,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod engine;
+pub mod fsutil;
 pub mod model;
 pub mod numerics;
 pub mod sampling;

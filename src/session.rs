@@ -66,6 +66,9 @@ pub enum SessionError {
     OtherModel { path: PathBuf, file: ModelIdentity, this: ModelIdentity },
     #[error("{path}: the session does not fit this model: {reason}")]
     Shape { path: PathBuf, reason: String },
+    /// Writing the file failed (the error names it; nothing was left behind).
+    #[error(transparent)]
+    Write(#[from] crate::fsutil::WriteError),
     #[error("model identity: {0}")]
     Identity(String),
     #[error(transparent)]
@@ -445,9 +448,9 @@ fn layout(cfg: &ModelConfig) -> (u32, u32, u32, u64, u64, u64) {
     )
 }
 
-/// Writes `rec` to `path` atomically: a temporary file beside it, synced, then renamed.
+/// Writes `rec` to `path` atomically ([`crate::fsutil::write_atomic`]: a unique temporary file
+/// beside it, synced, then renamed; removed on error).
 pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIdentity, cfg: &ModelConfig) -> Result<(), SessionError> {
-    let io = |error| SessionError::Io { path: path.to_path_buf(), error };
     let st = &*rec.state;
     let (n_conv, n_rec, n_attn, conv_len, rec_len, kv_width) = layout(cfg);
     if st.position > rec.tokens.len() {
@@ -457,11 +460,7 @@ pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIde
     let floats = n_conv as u64 * conv_len + n_rec as u64 * rec_len + 2 * n_attn as u64 * kv_len;
     let total = FIXED_HEADER + 4 * rec.tokens.len() as u64 + rec.meta.len() as u64 + 4 * floats + 8;
 
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(format!(".tmp.{}", std::process::id()));
-    let tmp = path.with_file_name(name);
-    let result = (|| -> std::io::Result<()> {
-        let file = File::create(&tmp)?;
+    crate::fsutil::write_atomic(path, |file| {
         let mut w = Hashing { inner: BufWriter::with_capacity(1 << 20, file), hash: Xxh3::new() };
         w.put(&MAGIC)?;
         w.put(&FORMAT_VERSION.to_le_bytes())?;
@@ -498,13 +497,8 @@ pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIde
         w.inner.write_all(&sum.to_le_bytes())?;
         let file = w.inner.into_inner().map_err(|e| e.into_error())?;
         debug_assert_eq!(file.metadata()?.len(), total);
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(e));
-    }
+        Ok(())
+    })?;
     Ok(())
 }
 

@@ -82,6 +82,39 @@ fn dump_logits_writes_every_processed_position() {
 }
 
 #[test]
+fn dump_logits_never_leaves_or_replaces_a_temporary_file() {
+    // Issue 21: the dump went through `<path with extension safetensors.tmp>`, left behind when
+    // the target was a directory and replacing a user's own file of that name.
+    let tmp = TempDir::new("dump-tmp");
+    let d = shared("fixtures/tiny/mlx-q4");
+    let run = |target: &Path| tensorfold(&["run", "-m", d.to_str().unwrap(), "--device", "cpu", "--prompt-ids", "1,2,3", "--temp", "0", "-n", "2", "--print-ids", "--dump-logits", target.to_str().unwrap()]);
+    let names = || -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        n.sort();
+        n
+    };
+    let dir = tmp.path().join("out");
+    std::fs::create_dir(&dir).unwrap();
+    let o = run(&dir);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains(&format!("{}: is a directory", dir.display())), "{e}");
+    assert_eq!(names(), ["out"]);
+
+    let theirs = tmp.path().join("x.safetensors.tmp");
+    std::fs::write(&theirs, "the user's file").unwrap();
+    let target = tmp.path().join("x.bin");
+    let o = run(&target);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "the user's file");
+    let bytes = std::fs::read(&target).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    // Three prompt positions and the first generated token, fed back.
+    assert_eq!(st.tensor("logits").unwrap().shape(), &[4, 2048]);
+    assert_eq!(names(), ["out", "x.bin", "x.safetensors.tmp"]);
+}
+
+#[test]
 fn the_demo_model_runs_without_m_and_info_reports_it() {
     let out = ok(&["run", "--device", "cpu", "-p", "def fibonacci(n):", "-n", "8", "--temp", "0"]);
     assert!(out.starts_with("def fibonacci(n):"), "{out}");

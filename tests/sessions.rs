@@ -408,6 +408,32 @@ fn session_files_of_other_models_truncated_or_corrupt_are_refused() {
     assert_eq!(r.tokens(), s.tokens());
 }
 
+#[test]
+fn saving_over_a_directory_fails_naming_it_and_leaves_no_temporary_file() {
+    let tmp = TempDir::new("session-write");
+    let mut e = engine(TINY);
+    let mut s = e.new_session(sampling(1)).unwrap();
+    e.feed(&mut s, &[1, 2, 3], false, &mut |_, _| {}).unwrap();
+    let names = || -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|d| d.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        n.sort();
+        n
+    };
+    let dir = tmp.path().join("sessions");
+    std::fs::create_dir(&dir).unwrap();
+    let err = e.save_session(&s, &dir).expect_err("a directory cannot be replaced");
+    assert!(matches!(err, SessionError::Write(_)), "{err}");
+    assert_eq!(err.to_string(), format!("{}: is a directory", dir.display()));
+    assert_eq!(names(), ["sessions"]);
+    // A file of the user's beside the target with the name the writer used to take for its
+    // temporary file (`NAME.tmp.<pid>`, replaced and then renamed away) is left alone.
+    let theirs = format!("a.session.tmp.{}", std::process::id());
+    std::fs::write(tmp.path().join(&theirs), "mine").unwrap();
+    e.save_session(&s, &tmp.path().join("a.session")).unwrap();
+    assert_eq!(std::fs::read_to_string(tmp.path().join(&theirs)).unwrap(), "mine");
+    assert_eq!(names(), ["a.session".to_string(), theirs, "sessions".into()]);
+}
+
 fn tensorfold_cmd(args: &[&str], stdin: Option<&str>) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tensorfold"));
     c.args(args).stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
