@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::backend::{BackendError, SequenceState};
-use crate::config::ModelConfig;
+use crate::config::{LayerType, ModelConfig};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// Why a session could not be saved, loaded or used.
@@ -69,6 +69,13 @@ pub enum SessionError {
     /// Writing the file failed (the error names it; nothing was left behind).
     #[error(transparent)]
     Write(#[from] crate::fsutil::WriteError),
+    /// A token id of the history is not a row of this model's embedding.
+    #[error("{path}: token {index} of the history is id {id}, outside this model's vocabulary of {vocab_size}")]
+    TokenId { path: PathBuf, index: usize, id: u32, vocab_size: usize },
+    /// A state value is NaN or infinite: the file was written from a broken state, and every
+    /// logit computed from it would be NaN.
+    #[error("{path}: {array} of layer {layer} holds {value} at element {index}")]
+    NonFinite { path: PathBuf, array: &'static str, layer: usize, index: usize, value: f32 },
     #[error("model identity: {0}")]
     Identity(String),
     #[error(transparent)]
@@ -674,7 +681,32 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
     {
         return Err(SessionError::Shape { path: p(), reason: "state arrays of other shapes".into() });
     }
+    check_contents(path, cfg, &loaded)?;
     Ok(loaded)
+}
+
+/// Checks what an intact file of the right shapes holds: every token id is a row of the
+/// embedding, every state value is finite. The checksum only proves the bytes are the ones
+/// written; a file written from a state that had gone NaN, or by another program, would
+/// otherwise be fed (an id past the embedding) or turn every later logit into NaN.
+fn check_contents(path: &Path, cfg: &ModelConfig, l: &LoadedSession) -> Result<(), SessionError> {
+    if let Some((index, &id)) = l.tokens.iter().enumerate().find(|(_, &id)| id as usize >= cfg.vocab_size) {
+        return Err(SessionError::TokenId { path: path.to_path_buf(), index, id, vocab_size: cfg.vocab_size });
+    }
+    // The i-th conv/recurrent array belongs to the i-th GDN layer, the i-th KV array to the
+    // i-th attention layer; errors name the layer's index in the model.
+    let layers_of = |kind: LayerType| -> Vec<usize> { cfg.layer_types.iter().enumerate().filter(|(_, t)| **t == kind).map(|(i, _)| i).collect() };
+    let (linear, full) = (layers_of(LayerType::LinearAttention), layers_of(LayerType::FullAttention));
+    let st = &l.state;
+    let arrays = [("conv window", &st.conv, &linear), ("recurrent state", &st.recurrent, &linear), ("key cache", &st.keys, &full), ("value cache", &st.values, &full)];
+    for (array, values, layers) in arrays {
+        for (a, &layer) in values.iter().zip(layers) {
+            if let Some((index, &value)) = a.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(SessionError::NonFinite { path: path.to_path_buf(), array, layer, index, value });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Recomputes the checksum of the whole file: `Some(error)` when it does not match the stored
