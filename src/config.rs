@@ -6,8 +6,9 @@
 //! - the text fields nested under `text_config` (`Qwen3_5ForConditionalGeneration`) or flat
 //!   (`Qwen3_5ForCausalLM`);
 //! - `layer_types` spelled out, or only `full_attention_interval`;
-//! - `rope_parameters` (with `rope_type` or mlx-lm's `type`, optional `mrope_section`) or the older
-//!   flat `rope_theta` / `partial_rotary_factor` keys;
+//! - `rope_parameters` (with `rope_type` or mlx-lm's `type`, optional `mrope_section`), the older
+//!   `rope_scaling` block, or flat `rope_theta` / `partial_rotary_factor` keys; a scaled RoPE
+//!   (`yarn`, `linear`, ...) or blocks that disagree are errors naming the key;
 //! - a `quantization` (mlx-lm) or `quantization_config` block with per-module overrides.
 
 use std::collections::BTreeMap;
@@ -273,19 +274,60 @@ impl ModelConfig {
             }
         };
 
-        // RoPE: rope_parameters (current) or flat keys (older configs). The partial factor may
-        // appear in both places; rope_parameters wins.
-        let rope = get("rope_parameters").or_else(|| get("rope_scaling")).and_then(Value::as_object);
-        let rope_get = |k: &str| rope.and_then(|r| r.get(k)).filter(|v| !v.is_null()).or_else(|| get(k));
-        if let Some(kind) = rope.and_then(|r| r.get("rope_type").or_else(|| r.get("type"))).and_then(Value::as_str) {
-            if kind != "default" {
-                return Err(ConfigError::Invalid {
-                    path: p(),
-                    field: "rope_parameters.rope_type".into(),
-                    problem: format!("`{kind}` is not supported (only default)"),
-                });
+        // RoPE: rope_parameters (transformers 5), or the older rope_scaling block, over flat
+        // keys. Both blocks may say how positions are scaled; only unscaled RoPE is implemented,
+        // so another rope_type, or two blocks that disagree, is an error naming the key: a
+        // scaling dropped silently gives wrong logits with no sign of it.
+        let nested = !std::ptr::eq(text, root);
+        // Where `get` found a key, as the error messages spell it.
+        let key_path = |k: &str| if nested && text.get(k).is_some_and(|v| !v.is_null()) { format!("text_config.{k}") } else { k.to_string() };
+        // A block present: where it was found, and its keys.
+        type Block<'a> = (String, &'a Map<String, Value>);
+        let block = |k: &str| -> Result<Option<Block>, ConfigError> {
+            match get(k) {
+                None => Ok(None),
+                Some(Value::Object(o)) => Ok(Some((key_path(k), o))),
+                Some(v) => Err(ConfigError::Invalid { path: p(), field: key_path(k), problem: format!("must be an object, found {v}") }),
+            }
+        };
+        let blocks: Vec<Block> = [block("rope_parameters")?, block("rope_scaling")?].into_iter().flatten().collect();
+        for (name, b) in &blocks {
+            // transformers writes `rope_type`, older configs and mlx-lm's converter `type`.
+            for key in ["rope_type", "type"] {
+                let field = || format!("{name}.{key}");
+                match b.get(key) {
+                    None | Some(Value::Null) => {}
+                    // "mrope" is Qwen2-VL's name for default RoPE over position sections
+                    // (transformers' Qwen2VLConfig maps it to "default"); with text positions
+                    // it is plain RoPE (spec P29).
+                    Some(Value::String(kind)) if kind == "default" || kind == "mrope" => {}
+                    Some(Value::String(kind)) => {
+                        return Err(ConfigError::Invalid {
+                            path: p(),
+                            field: field(),
+                            problem: format!("`{kind}` is not supported (tensorfold implements unscaled RoPE only: `default`)"),
+                        })
+                    }
+                    Some(v) => return Err(ConfigError::Invalid { path: p(), field: field(), problem: format!("must be a string, found {v}") }),
+                }
             }
         }
+        if let [(first, a), (second, b)] = blocks.as_slice() {
+            for key in ["rope_theta", "partial_rotary_factor"] {
+                let num = |m: &Map<String, Value>| m.get(key).and_then(Value::as_f64);
+                if let (Some(x), Some(y)) = (num(a), num(b)) {
+                    if x != y {
+                        return Err(ConfigError::Invalid {
+                            path: p(),
+                            field: format!("{second}.{key}"),
+                            problem: format!("({y}) conflicts with {first}.{key} ({x})"),
+                        });
+                    }
+                }
+            }
+        }
+        // The first block that has a key wins (they agree where both have it), then flat keys.
+        let rope_get = |k: &str| blocks.iter().find_map(|(_, b)| b.get(k).filter(|v| !v.is_null())).or_else(|| get(k));
         let rope_theta = match rope_get("rope_theta") {
             Some(v) => f64_of("rope_theta", v)?,
             None => return Err(ConfigError::Missing { path: p(), field: "rope_parameters.rope_theta".into() }),
@@ -572,6 +614,71 @@ mod tests {
         v["rms_norm_eps"] = 0.0.into();
         let c = parse(v).unwrap();
         assert_eq!((c.rope_theta, c.rms_norm_eps), (1.0, 0.0));
+    }
+
+    /// `base()` as transformers nests it: the text fields under `text_config`.
+    fn nested(text: Value) -> Value {
+        serde_json::json!({"model_type": "qwen3_5", "text_config": text})
+    }
+
+    #[test]
+    fn rope_scaling_that_is_not_default_is_an_error_naming_the_key() {
+        // Issue 21: a yarn block beside rope_parameters used to be dropped silently.
+        let yarn = serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 262_144});
+        let mut t = base();
+        t["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25});
+        t["rope_scaling"] = yarn.clone();
+        let err = parse(nested(t.clone())).unwrap_err().to_string();
+        assert_eq!(err, "config.json: field `text_config.rope_scaling.rope_type` `yarn` is not supported (tensorfold implements unscaled RoPE only: `default`)");
+        // Flat configs name the key without the prefix; older configs spell it `type`.
+        let mut t = base();
+        t["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0});
+        let err = parse(t).unwrap_err().to_string();
+        assert!(err.contains("field `rope_scaling.type` `linear` is not supported"), "{err}");
+        // The same for rope_parameters itself.
+        let mut t = base();
+        t["rope_parameters"] = yarn;
+        let err = parse(nested(t)).unwrap_err().to_string();
+        assert!(err.contains("field `text_config.rope_parameters.rope_type` `yarn`"), "{err}");
+        // Not an object, or a type that is not a string.
+        let mut t = base();
+        t["rope_scaling"] = "yarn".into();
+        let err = parse(t).unwrap_err().to_string();
+        assert!(err.contains("field `rope_scaling` must be an object, found \"yarn\""), "{err}");
+        let mut t = base();
+        t["rope_scaling"] = serde_json::json!({"rope_type": 4});
+        let err = parse(t).unwrap_err().to_string();
+        assert!(err.contains("field `rope_scaling.rope_type` must be a string, found 4"), "{err}");
+    }
+
+    #[test]
+    fn rope_scaling_that_conflicts_with_rope_parameters_is_an_error() {
+        let mut t = base();
+        t["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25});
+        t["rope_scaling"] = serde_json::json!({"rope_type": "default", "rope_theta": 1e6});
+        let err = parse(nested(t.clone())).unwrap_err().to_string();
+        assert!(err.contains("field `text_config.rope_scaling.rope_theta` (1000000) conflicts with text_config.rope_parameters.rope_theta (10000000)"), "{err}");
+        t["rope_scaling"] = serde_json::json!({"rope_type": "default", "partial_rotary_factor": 0.5});
+        let err = parse(nested(t)).unwrap_err().to_string();
+        assert!(err.contains("field `text_config.rope_scaling.partial_rotary_factor` (0.5) conflicts"), "{err}");
+    }
+
+    #[test]
+    fn default_or_absent_rope_scaling_is_accepted() {
+        // base() has flat rope_theta 1e4 and factor 0.25; the blocks below override them.
+        let params = serde_json::json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5});
+        for scaling in [Value::Null, serde_json::json!({"rope_type": "default"}), serde_json::json!({"type": "mrope", "mrope_section": [1, 1, 2]}), serde_json::json!({"rope_type": "default", "rope_theta": 1e7})] {
+            let mut t = base();
+            t["rope_parameters"] = params.clone();
+            t["rope_scaling"] = scaling.clone();
+            let c = parse(nested(t)).unwrap_or_else(|e| panic!("{scaling}: {e}"));
+            assert_eq!((c.rope_theta, c.rotary_dim()), (1e7, 16), "{scaling}");
+        }
+        // rope_scaling alone, as older configs carry it, is read like rope_parameters.
+        let mut t = base();
+        t["rope_scaling"] = serde_json::json!({"rope_type": "default", "rope_theta": 5e5});
+        let c = parse(t).unwrap();
+        assert_eq!((c.rope_theta, c.rotary_dim()), (5e5, 8));
     }
 
     #[test]

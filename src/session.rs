@@ -43,7 +43,7 @@ use std::path::{Path, PathBuf};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::backend::{BackendError, SequenceState};
-use crate::config::ModelConfig;
+use crate::config::{LayerType, ModelConfig};
 use crate::sampling::{Sampler, SamplingParams};
 
 /// Why a session could not be saved, loaded or used.
@@ -66,6 +66,16 @@ pub enum SessionError {
     OtherModel { path: PathBuf, file: ModelIdentity, this: ModelIdentity },
     #[error("{path}: the session does not fit this model: {reason}")]
     Shape { path: PathBuf, reason: String },
+    /// Writing the file failed (the error names it; nothing was left behind).
+    #[error(transparent)]
+    Write(#[from] crate::fsutil::WriteError),
+    /// A token id of the history is not a row of this model's embedding.
+    #[error("{path}: token {index} of the history is id {id}, outside this model's vocabulary of {vocab_size}")]
+    TokenId { path: PathBuf, index: usize, id: u32, vocab_size: usize },
+    /// A state value is NaN or infinite: the file was written from a broken state, and every
+    /// logit computed from it would be NaN.
+    #[error("{path}: {array} of layer {layer} holds {value} at element {index}")]
+    NonFinite { path: PathBuf, array: &'static str, layer: usize, index: usize, value: f32 },
     #[error("model identity: {0}")]
     Identity(String),
     #[error(transparent)]
@@ -601,9 +611,9 @@ fn layout(cfg: &ModelConfig) -> (u32, u32, u32, u64, u64, u64) {
     )
 }
 
-/// Writes `rec` to `path` atomically: a temporary file beside it, synced, then renamed.
+/// Writes `rec` to `path` atomically ([`crate::fsutil::write_atomic`]: a unique temporary file
+/// beside it, synced, then renamed; removed on error).
 pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIdentity, cfg: &ModelConfig) -> Result<(), SessionError> {
-    let io = |error| SessionError::Io { path: path.to_path_buf(), error };
     let st = &*rec.state;
     let (n_conv, n_rec, n_attn, conv_len, rec_len, kv_width) = layout(cfg);
     if st.position > rec.tokens.len() {
@@ -613,11 +623,7 @@ pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIde
     let floats = n_conv as u64 * conv_len + n_rec as u64 * rec_len + 2 * n_attn as u64 * kv_len;
     let total = FIXED_HEADER + 4 * rec.tokens.len() as u64 + rec.meta.len() as u64 + 4 * floats + 8;
 
-    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(format!(".tmp.{}", std::process::id()));
-    let tmp = path.with_file_name(name);
-    let result = (|| -> std::io::Result<()> {
-        let file = File::create(&tmp)?;
+    crate::fsutil::write_atomic(path, |file| {
         let mut w = Hashing { inner: BufWriter::with_capacity(1 << 20, file), hash: Xxh3::new() };
         w.put(&MAGIC)?;
         w.put(&FORMAT_VERSION.to_le_bytes())?;
@@ -654,13 +660,8 @@ pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIde
         w.inner.write_all(&sum.to_le_bytes())?;
         let file = w.inner.into_inner().map_err(|e| e.into_error())?;
         debug_assert_eq!(file.metadata()?.len(), total);
-        file.sync_all()?;
-        std::fs::rename(&tmp, path)
-    })();
-    if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(e));
-    }
+        Ok(())
+    })?;
     Ok(())
 }
 
@@ -836,7 +837,32 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
     {
         return Err(SessionError::Shape { path: p(), reason: "state arrays of other shapes".into() });
     }
+    check_contents(path, cfg, &loaded)?;
     Ok(loaded)
+}
+
+/// Checks what an intact file of the right shapes holds: every token id is a row of the
+/// embedding, every state value is finite. The checksum only proves the bytes are the ones
+/// written; a file written from a state that had gone NaN, or by another program, would
+/// otherwise be fed (an id past the embedding) or turn every later logit into NaN.
+fn check_contents(path: &Path, cfg: &ModelConfig, l: &LoadedSession) -> Result<(), SessionError> {
+    if let Some((index, &id)) = l.tokens.iter().enumerate().find(|(_, &id)| id as usize >= cfg.vocab_size) {
+        return Err(SessionError::TokenId { path: path.to_path_buf(), index, id, vocab_size: cfg.vocab_size });
+    }
+    // The i-th conv/recurrent array belongs to the i-th GDN layer, the i-th KV array to the
+    // i-th attention layer; errors name the layer's index in the model.
+    let layers_of = |kind: LayerType| -> Vec<usize> { cfg.layer_types.iter().enumerate().filter(|(_, t)| **t == kind).map(|(i, _)| i).collect() };
+    let (linear, full) = (layers_of(LayerType::LinearAttention), layers_of(LayerType::FullAttention));
+    let st = &l.state;
+    let arrays = [("conv window", &st.conv, &linear), ("recurrent state", &st.recurrent, &linear), ("key cache", &st.keys, &full), ("value cache", &st.values, &full)];
+    for (array, values, layers) in arrays {
+        for (a, &layer) in values.iter().zip(layers) {
+            if let Some((index, &value)) = a.iter().enumerate().find(|(_, v)| !v.is_finite()) {
+                return Err(SessionError::NonFinite { path: path.to_path_buf(), array, layer, index, value });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Recomputes the checksum of the whole file: `Some(error)` when it does not match the stored

@@ -8,16 +8,16 @@
 //! * [`SynthLayout::Mlx4Bit`]: what mlx-lm 0.32.2's converter writes (`qwen35-spec.md` §5.2, §6;
 //!   `shared/fixtures/*/mlx-q4`): `config.json` with a nested `text_config`, `quantization` and
 //!   `quantization_config` blocks and `rope_parameters.type`; `language_model.model.*` names
-//!   (`language_model.lm_head.*` for the untied 9B); every Linear and the embedding as affine
-//!   4-bit (`weight` U32 `[out, in/8]`, element 0 in the low nibble; `scales`/`biases` BF16
-//!   `[out, in/group]`); `conv1d.weight` BF16 `[C, K, 1]`; RMSNorm weights BF16 stored
+//!   (`language_model.lm_head.*` for the untied 9B and 27B); every Linear and the embedding as
+//!   affine 4-bit (`weight` U32 `[out, in/8]`, element 0 in the low nibble; `scales`/`biases`
+//!   BF16 `[out, in/group]`); `conv1d.weight` BF16 `[C, K, 1]`; RMSNorm weights BF16 stored
 //!   pre-shifted (`1 + w`); `linear_attn.norm.weight` BF16 plain; `A_log` F32; `dt_bias` BF16;
 //!   `model.safetensors.index.json` even for one shard; `chat_template.jinja`.
 //! * [`SynthLayout::HfBf16`]: what Qwen releases (§5.1; `shared/fixtures/tiny/hf`):
 //!   `model.language_model.*` names, BF16 except `A_log` and `linear_attn.norm.weight` (F32),
 //!   zero-centred RMSNorm weights (the model uses `1 + w`), `conv1d.weight` `[C, 1, K]`, no
-//!   `lm_head.weight` when tied, `lm_head.weight` for 9B. The vision tower and the MTP head are
-//!   not written; `config.json` keeps a small `vision_config` so transformers 5.x builds
+//!   `lm_head.weight` when tied, `lm_head.weight` for 9B and 27B. The vision tower and the MTP
+//!   head are not written; `config.json` keeps a small `vision_config` so transformers 5.x builds
 //!   `Qwen3_5ForConditionalGeneration` from it (the tower is then randomly initialised).
 //!   `mtp_num_hidden_layers` stays 1 as in the real config: llama.cpp converters that bundle MTP
 //!   layers need `--no-mtp` for these files.
@@ -87,9 +87,10 @@
 //! # Writing
 //!
 //! Tensors are produced lazily through `safetensors::View`, one at a time, generated in
-//! parallel over rows with `std::thread::scope`: peak memory is one tensor (the 9B HF embedding,
-//! 2 GB, is the largest). Everything is written into a temporary directory beside `out_dir` and
-//! renamed into place only when complete; on error the temporary directory is removed.
+//! parallel over rows with `std::thread::scope`: peak memory is one tensor (the 27B HF
+//! embedding and `lm_head`, 2.5 GB each, are the largest). Everything is written into a
+//! temporary directory beside `out_dir` and renamed into place only when complete; on error the
+//! temporary directory is removed.
 
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -147,34 +148,44 @@ pub enum Preset {
     Qwen35_4B,
     /// Qwen3.5-9B: D 4096, 32 layers, I 12288, 16/4 heads, GDN 16/32 heads, untied `lm_head`.
     Qwen35_9B,
+    /// Qwen3.5-27B, the largest dense size: D 5120, 64 layers, I 17408, 24/4 heads, GDN 16/48
+    /// heads, untied `lm_head`.
+    Qwen35_27B,
 }
 
 impl Preset {
-    /// Every preset, smallest first.
-    pub const ALL: [Preset; 4] = [
+    /// Every preset, smallest first: the dense Qwen3.5 sizes (the MoE ones, 35B-A3B and up,
+    /// are another architecture).
+    pub const ALL: [Preset; 5] = [
         Preset::Qwen35_0_8B,
         Preset::Qwen35_2B,
         Preset::Qwen35_4B,
         Preset::Qwen35_9B,
+        Preset::Qwen35_27B,
     ];
 
-    /// The name [`FromStr`] accepts: `qwen3.5-0.8b`, `qwen3.5-2b`, `qwen3.5-4b`, `qwen3.5-9b`.
+    /// The name [`FromStr`] accepts: `qwen3.5-0.8b`, `qwen3.5-2b`, `qwen3.5-4b`, `qwen3.5-9b`,
+    /// `qwen3.5-27b`.
     pub fn name(self) -> &'static str {
         match self {
             Preset::Qwen35_0_8B => "qwen3.5-0.8b",
             Preset::Qwen35_2B => "qwen3.5-2b",
             Preset::Qwen35_4B => "qwen3.5-4b",
             Preset::Qwen35_9B => "qwen3.5-9b",
+            Preset::Qwen35_27B => "qwen3.5-27b",
         }
     }
 
-    /// Dimensions of the text decoder (spec §1 table).
+    /// Dimensions of the text decoder: spec §1 table; 27B from its published `config.json`
+    /// (the `text_config` of https://huggingface.co/Qwen/Qwen3.5-27B as reproduced in public
+    /// code, agreeing with the model card's architecture table).
     fn dims(self) -> Dims {
         let (hidden, layers, intermediate, heads, kv_heads, lin_v_heads, tied) = match self {
             Preset::Qwen35_0_8B => (1024, 24, 3584, 8, 2, 16, true),
             Preset::Qwen35_2B => (2048, 24, 6144, 8, 2, 16, true),
             Preset::Qwen35_4B => (2560, 32, 9216, 16, 4, 32, true),
             Preset::Qwen35_9B => (4096, 32, 12288, 16, 4, 32, false),
+            Preset::Qwen35_27B => (5120, 64, 17408, 24, 4, 48, false),
         };
         Dims {
             hidden,
@@ -204,7 +215,8 @@ impl fmt::Display for Preset {
 impl FromStr for Preset {
     type Err = SynthError;
 
-    /// Parses `qwen3.5-0.8b` | `qwen3.5-2b` | `qwen3.5-4b` | `qwen3.5-9b` (ASCII case ignored).
+    /// Parses `qwen3.5-0.8b` | `qwen3.5-2b` | `qwen3.5-4b` | `qwen3.5-9b` | `qwen3.5-27b`
+    /// (ASCII case ignored).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Preset::ALL
             .into_iter()
@@ -283,7 +295,7 @@ pub struct SynthSummary {
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
     #[error(
-        "unknown preset {0:?}: expected one of qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b"
+        "unknown preset {0:?}: expected one of qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b"
     )]
     UnknownPreset(String),
     #[error("invalid {option}: {reason}")]
@@ -1224,6 +1236,7 @@ fn write_dims(
 mod tests {
     use super::*;
     use crate::writer::PARALLEL_MIN_BYTES;
+    use crate::testutil::shared;
     use safetensors::SafeTensors;
     use std::collections::BTreeSet;
 
@@ -1247,12 +1260,6 @@ mod tests {
         fn drop(&mut self) {
             let _ = fs::remove_dir_all(&self.0);
         }
-    }
-
-    fn shared(rel: &str) -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../shared")
-            .join(rel)
     }
 
     /// Dimensions of `shared/fixtures/tiny` (its README's table and config.json).
@@ -1345,13 +1352,19 @@ mod tests {
 
     #[test]
     fn preset_text_configs_match_the_spec_table() {
-        // qwen35-spec.md §1: D, layers, I, Hq, Hkv, Hk, Hv, tied.
+        // qwen35-spec.md §1: D, layers, I, Hq, Hkv, Hk, Hv, tied. 27B: the text_config of
+        // Qwen/Qwen3.5-27B's config.json (hidden_size 5120, num_hidden_layers 64,
+        // intermediate_size 17408, 24/4 attention heads, 16/48 linear heads, untied), as public
+        // reproductions of the file and the model card's table give it.
         let table = [
             (Preset::Qwen35_0_8B, 1024, 24, 3584, 8, 2, 16, 16, true),
             (Preset::Qwen35_2B, 2048, 24, 6144, 8, 2, 16, 16, true),
             (Preset::Qwen35_4B, 2560, 32, 9216, 16, 4, 16, 32, true),
             (Preset::Qwen35_9B, 4096, 32, 12288, 16, 4, 16, 32, false),
+            (Preset::Qwen35_27B, 5120, 64, 17408, 24, 4, 16, 48, false),
         ];
+        // Every dense size is a preset, once.
+        assert_eq!(Preset::ALL.to_vec(), table.iter().map(|r| r.0).collect::<Vec<_>>());
         for (p, d, layers, i, hq, hkv, hk, hv, tied) in table {
             let c = preset_text_config(p);
             let ctx = p.name();
@@ -1425,6 +1438,20 @@ mod tests {
     }
 
     #[test]
+    fn every_preset_config_loads_as_the_engine_reads_it() {
+        for p in Preset::ALL {
+            let d = p.dims();
+            for (layout, cfg) in [("mlx", mlx_config(&d, 64)), ("hf", hf_config(&d))] {
+                let c = crate::config::ModelConfig::from_json(Path::new("config.json"), &cfg).unwrap_or_else(|e| panic!("{p} {layout}: {e}"));
+                let got = (c.hidden_size, c.num_hidden_layers, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads);
+                assert_eq!(got, (d.hidden, d.layers, d.intermediate, d.heads, d.kv_heads), "{p} {layout}");
+                assert_eq!((c.linear_num_value_heads, c.vocab_size, c.tie_word_embeddings), (d.lin_v_heads, VOCAB_SIZE, d.tied), "{p} {layout}");
+                assert_eq!((c.num_full_layers(), c.rotary_dim()), (d.layers / 4, 64), "{p} {layout}");
+            }
+        }
+    }
+
+    #[test]
     fn presets_and_layouts_parse() {
         for p in Preset::ALL {
             assert_eq!(p.name().parse::<Preset>().unwrap(), p);
@@ -1434,6 +1461,7 @@ mod tests {
             "qwen3.5-0.8b".parse::<Preset>().unwrap(),
             Preset::Qwen35_0_8B
         );
+        assert_eq!("Qwen3.5-27B".parse::<Preset>().unwrap(), Preset::Qwen35_27B);
         assert!(
             matches!("qwen3.5-7b".parse::<Preset>(), Err(SynthError::UnknownPreset(s)) if s == "qwen3.5-7b")
         );

@@ -9,12 +9,26 @@ use crate::sampling::argmax;
 
 /// `../shared/<rel>` beside the repository (`$TENSORFOLD_SHARED/<rel>` when set): the fixtures,
 /// tokenizers and reference outputs every test reads.
+///
+/// # Panics
+/// When that path does not exist, with a message naming it, so a test without its data fails
+/// saying what it looked for rather than with a bare "No such file or directory" further on.
+#[track_caller]
 pub fn shared(rel: &str) -> PathBuf {
     let base = match std::env::var_os("TENSORFOLD_SHARED") {
         Some(p) => PathBuf::from(p),
         None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared"),
     };
-    base.join(rel)
+    existing(base.join(rel))
+}
+
+/// `path`, after checking that it exists (see [`shared`]).
+#[track_caller]
+fn existing(path: PathBuf) -> PathBuf {
+    if !path.exists() {
+        panic!("test data missing: {} (the tests read the shared/ folder beside the checkout, or $TENSORFOLD_SHARED)", path.display());
+    }
+    path
 }
 
 /// A fresh directory under the system temp dir, removed on drop.
@@ -105,4 +119,21 @@ pub fn greedy_ids<B: Backend>(model: &Model<B>, prompt: &[u32], len: usize) -> V
         model.step(&Batch::single(slot, pos, &[next], false), &mut states, &mut scratch).unwrap();
     }
     ids
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "test data missing: /nonexistent/fixtures/tiny/mlx-q4 (")]
+    fn missing_test_data_is_named() {
+        existing(Path::new("/nonexistent").join("fixtures/tiny/mlx-q4"));
+    }
+
+    #[test]
+    fn existing_test_data_is_returned() {
+        let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
+        assert_eq!(existing(here.clone()), here);
+    }
 }

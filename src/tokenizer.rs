@@ -10,7 +10,8 @@
 //!   `utils/chat_template_utils.py::_compile_jinja_template` configures Jinja2: `trim_blocks`,
 //!   `lstrip_blocks`, loop controls, the globals `raise_exception` and `strftime_now`, and a
 //!   `tojson` filter that is Python's `json.dumps(x, ensure_ascii=False, ...)`.
-//! - Stop ids are the union of every EOS id the model directory declares.
+//! - Stop ids are the union of every EOS id the model directory declares and of the
+//!   vocabulary's end-of-generation special tokens (as llama.cpp finds them, by their text).
 //!
 //! The rayon thread pool of the `tokenizers` crate is switched off on load (see
 //! [`Tokenizer::from_dir`]) so tokenization never competes with the engine for cores.
@@ -75,6 +76,23 @@ pub enum TokenizerError {
 }
 
 type Result<T, E = TokenizerError> = std::result::Result<T, E>;
+
+/// Texts of special tokens that end a generation in the chat formats of common model
+/// families, whatever the configs say: a special added token of `tokenizer.json` with one of
+/// these texts is a stop id. Modelled on llama.cpp's end-of-generation detection
+/// (`llama_vocab::impl::load`, `special_eog_ids`); kept to the markers that only ever end a
+/// turn or a document.
+///
+/// - `<|endoftext|>`: end of a document (Qwen, GPT-2 family); Qwen3.5 emits it after base-model
+///   text.
+/// - `<|im_end|>`: end of a ChatML turn (Qwen).
+/// - `<|eot_id|>`, `<|eom_id|>`, `<|end_of_text|>`: Llama 3 end of turn, of a tool-call message,
+///   of a document.
+/// - `<|end|>`: Phi-3 end of turn.
+/// - `<|return|>`: gpt-oss (harmony) end of the final answer.
+/// - `<end_of_turn>`: Gemma end of turn.
+pub const END_OF_GENERATION_TOKENS: &[&str] =
+    &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "<|return|>", "<end_of_turn>"];
 
 /// One chat message as chat templates see it (`{"role": ..., "content": ...}`).
 ///
@@ -204,7 +222,8 @@ impl Tokenizer {
     /// - `generation_config.json` (optional): `eos_token_id`, an integer or a list.
     /// - `config.json` (optional): `eos_token_id` at the top level and/or under `text_config`.
     ///
-    /// [`eos_ids`](Self::eos_ids) is the sorted, deduplicated union of all EOS ids found.
+    /// [`eos_ids`](Self::eos_ids) is the sorted, deduplicated union of all EOS ids found and of
+    /// the special added tokens whose text is in [`END_OF_GENERATION_TOKENS`].
     ///
     /// Calls `tokenizers::utils::parallelism::set_parallelism(false)`, a process-wide switch,
     /// so the `tokenizers` crate never starts rayon workers that compete with the engine.
@@ -295,6 +314,15 @@ impl Tokenizer {
                 "text_config.eos_token_id",
             )?);
         }
+        // Checkpoints whose configs name no EOS id (some mlx-community conversions) still
+        // end turns and documents with these markers: llama.cpp stops on them by their text.
+        eos_ids.extend(
+            inner
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, t)| t.special && END_OF_GENERATION_TOKENS.contains(&t.content.as_str()))
+                .map(|(id, _)| id),
+        );
         eos_ids.sort_unstable();
         eos_ids.dedup();
 
@@ -372,8 +400,10 @@ impl Tokenizer {
     }
 
     /// Stop ids: the union of `generation_config.json` `eos_token_id`, the id of
-    /// `tokenizer_config.json` `eos_token`, and `config.json` `eos_token_id` (top level and
-    /// `text_config`). Sorted ascending, no duplicates; empty when no file names one.
+    /// `tokenizer_config.json` `eos_token`, `config.json` `eos_token_id` (top level and
+    /// `text_config`), and the special tokens of the vocabulary that are end-of-generation
+    /// markers by their text ([`END_OF_GENERATION_TOKENS`]). Sorted ascending, no duplicates;
+    /// empty when no file names one and the vocabulary has no such marker.
     pub fn eos_ids(&self) -> &[u32] {
         &self.eos_ids
     }
@@ -1291,23 +1321,13 @@ impl TokenStream<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::shared;
     use std::sync::OnceLock;
-
-    /// `shared/` beside the checkout (`../shared` from the crate root).
-    fn shared() -> PathBuf {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared");
-        assert!(
-            dir.is_dir(),
-            "test data missing: {} (the shared/ folder beside the checkout)",
-            dir.display()
-        );
-        dir
-    }
 
     /// The full Qwen3.5 tokenizer, loaded once (16 MB of JSON).
     fn qwen() -> &'static Tokenizer {
         static TOK: OnceLock<Tokenizer> = OnceLock::new();
-        TOK.get_or_init(|| Tokenizer::from_dir(&shared().join("tokenizers/qwen3.5")).unwrap())
+        TOK.get_or_init(|| Tokenizer::from_dir(&shared("tokenizers/qwen3.5")).unwrap())
     }
 
     #[derive(Deserialize)]
@@ -1345,16 +1365,16 @@ mod tests {
     fn qwen35_encode_cases() {
         let tok = qwen();
         assert_eq!(tok.vocab_size(), 248_077);
-        check_encode_cases(tok, &shared().join("tokenizers/qwen3.5/encode_cases.json"));
+        check_encode_cases(tok, &shared("tokenizers/qwen3.5/encode_cases.json"));
     }
 
     #[test]
     fn qwen35_v2048_encode_cases() {
-        let tok = Tokenizer::from_dir(&shared().join("tokenizers/qwen3.5-v2048")).unwrap();
+        let tok = Tokenizer::from_dir(&shared("tokenizers/qwen3.5-v2048")).unwrap();
         assert_eq!(tok.vocab_size(), 2048);
         check_encode_cases(
             &tok,
-            &shared().join("tokenizers/qwen3.5-v2048/encode_cases.json"),
+            &shared("tokenizers/qwen3.5-v2048/encode_cases.json"),
         );
     }
 
@@ -1413,7 +1433,7 @@ mod tests {
 
     #[test]
     fn vocab_fixture_chat_prompt_matches_reference_ids() {
-        let fixture = shared().join("fixtures/vocab");
+        let fixture = shared("fixtures/vocab");
         let tok = Tokenizer::from_dir(&fixture.join("mlx-q4")).unwrap();
         let template = tok
             .chat_template()
@@ -1439,18 +1459,19 @@ mod tests {
 
     #[test]
     fn eos_ids_from_all_config_files() {
-        let vocab = Tokenizer::from_dir(&shared().join("fixtures/vocab/mlx-q4")).unwrap();
+        let vocab = Tokenizer::from_dir(&shared("fixtures/vocab/mlx-q4")).unwrap();
         assert_eq!(vocab.eos_ids(), &[248_044, 248_046]);
         assert!(vocab.is_eos(248_046) && !vocab.is_eos(248_045));
         let demo =
-            Tokenizer::from_dir(&shared().join("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
-        assert_eq!(demo.eos_ids(), &[8189]);
+            Tokenizer::from_dir(&shared("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
+        // <|endoftext|> from the configs, <|im_end|> (8191) as an end-of-generation marker.
+        assert_eq!(demo.eos_ids(), &[8189, 8191]);
         assert!(demo.chat_template().is_none());
 
         // tiny/hf keeps its template inside tokenizer_config.json, tiny/mlx-q4 in a .jinja
         // file; both are the same ChatML template (shared/fixtures/README.md).
-        let hf = Tokenizer::from_dir(&shared().join("fixtures/tiny/hf")).unwrap();
-        let mlx = Tokenizer::from_dir(&shared().join("fixtures/tiny/mlx-q4")).unwrap();
+        let hf = Tokenizer::from_dir(&shared("fixtures/tiny/hf")).unwrap();
+        let mlx = Tokenizer::from_dir(&shared("fixtures/tiny/mlx-q4")).unwrap();
         assert_eq!(hf.eos_ids(), &[2015, 2017]);
         assert_eq!(mlx.eos_ids(), &[2015, 2017]);
         let (hf_t, mlx_t) = (hf.chat_template().unwrap(), mlx.chat_template().unwrap());
@@ -1472,6 +1493,57 @@ mod tests {
         );
     }
 
+    #[test]
+    fn end_of_generation_markers_stop_when_no_config_names_them() {
+        // Issue 21: configs without any eos_token_id (as some mlx-community conversions ship)
+        // left <|endoftext|> out of the stop set; Qwen3.5 ends on it and on <|im_end|>.
+        let tmp = crate::testutil::TempDir::new("tokenizer-no-eos");
+        let src = shared("fixtures/vocab/mlx-q4");
+        // Copied by content: the shared files are read-only, and copies would keep that mode.
+        for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+            std::fs::write(tmp.path().join(f), std::fs::read(src.join(f)).unwrap()).unwrap();
+        }
+        for f in ["config.json", "generation_config.json"] {
+            let mut v: Json = serde_json::from_str(&std::fs::read_to_string(src.join(f)).unwrap()).unwrap();
+            let had = v.as_object_mut().unwrap().remove("eos_token_id").is_some();
+            let nested = v.get_mut("text_config").and_then(Json::as_object_mut).and_then(|t| t.remove("eos_token_id")).is_some();
+            assert!(had || nested, "{f} named an EOS id");
+            let text = serde_json::to_string_pretty(&v).unwrap();
+            assert!(!text.contains("eos_token_id"), "{f}");
+            std::fs::write(tmp.path().join(f), text).unwrap();
+        }
+        let tok = Tokenizer::from_dir(tmp.path()).unwrap();
+        assert_eq!(tok.eos_ids(), &[248_044, 248_046]);
+        assert!(tok.is_eos(248_044) && tok.is_eos(248_046) && !tok.is_eos(248_045));
+
+        // Without tokenizer_config's eos_token either: the vocabulary's markers alone.
+        let cfg_path = tmp.path().join("tokenizer_config.json");
+        let mut cfg: Json = serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+        assert!(cfg.as_object_mut().unwrap().remove("eos_token").is_some());
+        std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+        assert_eq!(Tokenizer::from_dir(tmp.path()).unwrap().eos_ids(), &[248_044, 248_046]);
+    }
+
+    #[test]
+    fn only_special_tokens_are_end_of_generation_markers() {
+        // A plain added token with a marker's text is ordinary text; a special one stops.
+        let dir = scratch_dir(
+            "eog-special",
+            &[(
+                "tokenizer_config.json",
+                r#"{"added_tokens_decoder": {
+                    "2048": {"content": "<|eot_id|>", "special": false},
+                    "2049": {"content": "<end_of_turn>", "special": true},
+                    "2050": {"content": "<|not_an_end|>", "special": true}}}"#,
+            )],
+        );
+        let tok = Tokenizer::from_dir(&dir).unwrap();
+        assert_eq!(tok.token_to_id("<|eot_id|>"), Some(2048));
+        // 2015 <|endoftext|> and 2017 <|im_end|> of the 2,048-id vocabulary, then 2049.
+        assert_eq!(tok.eos_ids(), &[2015, 2017, 2049]);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// A scratch model directory holding the 2,048-id tokenizer plus the given files.
     fn scratch_dir(tag: &str, files: &[(&str, &str)]) -> PathBuf {
         let dir =
@@ -1479,7 +1551,7 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::copy(
-            shared().join("tokenizers/qwen3.5-v2048/tokenizer.json"),
+            shared("tokenizers/qwen3.5-v2048/tokenizer.json"),
             dir.join("tokenizer.json"),
         )
         .unwrap();

@@ -82,6 +82,99 @@ fn dump_logits_writes_every_processed_position() {
 }
 
 #[test]
+fn dump_logits_never_leaves_or_replaces_a_temporary_file() {
+    // Issue 21: the dump went through `<path with extension safetensors.tmp>`, left behind when
+    // the target was a directory and replacing a user's own file of that name.
+    let tmp = TempDir::new("dump-tmp");
+    let d = shared("fixtures/tiny/mlx-q4");
+    let run = |target: &Path| tensorfold(&["run", "-m", d.to_str().unwrap(), "--device", "cpu", "--prompt-ids", "1,2,3", "--temp", "0", "-n", "2", "--print-ids", "--dump-logits", target.to_str().unwrap()]);
+    let names = || -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        n.sort();
+        n
+    };
+    let dir = tmp.path().join("out");
+    std::fs::create_dir(&dir).unwrap();
+    let o = run(&dir);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains(&format!("{}: is a directory", dir.display())), "{e}");
+    assert_eq!(names(), ["out"]);
+
+    let theirs = tmp.path().join("x.safetensors.tmp");
+    std::fs::write(&theirs, "the user's file").unwrap();
+    let target = tmp.path().join("x.bin");
+    let o = run(&target);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(std::fs::read_to_string(&theirs).unwrap(), "the user's file");
+    let bytes = std::fs::read(&target).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    // Three prompt positions and the first generated token, fed back.
+    assert_eq!(st.tensor("logits").unwrap().shape(), &[4, 2048]);
+    assert_eq!(names(), ["out", "x.bin", "x.safetensors.tmp"]);
+}
+
+/// Rewrites the JSON file `path` with `edit` applied (the shared fixtures' copies are
+/// read-only, so the file is replaced rather than written in place).
+fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    edit(&mut v);
+    std::fs::remove_file(path).unwrap();
+    std::fs::write(path, v.to_string()).unwrap();
+}
+
+#[test]
+fn a_checkpoint_whose_configs_name_no_eos_stops_on_endoftext() {
+    // Issue 21: with no eos_token_id in config.json and generation_config.json (as some
+    // mlx-community conversions ship), generation ran past <|endoftext|>.
+    const ENDOFTEXT: usize = 248_044;
+    let src = shared("fixtures/vocab/mlx-q4");
+    // The embedding (tied: also the LM head) row of <|endoftext|> becomes the constant `bias`
+    // (4-bit scale 0), so its logit is `bias` times the sum of the final normalised state.
+    let with_row = |tag: &str, bias: f32| -> TempDir {
+        let t = doctored(tag, &src, |v| {
+            for (name, value) in [("scales", 0.0f32), ("biases", bias)] {
+                let x = v.iter_mut().find(|x| x.0 == format!("language_model.model.embed_tokens.{name}")).unwrap();
+                assert_eq!(x.2, [248_320, 1]);
+                x.3[2 * ENDOFTEXT..2 * ENDOFTEXT + 2].copy_from_slice(&half::bf16::from_f32(value).to_le_bytes());
+            }
+        });
+        edit_json(&t.path().join("config.json"), |c| {
+            c.as_object_mut().unwrap().remove("eos_token_id").unwrap();
+            c["text_config"].as_object_mut().unwrap().remove("eos_token_id").unwrap();
+        });
+        edit_json(&t.path().join("generation_config.json"), |c| {
+            c.as_object_mut().unwrap().remove("eos_token_id").unwrap();
+        });
+        t
+    };
+    let prompt = "Say hello in five words.";
+    // First, that sum at the prompt's last position (bias 1), and the best other logit there.
+    let probe = with_row("eos-probe", 1.0);
+    let dump = probe.path().join("l.safetensors");
+    let dir = probe.path().to_str().unwrap();
+    ok(&["run", "-m", dir, "--device", "cpu", "-p", prompt, "-n", "1", "--temp", "0", "--print-ids", "--dump-logits", dump.to_str().unwrap()]);
+    let bytes = std::fs::read(&dump).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let logits = st.tensor("logits").unwrap();
+    let v = logits.shape()[1];
+    let data = logits.data();
+    let last: Vec<f32> = data[data.len() - 4 * v..].chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let sum = last[ENDOFTEXT];
+    assert!(sum.is_finite() && sum != 0.0, "{sum}");
+    let best_other = last.iter().enumerate().filter(|&(i, _)| i != ENDOFTEXT).map(|(_, &x)| x).fold(f32::MIN, f32::max);
+    // A bias that puts <|endoftext|> 4x above every other logit's magnitude.
+    let bias = 4.0 * (best_other.abs() + 1.0) / sum;
+
+    let model = with_row("eos-run", bias);
+    let o = tensorfold(&["run", "-m", model.path().to_str().unwrap(), "--device", "cpu", "-p", prompt, "-n", "8", "--temp", "0", "--print-ids"]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert_eq!(ids(&String::from_utf8(o.stdout).unwrap()), [ENDOFTEXT as u32]);
+    assert!(stderr.contains("generation: 1 token in") && stderr.contains("stopped by eos"), "{stderr}");
+}
+
+#[test]
 fn the_demo_model_runs_without_m_and_info_reports_it() {
     let out = ok(&["run", "--device", "cpu", "-p", "def fibonacci(n):", "-n", "8", "--temp", "0"]);
     assert!(out.starts_with("def fibonacci(n):"), "{out}");

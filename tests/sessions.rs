@@ -408,6 +408,79 @@ fn session_files_of_other_models_truncated_or_corrupt_are_refused() {
     assert_eq!(r.tokens(), s.tokens());
 }
 
+#[test]
+fn session_files_with_ids_outside_the_vocabulary_or_non_finite_state_are_refused() {
+    // Issue 21: a file with a valid checksum was accepted whatever it held. These are written by
+    // the engine's own writer, so every checksum is right.
+    let tmp = TempDir::new("session-contents");
+    let mut e = engine(TINY);
+    let v = e.vocab_size();
+    let prompt = Rng(3).ids(9, v);
+    let mut s = e.new_session(sampling(1)).unwrap();
+    e.feed(&mut s, &prompt, false, &mut |_, _| {}).unwrap();
+    let state = e.export_state(&s).unwrap();
+    let path = tmp.path().join("bad.session");
+
+    // A pending id past the embedding (pushed, never fed).
+    let mut bad = e.fork(&s).unwrap();
+    bad.push(v as u32 + 3);
+    e.save_session(&bad, &path).unwrap();
+    e.free_session(bad).unwrap();
+    let err = e.load_session(&path).expect_err("an id outside the vocabulary is refused");
+    assert!(matches!(err, SessionError::TokenId { index: 9, id, vocab_size, .. } if id == v as u32 + 3 && vocab_size == v), "{err}");
+    assert_eq!(err.to_string(), format!("{}: token 9 of the history is id {}, outside this model's vocabulary of {v}", path.display(), v + 3));
+
+    // NaN or infinity in each kind of state array. The fixture's layers are GDN 0-2 and attention 3.
+    let nan = f32::NAN;
+    for (array, i, layer, element, value) in [("conv window", 1, 1, 5, nan), ("recurrent state", 2, 2, 100, f32::INFINITY), ("key cache", 0, 3, 7, f32::NEG_INFINITY), ("value cache", 0, 3, 9, nan)] {
+        let mut st = state.clone();
+        let arrays = match array {
+            "conv window" => &mut st.conv,
+            "recurrent state" => &mut st.recurrent,
+            "key cache" => &mut st.keys,
+            _ => &mut st.values,
+        };
+        arrays[i][element] = value;
+        let bad = e.session_from_state(&st, &prompt, sampling(1)).unwrap();
+        e.save_session(&bad, &path).unwrap();
+        e.free_session(bad).unwrap();
+        let err = e.load_session(&path).expect_err("a non-finite state is refused");
+        assert!(matches!(err, SessionError::NonFinite { .. }), "{array}: {err}");
+        assert_eq!(err.to_string(), format!("{}: {array} of layer {layer} holds {value} at element {element}", path.display()));
+    }
+    // The unmodified state still round-trips (the checks refuse only what is wrong).
+    e.save_session(&s, &path).unwrap();
+    let r = e.load_session(&path).unwrap();
+    assert_eq!(r.tokens(), s.tokens());
+    assert!(bits(&e.export_state(&r).unwrap().recurrent[2]) == bits(&state.recurrent[2]));
+}
+
+#[test]
+fn saving_over_a_directory_fails_naming_it_and_leaves_no_temporary_file() {
+    let tmp = TempDir::new("session-write");
+    let mut e = engine(TINY);
+    let mut s = e.new_session(sampling(1)).unwrap();
+    e.feed(&mut s, &[1, 2, 3], false, &mut |_, _| {}).unwrap();
+    let names = || -> Vec<String> {
+        let mut n: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|d| d.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        n.sort();
+        n
+    };
+    let dir = tmp.path().join("sessions");
+    std::fs::create_dir(&dir).unwrap();
+    let err = e.save_session(&s, &dir).expect_err("a directory cannot be replaced");
+    assert!(matches!(err, SessionError::Write(_)), "{err}");
+    assert_eq!(err.to_string(), format!("{}: is a directory", dir.display()));
+    assert_eq!(names(), ["sessions"]);
+    // A file of the user's beside the target with the name the writer used to take for its
+    // temporary file (`NAME.tmp.<pid>`, replaced and then renamed away) is left alone.
+    let theirs = format!("a.session.tmp.{}", std::process::id());
+    std::fs::write(tmp.path().join(&theirs), "mine").unwrap();
+    e.save_session(&s, &tmp.path().join("a.session")).unwrap();
+    assert_eq!(std::fs::read_to_string(tmp.path().join(&theirs)).unwrap(), "mine");
+    assert_eq!(names(), ["a.session".to_string(), theirs, "sessions".into()]);
+}
+
 fn tensorfold_cmd(args: &[&str], stdin: Option<&str>) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_tensorfold"));
     c.args(args).stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());

@@ -460,8 +460,8 @@ fn tokens(n: usize) -> String {
     }
 }
 
-/// Writes `logits` f32 `[T, V]` and `ids` i32 `[T]` to a safetensors file, atomically (a
-/// temporary file renamed into place).
+/// Writes `logits` f32 `[T, V]` and `ids` i32 `[T]` to a safetensors file, atomically (a unique
+/// temporary file beside it renamed into place, removed on error: `fsutil::write_atomic`).
 fn write_logits(path: &std::path::Path, logits: &[f32], ids: &[u32], vocab: usize) -> Result<()> {
     use safetensors::tensor::TensorView;
     use safetensors::Dtype;
@@ -472,8 +472,7 @@ fn write_logits(path: &std::path::Path, logits: &[f32], ids: &[u32], vocab: usiz
         ("logits".to_string(), TensorView::new(Dtype::F32, vec![t, vocab], &lb)?),
         ("ids".to_string(), TensorView::new(Dtype::I32, vec![t], &ib)?),
     ];
-    let tmp = path.with_extension("safetensors.tmp");
-    safetensors::serialize_to_file(views, None, &tmp)?;
-    std::fs::rename(&tmp, path)?;
+    let bytes = safetensors::serialize(views, None)?;
+    tensorfold::fsutil::write_atomic(path, |f| f.write_all(&bytes))?;
     Ok(())
 }
