@@ -1579,6 +1579,54 @@ impl Backend for Cuda {
         Ok(())
     }
 
+    /// Device to device: the conv windows and recurrent states, and the KV pages up to `src`'s
+    /// position (`dst` keeps as many of its pages as it can, gets new ones for the rest and
+    /// frees the others); only `dst`'s page table goes up from the host.
+    fn copy_slot(&self, states: &mut CudaStates, src: u32, dst: u32) -> Result<(), BackendError> {
+        self.check()?;
+        let alloc = |states: &CudaStates, s: u32| states.slots.get(s as usize).is_some_and(Option::is_some);
+        for s in [src, dst] {
+            if !alloc(states, s) {
+                return Err(BackendError::Slot { slot: s as usize, problem: "is not allocated".into() });
+            }
+        }
+        if src == dst {
+            return Ok(());
+        }
+        let cfg = &states.cfg;
+        let page_len = ATTENTION_TILE * cfg.num_key_value_heads * cfg.head_dim;
+        let max_pages = states.max_pages;
+        let mut d = states.slots[dst as usize].take().expect("checked above");
+        let s = states.slots[src as usize].as_ref().expect("checked above");
+        let copied = (|| -> Result<(), BackendError> {
+            let e = |e| dev_err("copying a slot", e);
+            self.stream.memcpy_dtod(&s.conv, &mut d.conv).map_err(e)?;
+            self.stream.memcpy_dtod(&s.rec, &mut d.rec).map_err(e)?;
+            let n_pages = s.position.div_ceil(ATTENTION_TILE);
+            for (l, (from, to)) in s.pages.iter().zip(d.pages.iter_mut()).enumerate() {
+                for kv in 0..2 {
+                    // Freed in stream order; the page table that names them is replaced below,
+                    // before any kernel reads it.
+                    to[kv].truncate(n_pages);
+                    while to[kv].len() < n_pages {
+                        to[kv].push(self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?);
+                    }
+                    for (p, page) in to[kv].iter_mut().enumerate() {
+                        self.stream.memcpy_dtod(&from[kv][p], page).map_err(e)?;
+                    }
+                    for p in 0..max_pages {
+                        d.host_table[(l * 2 + kv) * max_pages + p] = to[kv].get(p).map_or(0, |page| ptr(page, &self.stream));
+                    }
+                }
+            }
+            self.stream.memcpy_htod(&d.host_table, &mut d.table).map_err(e)?;
+            d.position = s.position;
+            Ok(())
+        })();
+        states.slots[dst as usize] = Some(d);
+        copied
+    }
+
     fn begin_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
         self.begin(states, batch, None)
     }
