@@ -87,6 +87,14 @@ impl Batch {
         }
         Ok(())
     }
+
+    /// Checks every id is inside a vocabulary of `vocab_size` ids.
+    pub fn check_ids(&self, vocab_size: usize) -> Result<(), BackendError> {
+        match self.ids.iter().find(|&&id| id as usize >= vocab_size) {
+            Some(&id) => Err(BackendError::TokenId { id, vocab_size }),
+            None => Ok(()),
+        }
+    }
 }
 
 /// One sequence's state in host memory, in the layout every backend exports and imports (swap
@@ -171,8 +179,13 @@ pub trait Backend {
 
     /// A short description for logs (`cpu (avx512, 2 threads)`).
     fn describe(&self) -> String;
-    /// The most rows (tokens) one step may hold; the engine splits prompts to fit.
+    /// The most rows (tokens) one step may hold; the engine splits prompts to fit. A step's
+    /// logits rows are bounded by the same number.
     fn max_rows(&self) -> usize {
+        usize::MAX
+    }
+    /// The most sequence slots allocated at once ([`Backend::alloc_slot`] refuses more).
+    fn max_slots(&self) -> usize {
         usize::MAX
     }
     fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix, BackendError>;
@@ -194,10 +207,33 @@ pub trait Backend {
     fn export_slot(&self, states: &Self::States, slot: u32) -> Result<SequenceState, BackendError>;
     /// Replaces a slot's state with `state` (swap in, restore).
     fn import_slot(&self, states: &mut Self::States, slot: u32, state: &SequenceState) -> Result<(), BackendError>;
+    /// Gives slot `dst` the exact state and position of slot `src` (a snapshot of a prefix kept
+    /// where the states are, a fork): both then continue as `src` would have. `dst` must be
+    /// allocated; copying a slot onto itself does nothing. The default is
+    /// [`Backend::export_slot`] then [`Backend::import_slot`] (through host memory); a device
+    /// copies on the device.
+    fn copy_slot(&self, states: &mut Self::States, src: u32, dst: u32) -> Result<(), BackendError> {
+        if src == dst {
+            self.slot_position(states, src)?;
+            return Ok(());
+        }
+        self.slot_position(states, dst)?;
+        let state = self.export_slot(states, src)?;
+        self.import_slot(states, dst, &state)
+    }
     /// Makes `batch` runnable: checks every sequence continues its slot at the right position,
     /// grows KV caches and the RoPE table to hold it, and loads the step description where the
     /// operations read it. Called before the operations of a step.
     fn begin_step(&self, states: &mut Self::States, batch: &Batch) -> Result<(), BackendError>;
+    /// [`Backend::begin_step`] for a step whose operations write scratch buffers that hold
+    /// `max_rows` rows and `max_logit_rows` logits rows ([`crate::model::Scratch`]): a device may
+    /// then compute more rows than the step has, inert rows that touch no sequence's state,
+    /// to run the step on a graph recorded for a larger shape. [`crate::model::Model::step`]
+    /// and its greedy and sampling forms call this. The default is [`Backend::begin_step`].
+    fn begin_step_within(&self, states: &mut Self::States, batch: &Batch, max_rows: usize, max_logit_rows: usize) -> Result<(), BackendError> {
+        let _ = (max_rows, max_logit_rows);
+        self.begin_step(states, batch)
+    }
     /// Advances every slot of the step by its row count. Called after the operations.
     fn end_step(&self, states: &mut Self::States, batch: &Batch) -> Result<(), BackendError>;
 

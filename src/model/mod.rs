@@ -117,7 +117,7 @@ impl<B: Backend> Model<B> {
                 scratch.max_logit_rows
             )));
         }
-        self.backend.begin_step(states, batch)?;
+        self.backend.begin_step_within(states, batch, scratch.max_rows, scratch.max_logit_rows)?;
         forward(self, batch, states, scratch);
         self.backend.end_step(states, batch)
     }
@@ -128,7 +128,7 @@ impl<B: Backend> Model<B> {
         if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
             return self.step(batch, states, scratch).map(|_| Vec::new());
         }
-        self.backend.begin_step(states, batch)?;
+        self.backend.begin_step_within(states, batch, scratch.max_rows, scratch.max_logit_rows)?;
         forward(self, batch, states, scratch);
         self.backend.argmax_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
         self.backend.end_step(states, batch)?;
@@ -141,7 +141,7 @@ impl<B: Backend> Model<B> {
         if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
             return Err(BackendError::Batch("the step exceeds its scratch buffers".into()));
         }
-        self.backend.begin_step(states, batch)?;
+        self.backend.begin_step_within(states, batch, scratch.max_rows, scratch.max_logit_rows)?;
         forward(self, batch, states, scratch);
         self.backend.sample_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
         self.backend.end_step(states, batch)?;

@@ -229,8 +229,15 @@ impl Backend for Cpu {
         Ok(())
     }
 
+    fn copy_slot(&self, states: &mut CpuStates, src: u32, dst: u32) -> Result<(), BackendError> {
+        let state = states.get(src)?.clone();
+        *states.get_mut(dst)? = state;
+        Ok(())
+    }
+
     fn begin_step(&self, states: &mut CpuStates, batch: &Batch) -> Result<(), BackendError> {
         batch.validate()?;
+        batch.check_ids(states.cfg.vocab_size)?;
         let max = states.cfg.max_position_embeddings;
         let width = states.cfg.num_key_value_heads * states.cfg.head_dim;
         let mut top = 0;

@@ -47,13 +47,35 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map(|n| n.max(0) as usize).unwrap_or(0)
 }
 
-/// Largest number of rows (tokens) one step may hold on this backend.
+/// Largest number of rows (tokens) one step may hold on this backend, and of logits rows.
 pub const MAX_ROWS: usize = 4096;
-/// Most rows of a step recorded as a graph: decode steps, one token per sequence. The attention
-/// kernels also take their decode shape up to here.
-const GRAPH_MAX_ROWS: usize = 64;
-/// Slots the device-side slot table holds.
+/// Most rows of a step recorded as a graph: decode steps, one token per sequence. Larger decode
+/// steps run eagerly.
+pub const GRAPH_MAX_ROWS: usize = 256;
+/// The row counts decode graphs are recorded for: a decode step of `n` rows runs on the graph of
+/// the smallest bucket `>= n` that its scratch buffers hold, the rows past `n` inert (they
+/// compute on [`PAD_SLOT`], a slot no sequence has). A step whose scratch holds no bucket `>= n`
+/// gets a graph of its own shape.
+pub const DECODE_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+/// Steps of up to this many rows take the attention kernels' decode shape (more blocks per head,
+/// a warp per work item; any shape gives the same bits).
+const ATTN_DECODE_ROWS: usize = 64;
+/// Slots the device-side slot table holds for sequences.
 pub const MAX_SLOTS: usize = 1024;
+/// The slot-table entry of the inert rows that pad a decode step to its graph's bucket: a state
+/// of its own (one KV page per attention layer), never a sequence's. Its rows all sit at
+/// position 0; they race on its memory, which nothing reads for a real row.
+const PAD_SLOT: u32 = MAX_SLOTS as u32;
+/// Fewest rows the argmax and device-sampler buffers are made for (they grow by powers of two).
+const CHOOSER_MIN_ROWS: usize = 64;
+/// Slices per row of the two-pass argmax (`PARTS` in argmax.cu).
+const ARGMAX_PARTS: usize = 64;
+
+/// The bucket a decode step of `n` rows runs in when its buffers hold `cap` rows: the smallest of
+/// [`DECODE_BUCKETS`] that is `>= n` and `<= cap`, else `n`.
+fn bucket(n: usize, cap: usize) -> usize {
+    DECODE_BUCKETS.iter().copied().find(|&b| b >= n && b <= cap).unwrap_or(n)
+}
 /// Most blocks per query head of `attn_scores` and `attn_tiles` in decode steps, whose work
 /// items are a tile's 32 positions or 32 values (any number gives the same bits;
 /// `TENSORFOLD_ATTN_BLOCKS` overrides it, for measuring). 128: up to 4 096 positions every item
@@ -229,6 +251,17 @@ struct GraphKey {
     scratch: u64,
 }
 
+/// A decode step run on a graph of more rows than it has: `rows` real rows padded to `brows`,
+/// `logits` real logits rows padded to `blogits`. While the step is recorded, the operations
+/// take the padded counts for the real ones ([`Step::eff`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pad {
+    rows: usize,
+    brows: usize,
+    logits: usize,
+    blogits: usize,
+}
+
 /// Which token-choosing kernel ends a step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Chooser {
@@ -314,9 +347,20 @@ struct Step {
     sample_wlen: CudaSlice<u32>,
     sample_pos: CudaSlice<u64>,
     sample_work: Option<CudaSlice<f32>>,
-    /// Per-slice bests of the two-pass argmax: `[64 rows][64 slices]`.
+    /// Rows the device sampler's buffers hold (`sample_params`, `sample_wlen`, `sample_pos`,
+    /// `sample_win` in windows of [`SAMPLE_WINDOW`], `sample_work` in rows of the vocabulary).
+    sample_cap: usize,
+    /// Rows the last [`Backend::set_sampling`] prepared (0: none).
+    sample_rows: usize,
+    /// Per-slice bests of the two-pass argmax: `[argmax_cap rows][64 slices]`.
     argmax_v: CudaSlice<f32>,
     argmax_i: CudaSlice<u32>,
+    argmax_cap: usize,
+    /// Whether the current step (set up by `begin_step`) runs as a graph, and its padding.
+    graph_step: bool,
+    pad: Option<Pad>,
+    /// The state of [`PAD_SLOT`] (made on the first padded step).
+    pad_slot: Option<SlotMem>,
     error: Option<BackendError>,
     launches: u64,
     /// Host synchronisations (waits for the device).
@@ -333,6 +377,17 @@ struct Step {
 }
 
 impl Step {
+    /// The row count an operation of the current step launches over for `rows`, the count the
+    /// model passes it: the padded count while a padded step is recorded (the real rows and the
+    /// real logits rows each map to their bucket), else `rows`.
+    fn eff(&self, rows: usize) -> usize {
+        match (self.mode, self.pad) {
+            (Mode::Capturing(_), Some(p)) if rows == p.rows => p.brows,
+            (Mode::Capturing(_), Some(p)) if rows == p.logits => p.blogits,
+            _ => rows,
+        }
+    }
+
     /// The attention partial buffer this step's kernels use (the graphs' while capturing, else
     /// the eager one) and the tiles per query it holds.
     fn attention_partials(&self) -> (&CudaSlice<f32>, u32) {
@@ -478,8 +533,8 @@ impl Cuda {
             seqs: stream.alloc_zeros::<SeqDesc>(MAX_ROWS).map_err(|e| dev_err("allocating step buffers", e))?,
             rows: stream.alloc_zeros::<RowDesc>(MAX_ROWS).map_err(|e| dev_err("allocating step buffers", e))?,
             logit_rows: alloc(MAX_ROWS)?,
-            slot_table: stream.alloc_zeros::<SlotDesc>(MAX_SLOTS).map_err(|e| dev_err("allocating the slot table", e))?,
-            host_slot_table: vec![SlotDesc::default(); MAX_SLOTS],
+            slot_table: stream.alloc_zeros::<SlotDesc>(MAX_SLOTS + 1).map_err(|e| dev_err("allocating the slot table", e))?,
+            host_slot_table: vec![SlotDesc::default(); MAX_SLOTS + 1],
             slot_table_dirty: false,
             rope: None,
             rope_host: None,
@@ -496,13 +551,19 @@ impl Cuda {
             graphs: HashMap::new(),
             captured_chooser: None,
             pending_chooser: None,
-            sample_params: stream.alloc_zeros::<SampleParamsRepr>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
-            sample_win: alloc(64 * SAMPLE_WINDOW)?,
-            sample_wlen: alloc(64)?,
-            sample_pos: stream.alloc_zeros::<u64>(64).map_err(|e| dev_err("allocating sampler buffers", e))?,
+            sample_params: stream.alloc_zeros::<SampleParamsRepr>(CHOOSER_MIN_ROWS).map_err(|e| dev_err("allocating sampler buffers", e))?,
+            sample_win: alloc(CHOOSER_MIN_ROWS * SAMPLE_WINDOW)?,
+            sample_wlen: alloc(CHOOSER_MIN_ROWS)?,
+            sample_pos: stream.alloc_zeros::<u64>(CHOOSER_MIN_ROWS).map_err(|e| dev_err("allocating sampler buffers", e))?,
             sample_work: None,
-            argmax_v: stream.alloc_zeros::<f32>(64 * 64).map_err(|e| dev_err("allocating argmax buffers", e))?,
-            argmax_i: alloc(64 * 64)?,
+            sample_cap: CHOOSER_MIN_ROWS,
+            sample_rows: 0,
+            argmax_v: stream.alloc_zeros::<f32>(CHOOSER_MIN_ROWS * ARGMAX_PARTS).map_err(|e| dev_err("allocating argmax buffers", e))?,
+            argmax_i: alloc(CHOOSER_MIN_ROWS * ARGMAX_PARTS)?,
+            argmax_cap: CHOOSER_MIN_ROWS,
+            graph_step: false,
+            pad: None,
+            pad_slot: None,
             error: None,
             launches: 0,
             waits: 0,
@@ -678,7 +739,9 @@ impl Cuda {
     /// [`Cuda::launch`], timed under `label` instead of `what` when profiling.
     fn launch_as<T>(&self, what: &str, label: Option<String>, f: impl FnOnce(&mut Step) -> Result<T, cudarc::driver::DriverError>) {
         let mut st = self.step.lock().unwrap();
-        if matches!(st.mode, Mode::Replaying(_)) {
+        // A step that met an error launches nothing more (it fails at its end): a refused
+        // buffer size must not become a kernel indexing past it.
+        if matches!(st.mode, Mode::Replaying(_)) || st.error.is_some() {
             return;
         }
         // Profiling (eager steps only): events around the launch, summed per kernel name.
@@ -743,6 +806,23 @@ impl Cuda {
         let (v, ld) = (v_eff as u32, logits.cols as u32);
         let lp = ptr(&logits.buf, &self.stream);
         let mut st = self.step.lock().unwrap();
+        // What the kernels would index past is refused here, as an error of the step.
+        let n = st.eff(rows);
+        let refusal = if v_eff > logits.cols || n > logits.rows {
+            Some(format!("{n} logits rows over ids < {v_eff} do not fit a logits tensor of [{}, {}]", logits.rows, logits.cols))
+        } else if kind == Chooser::Argmax && n > st.argmax_cap {
+            Some(format!("{n} rows to choose from exceed the argmax buffers ({} rows)", st.argmax_cap))
+        } else if kind == Chooser::Sample && (rows > st.sample_rows || n > st.sample_cap || st.sample_work.as_ref().is_none_or(|w| w.len() < n * logits.cols)) {
+            Some(format!("{rows} rows to sample, but set_sampling prepared {}", st.sample_rows))
+        } else {
+            None
+        };
+        if let Some(r) = refusal {
+            st.error.get_or_insert(BackendError::Batch(r));
+        }
+        if st.error.is_some() {
+            return;
+        }
         match st.mode {
             Mode::Replaying(key) => {
                 if st.graphs[&key].chooser != Some(kind) {
@@ -753,7 +833,7 @@ impl Cuda {
             Mode::Capturing(_) => st.captured_chooser = Some(kind),
             Mode::Eager => {}
         }
-        if let Err(e) = self.launch_chooser(&mut st, kind, lp, rows as u32, v, ld) {
+        if let Err(e) = self.launch_chooser(&mut st, kind, lp, n as u32, v, ld) {
             st.error.get_or_insert(dev_err("choosing tokens", e));
         }
         st.launches += if kind == Chooser::Argmax { 2 } else { 1 };
@@ -761,17 +841,19 @@ impl Cuda {
 
     fn launch_chooser(&self, st: &mut Step, kind: Chooser, logits: u64, rows: u32, v_eff: u32, ld: u32) -> Result<(), cudarc::driver::DriverError> {
         // SAFETY: arguments match argmax.cu / sample.cu; `logits` is the step's logits tensor
-        // (`rows` rows of `ld` floats), the other buffers hold at least 64 rows.
+        // (`rows` rows of `ld` floats), the other buffers hold at least `rows` rows
+        // (`enqueue_chooser` checked: `argmax_cap`, `sample_cap`, `sampled` and `ids` MAX_ROWS).
         unsafe {
             match kind {
                 Chooser::Argmax => {
                     st.label_node("argmax_part");
                     st.label_node("argmax_rows");
-                    self.kernel("argmax_part", (64, rows, 1), 256, 0, self.args().val(logits).val(v_eff).val(ld).buf(&st.argmax_v).buf(&st.argmax_i))?;
-                    self.kernel("argmax_rows", (rows, 1, 1), 64, 0, self.args().buf(&st.argmax_v).buf(&st.argmax_i).buf(&st.sampled).buf(&st.ids))
+                    self.kernel("argmax_part", (ARGMAX_PARTS as u32, rows, 1), 256, 0, self.args().val(logits).val(v_eff).val(ld).buf(&st.argmax_v).buf(&st.argmax_i))?;
+                    self.kernel("argmax_rows", (rows, 1, 1), ARGMAX_PARTS as u32, 0, self.args().buf(&st.argmax_v).buf(&st.argmax_i).buf(&st.sampled).buf(&st.ids))
                 }
                 Chooser::Sample => {
                     st.label_node("sample_rows");
+                    let Some(work) = st.sample_work.as_ref() else { return Ok(()) };
                     self.kernel(
                         "sample_rows",
                         (rows, 1, 1),
@@ -785,7 +867,7 @@ impl Cuda {
                             .buf(&st.sample_win)
                             .buf(&st.sample_wlen)
                             .buf(&st.sample_pos)
-                            .buf(st.sample_work.as_ref().expect("set_sampling ran"))
+                            .buf(work)
                             .buf(&st.sampled)
                             .buf(&st.ids),
                     )
@@ -958,13 +1040,22 @@ impl Cuda {
         }
     }
 
+    /// `out = silu(gate) ⊙ up` over `rows` tokens.
+    fn swiglu_rows(&self, gate: &CudaTensor, up: &CudaTensor, rows: usize, out: &mut CudaTensor) {
+        let n = (rows * gate.cols) as u32;
+        if n == 0 {
+            return;
+        }
+        self.launch("swiglu", |_| unsafe { self.kernel("swiglu", (n.div_ceil(256), 1, 1), 256, 0, self.args().buf(&gate.buf).buf(&up.buf).val(n).buf(&out.buf)) });
+    }
+
     /// `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up` over `rows` tokens.
     #[allow(clippy::too_many_arguments)]
     fn matmul_swiglu_rows(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
         let pair = Self::same_format(gate_w, up_w) && gate_w.rows == up_w.rows && gate.cols == up.cols && gate.cols == act.cols;
         if rows == 0 || !pair {
             self.matmul_rows(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)], None);
-            self.swiglu(gate, up, rows, act);
+            self.swiglu_rows(gate, up, rows, act);
             return;
         }
         let mut d = MatDescs::default();
@@ -1030,6 +1121,262 @@ fn fmt_codes(m: &Matrix) -> (u32, u32, u32) {
     }
 }
 
+/// Step set-up and teardown, slot copies, the inert pad slot.
+impl Cuda {
+    /// `begin_step`: `caps` are the rows and logits rows the step's scratch buffers hold, when
+    /// known; a decode step may then be padded to a bucket's graph.
+    fn begin(&self, states: &mut CudaStates, batch: &Batch, caps: Option<(usize, usize)>) -> Result<(), BackendError> {
+        batch.validate()?;
+        self.check()?;
+        let (n, l) = (batch.rows(), batch.logit_rows.len());
+        if n > MAX_ROWS || l > MAX_ROWS {
+            return Err(BackendError::Batch(format!("{n} rows / {l} logits rows exceed the CUDA backend's {MAX_ROWS}")));
+        }
+        batch.check_ids(states.cfg.vocab_size)?;
+        let cfg = states.cfg.clone();
+        let max = cfg.max_position_embeddings;
+        let page_len = ATTENTION_TILE * cfg.num_key_value_heads * cfg.head_dim;
+        let max_pages = states.max_pages;
+        let mut rows = Vec::with_capacity(batch.rows());
+        let mut seqs = Vec::with_capacity(batch.seqs.len());
+        let mut top = 0usize;
+        for s in &batch.seqs {
+            let m = states.slots.get_mut(s.slot as usize).and_then(Option::as_mut).ok_or(BackendError::Slot { slot: s.slot as usize, problem: "is not allocated".into() })?;
+            if m.position != s.pos as usize {
+                return Err(BackendError::Slot { slot: s.slot as usize, problem: format!("is at position {}, but the step continues it at {}", m.position, s.pos) });
+            }
+            let end = (s.pos + s.len) as usize;
+            if end > max {
+                return Err(BackendError::ContextFull { position: end - 1, max });
+            }
+            // KV pages for positions < end (allocated outside any graph; the page table is data).
+            let need = end.div_ceil(ATTENTION_TILE);
+            let mut dirty = false;
+            for (l, layer) in m.pages.iter_mut().enumerate() {
+                for (kv, pages) in layer.iter_mut().enumerate() {
+                    while pages.len() < need {
+                        let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?;
+                        m.host_table[(l * 2 + kv) * max_pages + pages.len()] = ptr(&d, &self.stream);
+                        pages.push(d);
+                        dirty = true;
+                    }
+                }
+            }
+            if dirty {
+                self.stream.memcpy_htod(&m.host_table, &mut m.table).map_err(|e| dev_err("page table", e))?;
+            }
+            seqs.push(SeqDesc { slot: s.slot, first_row: s.first_row, len: s.len, pos: s.pos });
+            for t in 0..s.len {
+                rows.push(RowDesc { slot: s.slot, pos: s.pos + t });
+            }
+            top = top.max(end);
+        }
+        // A decode-shaped step (one row per sequence) runs as a graph, on the bucket's graph when
+        // the scratch buffers hold its rows (the logits rows too, when every row wants logits).
+        let graph = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && (1..=GRAPH_MAX_ROWS).contains(&n) && batch.seqs.iter().all(|s| s.len == 1);
+        let mut pad = None;
+        if let (true, Some((cap_rows, cap_logits))) = (graph, caps) {
+            let brows = bucket(n, if l == n { cap_rows.min(cap_logits) } else { cap_rows });
+            let blogits = match l {
+                0 => 0,
+                _ if l == n => brows,
+                _ => bucket(l, cap_logits),
+            };
+            if (brows, blogits) != (n, l) {
+                pad = Some(Pad { rows: n, brows, logits: l, blogits });
+            }
+        }
+        let (brows, blogits) = pad.map_or((n, l), |p| (p.brows, p.blogits));
+        let mut st = self.step.lock().unwrap();
+        if pad.is_some() && st.pad_slot.is_none() {
+            let mem = self.pad_slot_mem(&cfg, max_pages)?;
+            st.host_slot_table[PAD_SLOT as usize] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
+            st.slot_table_dirty = true;
+            st.pad_slot = Some(mem);
+        }
+        // The inert rows: each its own one-token sequence of the pad slot at position 0; the
+        // padded logits rows read the inert rows (or the last row).
+        for r in n..brows {
+            seqs.push(SeqDesc { slot: PAD_SLOT, first_row: r as u32, len: 1, pos: 0 });
+            rows.push(RowDesc { slot: PAD_SLOT, pos: 0 });
+        }
+        let mut logit_rows = batch.logit_rows.clone();
+        logit_rows.extend((l..blogits).map(|i| (n + i - l).min(brows - 1) as u32));
+        // RoPE rows for every position the step touches.
+        if top > st.rope_rows_on_device {
+            let rd = cfg.rotary_dim();
+            let lo = st.rope_rows_on_device;
+            let host = st.rope_host.as_mut().expect("new_states ran");
+            host.ensure(top);
+            let chunk = host.as_slice()[lo * rd..top * rd].to_vec();
+            let dst = st.rope.as_mut().expect("new_states ran");
+            let mut view = dst.slice_mut(lo * rd..top * rd);
+            self.stream.memcpy_htod(&chunk, &mut view).map_err(|e| dev_err("RoPE table", e))?;
+            st.rope_rows_on_device = top;
+        }
+        if st.slot_table_dirty {
+            let t = st.host_slot_table.clone();
+            self.stream.memcpy_htod(&t, &mut st.slot_table).map_err(|e| dev_err("slot table", e))?;
+            st.slot_table_dirty = false;
+        }
+        // The ids are already on the device when the last greedy step wrote exactly these (the
+        // inert rows' ids are then the last step's: ids the argmax or the host wrote, all valid).
+        if st.device_ids != batch.ids {
+            let mut ids = batch.ids.clone();
+            ids.resize(brows, 0);
+            let mut v = st.ids.slice_mut(0..brows);
+            self.stream.memcpy_htod(&ids, &mut v).map_err(|e| dev_err("ids", e))?;
+        }
+        st.device_ids.clear();
+        {
+            let mut v = st.seqs.slice_mut(0..seqs.len());
+            self.stream.memcpy_htod(&seqs, &mut v).map_err(|e| dev_err("sequences", e))?;
+        }
+        {
+            let mut v = st.rows.slice_mut(0..rows.len());
+            self.stream.memcpy_htod(&rows, &mut v).map_err(|e| dev_err("rows", e))?;
+        }
+        if !logit_rows.is_empty() {
+            let mut v = st.logit_rows.slice_mut(0..logit_rows.len());
+            self.stream.memcpy_htod(&logit_rows, &mut v).map_err(|e| dev_err("logit rows", e))?;
+        }
+        self.ensure_temps(&mut st, &cfg, brows)?;
+        // The argmax's per-slice bests, for every row a chooser may run over.
+        if blogits.max(l) > st.argmax_cap {
+            let cap = blogits.max(l).next_power_of_two().max(CHOOSER_MIN_ROWS);
+            st.argmax_v = self.stream.alloc_zeros::<f32>(cap * ARGMAX_PARTS).map_err(|e| dev_err("allocating argmax buffers", e))?;
+            st.argmax_i = self.stream.alloc_zeros::<u32>(cap * ARGMAX_PARTS).map_err(|e| dev_err("allocating argmax buffers", e))?;
+            st.argmax_cap = cap;
+            st.graphs.clear();
+        }
+        // Attention partials: [rows][Hq][tiles][Dh + 2 + tile] (m, l, o, the tile's scores).
+        let per_row = cfg.num_attention_heads * (cfg.head_dim + 2 + ATTENTION_TILE);
+        let tiles = top.div_ceil(ATTENTION_TILE).max(1);
+        let need = batch.rows() * per_row * tiles;
+        if st.part_eager.as_ref().is_none_or(|b| b.len() < need) {
+            st.part_eager = Some(self.stream.alloc_zeros::<f32>(need).map_err(|e| dev_err("attention partials", e))?);
+        }
+        st.max_tiles = tiles;
+        // Graphs use a partial buffer sized for the longest context, never reallocated while
+        // they live (it grows with the largest bucket; the graphs are then recorded again). Where
+        // it cannot be had, the step runs eagerly: the same bits.
+        let mut graph = graph;
+        if graph {
+            let g_tiles = max.div_ceil(ATTENTION_TILE);
+            if st.part_graph.as_ref().is_none_or(|b| b.len() < brows * per_row * g_tiles) {
+                st.part_graph = None;
+                st.graphs.clear();
+                match self.stream.alloc_zeros::<f32>(brows * per_row * g_tiles) {
+                    Ok(b) => {
+                        st.part_graph = Some(b);
+                        st.part_graph_tiles = g_tiles;
+                    }
+                    Err(_) => graph = false,
+                }
+            }
+        }
+        st.graph_step = graph;
+        st.pad = if graph { pad } else { None };
+        st.batch_rows = batch.rows();
+        st.mode = Mode::Eager;
+        Ok(())
+    }
+
+    /// The state of [`PAD_SLOT`]: zero conv windows and recurrent states, and the one KV page
+    /// per attention layer that rows at position 0 write and read.
+    fn pad_slot_mem(&self, cfg: &ModelConfig, max_pages: usize) -> Result<SlotMem, BackendError> {
+        let mut mem = self.slot_mem(cfg, max_pages)?;
+        let page_len = ATTENTION_TILE * cfg.num_key_value_heads * cfg.head_dim;
+        for (l, layer) in mem.pages.iter_mut().enumerate() {
+            for (kv, pages) in layer.iter_mut().enumerate() {
+                let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating the pad slot", e))?;
+                mem.host_table[(l * 2 + kv) * max_pages] = ptr(&d, &self.stream);
+                pages.push(d);
+            }
+        }
+        self.stream.memcpy_htod(&mem.host_table, &mut mem.table).map_err(|e| dev_err("allocating the pad slot", e))?;
+        Ok(mem)
+    }
+
+    /// A zero state at position 0 with no KV pages.
+    fn slot_mem(&self, cfg: &ModelConfig, max_pages: usize) -> Result<SlotMem, BackendError> {
+        let n_lin = cfg.num_linear_layers();
+        let n_full = cfg.num_full_layers();
+        let z = |n: usize| self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| dev_err("allocating a sequence slot", e));
+        let conv = z(n_lin * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim())?;
+        let rec = z(n_lin * cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)?;
+        let host_table = vec![0u64; (n_full * 2 * max_pages).max(1)];
+        let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
+        Ok(SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0 })
+    }
+
+    /// The row count an operation launches over for the model's `rows` ([`Step::eff`]).
+    fn eff(&self, rows: usize) -> usize {
+        self.step.lock().unwrap().eff(rows)
+    }
+
+    /// Row counts of the recorded graphs, ascending (decode buckets, or a step's own shape).
+    pub fn graph_rows(&self) -> Vec<usize> {
+        self.graph_nodes().into_iter().map(|(rows, _)| rows).collect()
+    }
+
+    /// Row count and kernel nodes of every recorded graph, ascending.
+    pub fn graph_nodes(&self) -> Vec<(usize, u64)> {
+        let mut v: Vec<(usize, u64)> = self.step.lock().unwrap().graphs.iter().map(|(k, r)| (k.rows, r.nodes)).collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// `end_step` before the step's padding is reset.
+    fn end(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
+        let mut st = self.step.lock().unwrap();
+        let mode = st.mode;
+        st.mode = Mode::Eager;
+        match mode {
+            Mode::Eager => {}
+            Mode::Capturing(key) => {
+                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| dev_err("ending graph capture", e))?;
+                if let Some(e) = st.error.take() {
+                    return Err(e);
+                }
+                let graph = graph.ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
+                graph.upload().map_err(|e| dev_err("uploading a graph", e))?;
+                graph.launch().map_err(|e| dev_err("launching a graph", e))?;
+                let chooser = st.captured_chooser.take();
+                let nodes = st.launches - st.capture_start;
+                let timeline_record = st.timeline_record.take();
+                st.graphs.insert(key, Recorded { graph, nodes, chooser, timeline_record });
+            }
+            Mode::Replaying(key) => {
+                // A step refused while it was being set up (a chooser's buffers) runs nothing:
+                // its slots keep their state and position.
+                if let Some(e) = st.error.take() {
+                    return Err(e);
+                }
+                if let Some(record) = st.graphs[&key].timeline_record {
+                    if let Some(t) = st.timeline.as_mut() {
+                        t.arm(&self.stream, record)?;
+                    }
+                }
+                st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
+                if let Some(p) = st.pending_chooser.take() {
+                    self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
+                    st.launches += if p.kind == Chooser::Argmax { 2 } else { 1 };
+                }
+            }
+        }
+        drop(st);
+        self.check()?;
+        for s in &batch.seqs {
+            if let Some(m) = states.slots.get_mut(s.slot as usize).and_then(Option::as_mut) {
+                m.position += s.len as usize;
+            }
+        }
+        Ok(())
+    }
+
+}
+
 impl Backend for Cuda {
     type Matrix = CudaMatrix;
     type Vector = CudaSlice<f32>;
@@ -1042,6 +1389,10 @@ impl Backend for Cuda {
 
     fn max_rows(&self) -> usize {
         MAX_ROWS
+    }
+
+    fn max_slots(&self) -> usize {
+        MAX_SLOTS
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<CudaMatrix, BackendError> {
@@ -1128,19 +1479,11 @@ impl Backend for Cuda {
     }
 
     fn alloc_slot(&self, states: &mut CudaStates) -> Result<u32, BackendError> {
-        let cfg = &states.cfg;
-        let n_lin = cfg.num_linear_layers();
-        let n_full = cfg.num_full_layers();
-        let z = |n: usize| self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| dev_err("allocating a sequence slot", e));
-        let conv = z(n_lin * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim())?;
-        let rec = z(n_lin * cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)?;
-        let host_table = vec![0u64; (n_full * 2 * states.max_pages).max(1)];
-        let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
-        let mem = SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0 };
         let idx = states.slots.iter().position(Option::is_none).unwrap_or(states.slots.len());
         if idx >= MAX_SLOTS {
             return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
         }
+        let mem = self.slot_mem(&states.cfg, states.max_pages)?;
         if idx == states.slots.len() {
             states.slots.push(None);
         }
@@ -1236,173 +1579,86 @@ impl Backend for Cuda {
         Ok(())
     }
 
-    fn begin_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
-        batch.validate()?;
+    /// Device to device: the conv windows and recurrent states, and the KV pages up to `src`'s
+    /// position (`dst` keeps as many of its pages as it can, gets new ones for the rest and
+    /// frees the others); only `dst`'s page table goes up from the host.
+    fn copy_slot(&self, states: &mut CudaStates, src: u32, dst: u32) -> Result<(), BackendError> {
         self.check()?;
-        if batch.rows() > MAX_ROWS {
-            return Err(BackendError::Batch(format!("{} rows exceed the CUDA backend's {MAX_ROWS}", batch.rows())));
+        let alloc = |states: &CudaStates, s: u32| states.slots.get(s as usize).is_some_and(Option::is_some);
+        for s in [src, dst] {
+            if !alloc(states, s) {
+                return Err(BackendError::Slot { slot: s as usize, problem: "is not allocated".into() });
+            }
         }
-        let cfg = states.cfg.clone();
-        let max = cfg.max_position_embeddings;
+        if src == dst {
+            return Ok(());
+        }
+        let cfg = &states.cfg;
         let page_len = ATTENTION_TILE * cfg.num_key_value_heads * cfg.head_dim;
         let max_pages = states.max_pages;
-        let mut rows = Vec::with_capacity(batch.rows());
-        let mut seqs = Vec::with_capacity(batch.seqs.len());
-        let mut top = 0usize;
-        for s in &batch.seqs {
-            let m = states.slots.get_mut(s.slot as usize).and_then(Option::as_mut).ok_or(BackendError::Slot { slot: s.slot as usize, problem: "is not allocated".into() })?;
-            if m.position != s.pos as usize {
-                return Err(BackendError::Slot { slot: s.slot as usize, problem: format!("is at position {}, but the step continues it at {}", m.position, s.pos) });
-            }
-            let end = (s.pos + s.len) as usize;
-            if end > max {
-                return Err(BackendError::ContextFull { position: end - 1, max });
-            }
-            // KV pages for positions < end (allocated outside any graph; the page table is data).
-            let need = end.div_ceil(ATTENTION_TILE);
-            let mut dirty = false;
-            for (l, layer) in m.pages.iter_mut().enumerate() {
-                for (kv, pages) in layer.iter_mut().enumerate() {
-                    while pages.len() < need {
-                        let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?;
-                        m.host_table[(l * 2 + kv) * max_pages + pages.len()] = ptr(&d, &self.stream);
-                        pages.push(d);
-                        dirty = true;
+        let mut d = states.slots[dst as usize].take().expect("checked above");
+        let s = states.slots[src as usize].as_ref().expect("checked above");
+        let copied = (|| -> Result<(), BackendError> {
+            let e = |e| dev_err("copying a slot", e);
+            self.stream.memcpy_dtod(&s.conv, &mut d.conv).map_err(e)?;
+            self.stream.memcpy_dtod(&s.rec, &mut d.rec).map_err(e)?;
+            let n_pages = s.position.div_ceil(ATTENTION_TILE);
+            for (l, (from, to)) in s.pages.iter().zip(d.pages.iter_mut()).enumerate() {
+                for kv in 0..2 {
+                    // Freed in stream order; the page table that names them is replaced below,
+                    // before any kernel reads it.
+                    to[kv].truncate(n_pages);
+                    while to[kv].len() < n_pages {
+                        to[kv].push(self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?);
+                    }
+                    for (p, page) in to[kv].iter_mut().enumerate() {
+                        self.stream.memcpy_dtod(&from[kv][p], page).map_err(e)?;
+                    }
+                    for p in 0..max_pages {
+                        d.host_table[(l * 2 + kv) * max_pages + p] = to[kv].get(p).map_or(0, |page| ptr(page, &self.stream));
                     }
                 }
             }
-            if dirty {
-                self.stream.memcpy_htod(&m.host_table, &mut m.table).map_err(|e| dev_err("page table", e))?;
-            }
-            seqs.push(SeqDesc { slot: s.slot, first_row: s.first_row, len: s.len, pos: s.pos });
-            for t in 0..s.len {
-                rows.push(RowDesc { slot: s.slot, pos: s.pos + t });
-            }
-            top = top.max(end);
-        }
-        let mut st = self.step.lock().unwrap();
-        // RoPE rows for every position the step touches.
-        if top > st.rope_rows_on_device {
-            let rd = cfg.rotary_dim();
-            let lo = st.rope_rows_on_device;
-            let host = st.rope_host.as_mut().expect("new_states ran");
-            host.ensure(top);
-            let chunk = host.as_slice()[lo * rd..top * rd].to_vec();
-            let dst = st.rope.as_mut().expect("new_states ran");
-            let mut view = dst.slice_mut(lo * rd..top * rd);
-            self.stream.memcpy_htod(&chunk, &mut view).map_err(|e| dev_err("RoPE table", e))?;
-            st.rope_rows_on_device = top;
-        }
-        if st.slot_table_dirty {
-            let t = st.host_slot_table.clone();
-            self.stream.memcpy_htod(&t, &mut st.slot_table).map_err(|e| dev_err("slot table", e))?;
-            st.slot_table_dirty = false;
-        }
-        // The ids are already on the device when the last greedy step wrote exactly these.
-        if st.device_ids != batch.ids {
-            let mut v = st.ids.slice_mut(0..batch.rows());
-            self.stream.memcpy_htod(&batch.ids, &mut v).map_err(|e| dev_err("ids", e))?;
-        }
-        st.device_ids.clear();
-        {
-            let mut v = st.seqs.slice_mut(0..seqs.len());
-            self.stream.memcpy_htod(&seqs, &mut v).map_err(|e| dev_err("sequences", e))?;
-        }
-        {
-            let mut v = st.rows.slice_mut(0..rows.len());
-            self.stream.memcpy_htod(&rows, &mut v).map_err(|e| dev_err("rows", e))?;
-        }
-        if !batch.logit_rows.is_empty() {
-            let mut v = st.logit_rows.slice_mut(0..batch.logit_rows.len());
-            self.stream.memcpy_htod(&batch.logit_rows, &mut v).map_err(|e| dev_err("logit rows", e))?;
-        }
-        self.ensure_temps(&mut st, &cfg, batch.rows())?;
-        // Attention partials: [rows][Hq][tiles][Dh + 2 + tile] (m, l, o, the tile's scores).
-        let tiles = top.div_ceil(ATTENTION_TILE).max(1);
-        let per_row = cfg.num_attention_heads * (cfg.head_dim + 2 + ATTENTION_TILE);
-        let need = batch.rows() * per_row * tiles;
-        if st.part_eager.as_ref().is_none_or(|b| b.len() < need) {
-            st.part_eager = Some(self.stream.alloc_zeros::<f32>(need).map_err(|e| dev_err("attention partials", e))?);
-        }
-        st.max_tiles = tiles;
-        st.batch_rows = batch.rows();
-        st.mode = Mode::Eager;
-        Ok(())
+            self.stream.memcpy_htod(&d.host_table, &mut d.table).map_err(e)?;
+            d.position = s.position;
+            Ok(())
+        })();
+        states.slots[dst as usize] = Some(d);
+        copied
+    }
+
+    fn begin_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
+        self.begin(states, batch, None)
+    }
+
+    fn begin_step_within(&self, states: &mut CudaStates, batch: &Batch, max_rows: usize, max_logit_rows: usize) -> Result<(), BackendError> {
+        self.begin(states, batch, Some((max_rows, max_logit_rows)))
     }
 
     fn end_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
+        let r = self.end(states, batch);
         let mut st = self.step.lock().unwrap();
-        let mode = st.mode;
-        st.mode = Mode::Eager;
-        match mode {
-            Mode::Eager => {}
-            Mode::Capturing(key) => {
-                let graph = self.stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(|e| dev_err("ending graph capture", e))?;
-                if let Some(e) = st.error.take() {
-                    return Err(e);
-                }
-                let graph = graph.ok_or_else(|| BackendError::Device("graph capture produced no graph".into()))?;
-                graph.upload().map_err(|e| dev_err("uploading a graph", e))?;
-                graph.launch().map_err(|e| dev_err("launching a graph", e))?;
-                let chooser = st.captured_chooser.take();
-                let nodes = st.launches - st.capture_start;
-                let timeline_record = st.timeline_record.take();
-                st.graphs.insert(key, Recorded { graph, nodes, chooser, timeline_record });
-            }
-            Mode::Replaying(key) => {
-                if let Some(record) = st.graphs[&key].timeline_record {
-                    if let Some(t) = st.timeline.as_mut() {
-                        t.arm(&self.stream, record)?;
-                    }
-                }
-                st.graphs[&key].graph.launch().map_err(|e| dev_err("launching a graph", e))?;
-                if let Some(p) = st.pending_chooser.take() {
-                    self.launch_chooser(&mut st, p.kind, p.logits, p.rows, p.v_eff, p.ld).map_err(|e| dev_err("choosing tokens", e))?;
-                    st.launches += if p.kind == Chooser::Argmax { 2 } else { 1 };
-                }
-            }
-        }
-        drop(st);
-        self.check()?;
-        for s in &batch.seqs {
-            if let Some(m) = states.slots.get_mut(s.slot as usize).and_then(Option::as_mut) {
-                m.position += s.len as usize;
-            }
-        }
-        Ok(())
+        st.pad = None;
+        st.graph_step = false;
+        r
     }
 
     fn embed(&self, table: &CudaMatrix, batch: &Batch, x: &mut CudaTensor) {
-        // The first operation of every step decides: replay a graph recorded for this shape and
-        // these buffers, start recording one (decode-sized steps), or run eagerly.
+        // The first operation of every step decides: replay a graph recorded for this shape (the
+        // bucket's, when padded) and these buffers, start recording one (decode steps, as
+        // `begin_step` found), or run eagerly.
         {
             let mut st = self.step.lock().unwrap();
-            let key = GraphKey { rows: batch.rows(), seqs: batch.seqs.len(), logit_rows: batch.logit_rows.len(), scratch: x.id };
             st.captured_chooser = None;
             st.pending_chooser = None;
-            let mut decode_like = self.use_graphs.load(std::sync::atomic::Ordering::Relaxed) && batch.seqs.iter().all(|s| s.len == 1) && batch.rows() <= GRAPH_MAX_ROWS;
-            if decode_like {
-                // Graphs use a partial buffer sized for the longest context, never reallocated.
-                let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
-                let tiles = cfg.max_position_embeddings.div_ceil(ATTENTION_TILE);
-                let per_row = cfg.num_attention_heads * (cfg.head_dim + 2 + ATTENTION_TILE);
-                if st.part_graph.as_ref().is_none_or(|b| b.len() < batch.rows() * per_row * tiles) {
-                    match self.stream.alloc_zeros::<f32>(batch.rows() * per_row * tiles) {
-                        Ok(b) => {
-                            st.part_graph = Some(b);
-                            st.part_graph_tiles = tiles;
-                            st.graphs.clear();
-                        }
-                        Err(e) => {
-                            // Reported at the step's end; the step runs eagerly meanwhile (the
-                            // partial buffer sized for it), so nothing indexes past a buffer.
-                            st.error.get_or_insert(dev_err("attention partials for graphs", e));
-                            decode_like = false;
-                        }
-                    }
-                }
+            if st.pad.is_some_and(|p| x.rows < p.brows) {
+                // Buffers too small for the bucket (begin_step was not told their size): the
+                // step's own shape.
+                st.pad = None;
             }
-            if decode_like {
+            if st.graph_step {
+                let (rows, logit_rows) = st.pad.map_or((batch.rows(), batch.logit_rows.len()), |p| (p.brows, p.blogits));
+                let key = GraphKey { rows, seqs: rows, logit_rows, scratch: x.id };
                 let eager_tiles = st.max_tiles;
                 st.max_tiles = st.part_graph_tiles;
                 if st.graphs.contains_key(&key) {
@@ -1418,11 +1674,14 @@ impl Backend for Cuda {
                     Err(e) => {
                         st.error.get_or_insert(dev_err("beginning graph capture", e));
                         st.max_tiles = eager_tiles;
+                        st.pad = None;
                     }
                 }
+            } else {
+                st.pad = None;
             }
         }
-        let (cols, n) = (table.cols as u32, batch.rows() as u32);
+        let (cols, n) = (table.cols as u32, self.eff(batch.rows()) as u32);
         self.launch("embed_rows", |st| unsafe {
             let a = self.args().buf(&table.w).buf(&table.sb).val(table.fmt).val(table.group).val(table.sdtype).val(cols).buf(&st.ids).buf(&x.buf);
             self.kernel("embed_rows", (cols.div_ceil(256), n, 1), 256, 0, a)
@@ -1430,6 +1689,7 @@ impl Backend for Cuda {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &CudaSlice<f32>, eps: f32, rows: usize, out: &mut CudaTensor) {
+        let rows = self.eff(rows);
         // A step may want no logits rows: an empty grid is a launch error.
         if rows == 0 {
             return;
@@ -1439,13 +1699,13 @@ impl Backend for Cuda {
     }
 
     fn matmul(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)]) {
-        self.matmul_rows(x, rows, outs, None);
+        self.matmul_rows(x, self.eff(rows), outs, None);
     }
 
     fn matmul_residual(&self, x: &CudaTensor, rows: usize, w: &CudaMatrix, y: &mut CudaTensor, h: &mut CudaTensor) {
         // The epilogue indexes `h` with `y`'s row length.
         debug_assert_eq!(h.cols, y.cols);
-        self.matmul_rows(x, rows, &mut [(w, y)], Some(h));
+        self.matmul_rows(x, self.eff(rows), &mut [(w, y)], Some(h));
     }
 
     fn rms_norm_matmul_swiglu(
@@ -1462,15 +1722,11 @@ impl Backend for Cuda {
         act: &mut CudaTensor,
     ) {
         self.rms_norm(x, w, eps, rows, u);
-        self.matmul_swiglu_rows(u, rows, gate_w, up_w, gate, up, act);
+        self.matmul_swiglu_rows(u, self.eff(rows), gate_w, up_w, gate, up, act);
     }
 
     fn swiglu(&self, gate: &CudaTensor, up: &CudaTensor, rows: usize, out: &mut CudaTensor) {
-        let n = (rows * gate.cols) as u32;
-        if n == 0 {
-            return;
-        }
-        self.launch("swiglu", |_| unsafe { self.kernel("swiglu", (n.div_ceil(256), 1, 1), 256, 0, self.args().buf(&gate.buf).buf(&up.buf).val(n).buf(&out.buf)) });
+        self.swiglu_rows(gate, up, self.eff(rows), out);
     }
 
     fn gated_delta_net(
@@ -1488,7 +1744,7 @@ impl Backend for Cuda {
     ) {
         let (kc, cd, l) = (cfg.linear_conv_kernel_dim as u32, cfg.conv_dim() as u32, layer as u32);
         let (hk, hv, dk, dv) = (cfg.linear_num_key_heads as u32, cfg.linear_num_value_heads as u32, cfg.linear_key_head_dim as u32, cfg.linear_value_head_dim as u32);
-        let nseq = batch.seqs.len() as u32;
+        let nseq = self.eff(batch.seqs.len()) as u32;
         let eps = cfg.rms_norm_eps;
         let conv_here = u32::from(Self::conv_in_heads(cfg));
         if conv_here == 0 {
@@ -1537,7 +1793,7 @@ impl Backend for Cuda {
         out: &mut CudaTensor,
     ) {
         let (hq, hkv, dh, rd) = (cfg.num_attention_heads as u32, cfg.num_key_value_heads as u32, cfg.head_dim as u32, cfg.rotary_dim() as u32);
-        let (l, rows, eps, max_pages) = (layer as u32, batch.rows() as u32, cfg.rms_norm_eps, states.max_pages as u32);
+        let (l, rows, eps, max_pages) = (layer as u32, self.eff(batch.rows()) as u32, cfg.rms_norm_eps, states.max_pages as u32);
         self.launch("attn_write_kv", |st| unsafe {
             let a = self.args().buf(&k.buf).buf(&v.buf).buf(&w.k_norm).val(eps).buf(st.rope.as_ref().unwrap()).val(rd).val(hkv).val(dh).val(l).val(max_pages).buf(&st.rows).buf(&st.slot_table);
             self.kernel("attn_write_kv", (rows, hkv, 1), 32, 0, a)
@@ -1548,7 +1804,7 @@ impl Backend for Cuda {
         // every warp of an item busy (gw = 8 for head_dim 256) and at most 32 blocks per head,
         // so each block's query norm and rotation serve more positions. A graph is sized for any
         // context, an eager step for its own.
-        let decode = rows as usize <= GRAPH_MAX_ROWS;
+        let decode = rows as usize <= ATTN_DECODE_ROWS;
         let gw = if decode { 1 } else { [8u32, 4, 2, 1].into_iter().find(|g| (dh / 32).is_multiple_of(*g)).unwrap_or(1) };
         let cap = if decode { self.attn_blocks } else { self.attn_blocks.min(32) };
         let items = |st: &Step, per_tile: u32| (st.max_tiles as u32 * per_tile).clamp(1, cap);
@@ -1584,8 +1840,14 @@ impl Backend for Cuda {
     }
 
     fn gather_rows(&self, x: &CudaTensor, batch: &Batch, out: &mut CudaTensor) {
-        let (cols, n) = (x.cols as u32, batch.logit_rows.len() as u32);
+        let (cols, n) = (x.cols as u32, self.eff(batch.logit_rows.len()) as u32);
         if n == 0 {
+            return;
+        }
+        if out.rows < n as usize {
+            // begin_step_within was told more logits rows than these buffers hold.
+            let mut st = self.step.lock().unwrap();
+            st.error.get_or_insert(BackendError::Batch(format!("{n} logits rows do not fit a buffer of {}", out.rows)));
             return;
         }
         self.launch("gather_rows", |st| unsafe { self.kernel("gather_rows", (cols.div_ceil(256), n, 1), 256, 0, self.args().buf(&x.buf).buf(&st.logit_rows).val(cols).buf(&out.buf)) });
@@ -1597,14 +1859,31 @@ impl Backend for Cuda {
 
     fn set_sampling(&self, rows: &[crate::backend::RowSampling]) -> Result<bool, BackendError> {
         let ok = !rows.is_empty()
-            && rows.len() <= 64
+            && rows.len() <= MAX_ROWS
             && rows.iter().all(|r| r.params.top_k >= 1 && r.params.top_k <= SAMPLE_MAX_K && r.window.len() <= SAMPLE_WINDOW);
         if !ok {
             return Ok(false);
         }
         let cfg = self.cfg_cache.lock().unwrap().clone().expect("new_states ran");
         let mut st = self.step.lock().unwrap();
-        let params: Vec<SampleParamsRepr> = rows
+        let n = rows.len();
+        // The buffers hold a power of two of rows (at least 64), as many as a padded step of
+        // `n` logits rows may sample (the bucket of `n` is at most the next power of two).
+        st.sample_rows = 0;
+        if n > st.sample_cap || st.sample_work.is_none() {
+            let cap = n.next_power_of_two().max(st.sample_cap);
+            let e = |e| dev_err("allocating sampler buffers", e);
+            st.sample_work = None;
+            st.graphs.clear();
+            st.sample_params = self.stream.alloc_zeros::<SampleParamsRepr>(cap).map_err(e)?;
+            st.sample_win = self.stream.alloc_zeros::<u32>(cap * SAMPLE_WINDOW).map_err(e)?;
+            st.sample_wlen = self.stream.alloc_zeros::<u32>(cap).map_err(e)?;
+            st.sample_pos = self.stream.alloc_zeros::<u64>(cap).map_err(e)?;
+            st.sample_work = Some(self.stream.alloc_zeros::<f32>(cap * cfg.vocab_size).map_err(|e| dev_err("sampler scratch", e))?);
+            st.sample_cap = cap;
+        }
+        let cap = st.sample_cap;
+        let mut params: Vec<SampleParamsRepr> = rows
             .iter()
             .map(|r| SampleParamsRepr {
                 temperature: r.params.temperature,
@@ -1618,33 +1897,26 @@ impl Backend for Cuda {
                 seed: r.params.seed,
             })
             .collect();
-        let mut win = vec![0u32; rows.len() * SAMPLE_WINDOW];
+        // Rows past `n` (a padded step's inert rows) sample with the first row's settings and
+        // no penalty window: valid inputs whose ids nobody reads.
+        params.resize(cap, params[0]);
+        let mut win = vec![0u32; n * SAMPLE_WINDOW];
         for (i, r) in rows.iter().enumerate() {
             win[i * SAMPLE_WINDOW..i * SAMPLE_WINDOW + r.window.len()].copy_from_slice(&r.window);
         }
-        let wlen: Vec<u32> = rows.iter().map(|r| r.window.len() as u32).collect();
-        let pos: Vec<u64> = rows.iter().map(|r| r.position).collect();
+        let mut wlen: Vec<u32> = rows.iter().map(|r| r.window.len() as u32).collect();
+        wlen.resize(cap, 0);
+        let mut pos: Vec<u64> = rows.iter().map(|r| r.position).collect();
+        pos.resize(cap, 0);
         let up = |e| dev_err("sampler inputs", e);
-        {
-            let mut v = st.sample_params.slice_mut(0..rows.len());
-            self.stream.memcpy_htod(&params, &mut v).map_err(up)?;
-        }
+        self.stream.memcpy_htod(&params, &mut st.sample_params).map_err(up)?;
         {
             let mut v = st.sample_win.slice_mut(0..win.len());
             self.stream.memcpy_htod(&win, &mut v).map_err(up)?;
         }
-        {
-            let mut v = st.sample_wlen.slice_mut(0..rows.len());
-            self.stream.memcpy_htod(&wlen, &mut v).map_err(up)?;
-        }
-        {
-            let mut v = st.sample_pos.slice_mut(0..rows.len());
-            self.stream.memcpy_htod(&pos, &mut v).map_err(up)?;
-        }
-        if st.sample_work.is_none() {
-            st.sample_work = Some(self.stream.alloc_zeros::<f32>(64 * cfg.vocab_size).map_err(|e| dev_err("sampler scratch", e))?);
-            st.graphs.clear();
-        }
+        self.stream.memcpy_htod(&wlen, &mut st.sample_wlen).map_err(up)?;
+        self.stream.memcpy_htod(&pos, &mut st.sample_pos).map_err(up)?;
+        st.sample_rows = n;
         Ok(true)
     }
 

@@ -1,0 +1,305 @@
+//! Many sequences decoding together, as the batched runtime drives a backend: each sequence
+//! prefilled alone, then one model step per tick holding one token of every sequence, greedy on
+//! the device, logits for every row. Every sequence must get the ids and logits bits of its solo
+//! run, on the CPU and on CUDA (where the step runs on the graph of a batch-size bucket, padded
+//! with inert rows, or on its own shape, or eagerly past the largest bucket), and the two
+//! backends must agree. Also `Backend::copy_slot` (a copy then both continue as the source) and
+//! device sampling of more than 64 rows. On a machine without a CUDA device the GPU tests print
+//! that they skipped and pass. `CUDA_BATCH_NS=2,63,65` runs the decode test at those N only and
+//! `CUDA_BATCH_FIXTURES=1` on the first fixture only (for compute-sanitizer, which is slow).
+
+use tensorfold::backend::cpu::Cpu;
+use tensorfold::backend::cuda::{self, Cuda};
+use tensorfold::backend::{Backend, BackendError, Batch, RowSampling, SeqRows};
+use tensorfold::model::{HostModel, Model, Scratch};
+use tensorfold::sampling::{self, SamplingParams};
+use tensorfold::testutil::shared;
+
+const FIXTURES: [&str; 2] = ["fixtures/tiny/mlx-q4", "fixtures/heads/mlx-q4"];
+/// Decode ticks after the prefill.
+const STEPS: usize = 8;
+
+/// Prompt `i`: 2 to 18 ids, different for every `i`.
+fn prompt(i: usize, vocab: usize) -> Vec<u32> {
+    let len = 2 + i % 7 + (i % 3) * 5;
+    prompt_of_len(i, len, vocab)
+}
+
+fn prompt_of_len(i: usize, len: usize, vocab: usize) -> Vec<u32> {
+    (0..len).map(|t| ((i * 7919 + t * 104_729 + 13) % vocab) as u32).collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// One sequence: its slot, position, ids so far (prompt, then every greedy id) and the logits
+/// bits of each decode tick.
+#[derive(Clone)]
+struct Seq {
+    slot: u32,
+    pos: usize,
+    ids: Vec<u32>,
+    logits: Vec<Vec<u32>>,
+}
+
+/// Prompts are at most this long.
+const MAX_PROMPT: usize = 300;
+
+/// The prompt as one step in `slot`, its next id chosen on the device.
+fn prefill<B: Backend>(m: &Model<B>, states: &mut B::States, pre: &mut Scratch<B>, slot: u32, p: &[u32]) -> Seq {
+    let next = m.step_greedy(&Batch::single(slot, 0, p, false), states, pre, m.config.vocab_size).unwrap();
+    let mut ids = p.to_vec();
+    ids.push(next[0]);
+    Seq { slot, pos: p.len(), ids, logits: Vec::new() }
+}
+
+/// `STEPS` ticks of every sequence together, one row each (in reverse order when `reverse`),
+/// logits for every row, greedy on the device, on `scratch`.
+fn decode_together<B: Backend>(m: &Model<B>, states: &mut B::States, seqs: &mut [Seq], scratch: &mut Scratch<B>, reverse: bool) {
+    let v = m.config.vocab_size;
+    let n = seqs.len();
+    let order: Vec<usize> = if reverse { (0..n).rev().collect() } else { (0..n).collect() };
+    let mut buf = Vec::new();
+    for _ in 0..STEPS {
+        let batch = Batch {
+            ids: order.iter().map(|&i| *seqs[i].ids.last().unwrap()).collect(),
+            seqs: order.iter().enumerate().map(|(r, &i)| SeqRows { slot: seqs[i].slot, first_row: r as u32, len: 1, pos: seqs[i].pos as u32 }).collect(),
+            logit_rows: (0..n as u32).collect(),
+        };
+        let next = m.step_greedy(&batch, states, scratch, v).unwrap();
+        assert_eq!(next.len(), n);
+        m.backend.read_tensor(&scratch.logits, n, &mut buf).unwrap();
+        for (r, &i) in order.iter().enumerate() {
+            seqs[i].logits.push(bits(&buf[r * v..(r + 1) * v]));
+            seqs[i].ids.push(next[r]);
+            seqs[i].pos += 1;
+        }
+    }
+}
+
+/// Each prompt alone: prefilled, then `STEPS` one-row ticks.
+fn solos<B: Backend>(m: &Model<B>, prompts: &[Vec<u32>]) -> Vec<Seq> {
+    let mut states = m.backend.new_states(&m.config).unwrap();
+    let (mut pre, mut one) = (m.scratch(MAX_PROMPT, 1).unwrap(), m.scratch(1, 1).unwrap());
+    prompts
+        .iter()
+        .map(|p| {
+            let slot = m.backend.alloc_slot(&mut states).unwrap();
+            let mut s = [prefill(m, &mut states, &mut pre, slot, p)];
+            decode_together(m, &mut states, &mut s, &mut one, false);
+            m.backend.free_slot(&mut states, slot).unwrap();
+            let [s] = s;
+            s
+        })
+        .collect()
+}
+
+fn solo<B: Backend>(m: &Model<B>, p: &[u32]) -> Seq {
+    solos(m, std::slice::from_ref(&p.to_vec())).remove(0)
+}
+
+fn same(got: &Seq, want: &Seq, what: &str) {
+    assert_eq!(got.ids, want.ids, "{what}: ids");
+    assert_eq!(got.logits.len(), want.logits.len(), "{what}: ticks");
+    for (k, (a, b)) in got.logits.iter().zip(&want.logits).enumerate() {
+        assert!(a == b, "{what}: logits of tick {k} differ");
+    }
+}
+
+/// `n` sequences (prompts 0..n) prefilled alone, decoded together on scratch of `cap` rows.
+fn batched<B: Backend>(m: &Model<B>, prompts: &[Vec<u32>], cap: usize, reverse: bool) -> Vec<Seq> {
+    let mut states = m.backend.new_states(&m.config).unwrap();
+    let mut pre = m.scratch(MAX_PROMPT, 1).unwrap();
+    let mut seqs: Vec<Seq> = prompts
+        .iter()
+        .map(|p| {
+            let slot = m.backend.alloc_slot(&mut states).unwrap();
+            prefill(m, &mut states, &mut pre, slot, p)
+        })
+        .collect();
+    decode_together(m, &mut states, &mut seqs, &mut m.scratch(cap, cap).unwrap(), reverse);
+    seqs
+}
+
+/// A slot copied onto a longer one (its KV pages shrink), a longer one onto a short one (they
+/// grow), onto a fresh slot, and onto itself; then all decode together, each as its source alone.
+fn copy_then_continue<B: Backend>(m: &Model<B>, what: &str) {
+    let v = m.config.vocab_size;
+    let short = prompt(5, v);
+    let long = prompt_of_len(7, 300, v);
+    let (want_short, want_long) = (solo(m, &short), solo(m, &long));
+    let b = &m.backend;
+    let mut states = b.new_states(&m.config).unwrap();
+    let mut slot = || b.alloc_slot(&mut states).unwrap();
+    let (s0, l0, s1, l1, fresh) = (slot(), slot(), slot(), slot(), slot());
+    let mut pre = m.scratch(MAX_PROMPT, 1).unwrap();
+    let a = prefill(m, &mut states, &mut pre, s0, &short);
+    let la = prefill(m, &mut states, &mut pre, l0, &long);
+    let _ = prefill(m, &mut states, &mut pre, s1, &long); // overwritten below by the short state
+    let _ = prefill(m, &mut states, &mut pre, l1, &short); // overwritten below by the long state
+    b.copy_slot(&mut states, s0, s1).unwrap();
+    b.copy_slot(&mut states, l0, l1).unwrap();
+    b.copy_slot(&mut states, l0, fresh).unwrap();
+    b.copy_slot(&mut states, s0, s0).unwrap();
+    assert_eq!(b.slot_position(&states, s1).unwrap(), short.len());
+    assert_eq!(b.slot_position(&states, l1).unwrap(), long.len());
+    assert_eq!(b.slot_position(&states, fresh).unwrap(), long.len());
+    // Unallocated source or destination: an error naming the slot.
+    b.free_slot(&mut states, fresh).unwrap();
+    assert!(matches!(b.copy_slot(&mut states, s0, fresh), Err(BackendError::Slot { slot, .. }) if slot == fresh as usize));
+    assert!(matches!(b.copy_slot(&mut states, fresh, s0), Err(BackendError::Slot { slot, .. }) if slot == fresh as usize));
+    let fresh = b.alloc_slot(&mut states).unwrap();
+    b.copy_slot(&mut states, l0, fresh).unwrap();
+    let mut seqs = vec![
+        a.clone(),
+        la.clone(),
+        Seq { slot: s1, ..a.clone() },
+        Seq { slot: l1, ..la.clone() },
+        Seq { slot: fresh, ..la.clone() },
+    ];
+    decode_together(m, &mut states, &mut seqs, &mut m.scratch(8, 8).unwrap(), false);
+    for (i, s) in seqs.iter().enumerate() {
+        let want = if i % 2 == 0 && i != 4 { &want_short } else { &want_long };
+        same(s, want, &format!("{what}: copied slot {i}"));
+    }
+}
+
+#[test]
+fn cpu_copy_slot_then_both_continue_as_the_source() {
+    for dir in FIXTURES {
+        let host = HostModel::open(&shared(dir)).unwrap();
+        copy_then_continue(&Model::new(&host, Cpu::new()).unwrap(), dir);
+    }
+}
+
+#[test]
+fn cpu_sequences_decoded_together_match_their_solo_runs() {
+    let host = HostModel::open(&shared(FIXTURES[0])).unwrap();
+    let cpu = Model::new(&host, Cpu::new()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(i, host.config.vocab_size)).collect();
+    let runs = batched(&cpu, &prompts, 9, true);
+    for (i, want) in solos(&cpu, &prompts).iter().enumerate() {
+        same(&runs[i], want, &format!("cpu sequence {i}"));
+    }
+}
+
+fn gpu() -> Option<()> {
+    if cuda::device_count() == 0 {
+        eprintln!("skipped: no CUDA device");
+        return None;
+    }
+    Some(())
+}
+
+/// At N = 1, 2, 63, 64, 65, 128 (buckets; 63 and 65 padded) and 257 (past the largest bucket:
+/// eager), and 65 on buffers of 65 rows (a graph of its own shape): every sequence has the bits
+/// of its solo run, which are the CPU's.
+#[test]
+fn gpu_sequences_decoded_together_match_their_solo_runs_and_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    let cases = [(1, 256, Some(1)), (2, 256, Some(2)), (63, 256, Some(64)), (64, 256, Some(64)), (65, 256, Some(128)), (65, 65, Some(65)), (128, 256, Some(128)), (257, 257, None)];
+    let only: Option<Vec<usize>> = std::env::var("CUDA_BATCH_NS").ok().map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect());
+    let cases: Vec<_> = cases.into_iter().filter(|c| only.as_ref().is_none_or(|o| o.contains(&c.0))).collect();
+    let fixtures = std::env::var("CUDA_BATCH_FIXTURES").ok().and_then(|v| v.parse().ok()).unwrap_or(FIXTURES.len());
+    for dir in &FIXTURES[..fixtures] {
+        let host = HostModel::open(&shared(dir)).unwrap();
+        let v = host.config.vocab_size;
+        let gpu = Model::new(&host, Cuda::new(0).unwrap()).unwrap();
+        let cpu = Model::new(&host, Cpu::new()).unwrap();
+        let most = cases.iter().map(|c| c.0).max().unwrap_or(0).max(65);
+        let prompts: Vec<Vec<u32>> = (0..most).map(|i| prompt(i, v)).collect();
+        let solos_gpu = solos(&gpu, &prompts);
+        for (i, want) in solos(&cpu, &prompts).iter().enumerate() {
+            same(&solos_gpu[i], want, &format!("{dir}: solo {i}, cuda vs cpu"));
+        }
+        let solos = solos_gpu;
+        for &(n, cap, graph) in &cases {
+            let runs = batched(&gpu, &prompts[..n], cap, n % 2 == 1);
+            for (i, r) in runs.iter().enumerate() {
+                same(r, &solos[i], &format!("{dir}: N = {n} (buffers of {cap}), sequence {i}"));
+            }
+            if let Some(g) = graph {
+                assert!(gpu.backend.graph_rows().contains(&g), "{dir}: N = {n}: graphs of {:?} rows, wanted {g}", gpu.backend.graph_rows());
+            }
+            eprintln!("{dir}: N = {n} on buffers of {cap}: bit-identical to solo; graphs (rows, kernels) {:?}", gpu.backend.graph_nodes());
+        }
+        let runs = batched(&cpu, &prompts[..65], 65, true);
+        for (i, r) in runs.iter().enumerate() {
+            same(r, &solos[i], &format!("{dir}: cpu N = 65, sequence {i}"));
+        }
+    }
+}
+
+#[test]
+fn gpu_copy_slot_then_both_continue_as_the_source() {
+    if gpu().is_none() {
+        return;
+    }
+    for dir in FIXTURES {
+        let host = HostModel::open(&shared(dir)).unwrap();
+        copy_then_continue(&Model::new(&host, Cuda::new(0).unwrap()).unwrap(), dir);
+    }
+}
+
+/// 65 and 128 rows sampled on the device (a temperature, top-k, a penalty window; 65 padded to
+/// the bucket of 128) give the host sampler's ids for the same logits.
+#[test]
+fn gpu_samples_more_than_64_rows() {
+    if gpu().is_none() {
+        return;
+    }
+    let host = HostModel::open(&shared(FIXTURES[1])).unwrap();
+    let v = host.config.vocab_size;
+    let gpu = Model::new(&host, Cuda::new(0).unwrap()).unwrap();
+    for n in [65usize, 128] {
+        let mut states = gpu.backend.new_states(&gpu.config).unwrap();
+        let mut pre = gpu.scratch(MAX_PROMPT, 1).unwrap();
+        let seqs: Vec<Seq> = (0..n)
+            .map(|i| {
+                let slot = gpu.backend.alloc_slot(&mut states).unwrap();
+                prefill(&gpu, &mut states, &mut pre, slot, &prompt(i, v))
+            })
+            .collect();
+        let params: Vec<SamplingParams> = (0..n).map(|i| SamplingParams { seed: i as u64, repetition_penalty: 1.1, repeat_last_n: 8, ..SamplingParams::default() }).collect();
+        let rows: Vec<RowSampling> = seqs
+            .iter()
+            .zip(&params)
+            .map(|(s, p)| RowSampling { params: *p, window: s.ids[s.ids.len().saturating_sub(8)..].to_vec(), position: s.ids.len() as u64 })
+            .collect();
+        assert!(gpu.backend.set_sampling(&rows).unwrap(), "{n} rows sample on the device");
+        let batch = Batch {
+            ids: seqs.iter().map(|s| *s.ids.last().unwrap()).collect(),
+            seqs: seqs.iter().enumerate().map(|(r, s)| SeqRows { slot: s.slot, first_row: r as u32, len: 1, pos: s.pos as u32 }).collect(),
+            logit_rows: (0..n as u32).collect(),
+        };
+        let mut scratch = gpu.scratch(128, 128).unwrap();
+        let got = gpu.step_sample(&batch, &mut states, &mut scratch, v).unwrap();
+        let mut logits = Vec::new();
+        gpu.backend.read_tensor(&scratch.logits, n, &mut logits).unwrap();
+        for (r, s) in seqs.iter().enumerate() {
+            let want = sampling::sample(&logits[r * v..(r + 1) * v], &s.ids, s.ids.len() as u64, &params[r]);
+            assert_eq!(got[r], want, "N = {n}, row {r}");
+        }
+        // More rows than set_sampling prepared: an error, and the backend goes on.
+        let batch2 = Batch {
+            ids: got.clone(),
+            seqs: batch.seqs.iter().map(|s| SeqRows { pos: s.pos + 1, ..*s }).collect(),
+            logit_rows: batch.logit_rows.clone(),
+        };
+        assert!(gpu.backend.set_sampling(&rows[..1]).unwrap());
+        assert!(matches!(gpu.step_sample(&batch2, &mut states, &mut scratch, v), Err(BackendError::Batch(_))));
+    }
+    // The limits are errors, not device faults, and the context lives on.
+    let mut states = gpu.backend.new_states(&gpu.config).unwrap();
+    let slot = gpu.backend.alloc_slot(&mut states).unwrap();
+    let big = Batch::single(slot, 0, &vec![1; gpu.backend.max_rows() + 1], false);
+    assert!(matches!(gpu.backend.begin_step(&mut states, &big), Err(BackendError::Batch(_))));
+    let bad = Batch::single(slot, 0, &[v as u32], false);
+    assert!(matches!(gpu.backend.begin_step(&mut states, &bad), Err(BackendError::TokenId { .. })));
+    let s = solo(&gpu, &prompt(3, v));
+    let again = solo(&gpu, &prompt(3, v));
+    same(&again, &s, "after the refusals");
+}
