@@ -356,6 +356,9 @@ impl Runtime {
                         return;
                     }
                 };
+                let mut cfg = cfg;
+                // A backend may hold fewer slots than asked for; admission then queues.
+                cfg.max_seqs = cfg.max_seqs.clamp(1, engine.model.backend.max_slots());
                 engine.set_snapshots(cfg.snapshots);
                 engine.set_batch_capacity(cfg.max_seqs);
                 let mc = engine.model.config.clone();
