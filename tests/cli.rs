@@ -299,7 +299,9 @@ fn a_huge_snapshot_budget_is_huge_not_zero() {
     let o = chat(&["-m", m.to_str().unwrap(), "-n", "2", "--temp", "0", "--snapshot-budget", "17592186044416"], "hello\n");
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "{e}");
-    assert!(e.contains("| 1 snapshots,"), "{e}");
+    // At least the end of the prompt is kept (the finish of the reply is another).
+    let n: usize = e.split(" snapshots,").next().and_then(|h| h.rsplit(' ').next()).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(n >= 1, "{e}");
 }
 
 #[test]
