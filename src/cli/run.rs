@@ -339,7 +339,13 @@ fn generate(
     // A progress bar when the prompt is long.
     let bar = if prompt.len() - start > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new((prompt.len() - start) as u64);
-        b.set_style(indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({per_sec}, eta {eta})").unwrap());
+        // indicatif's own {per_sec} prints `1,081.5814/s`: one decimal, in tokens.
+        let style = indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({rate} tok/s, eta {eta})")
+            .expect("a valid template")
+            .with_key("rate", |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+                let _ = std::fmt::Write::write_fmt(w, format_args!("{:.1}", s.per_sec()));
+            });
+        b.set_style(style);
         Some(b)
     } else {
         None

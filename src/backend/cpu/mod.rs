@@ -174,7 +174,8 @@ impl Backend for Cpu {
     type States = CpuStates;
 
     fn describe(&self) -> String {
-        format!("cpu ({}, {} threads)", self.isa.name(), self.threads())
+        let t = self.threads();
+        format!("cpu ({}, {t} thread{})", self.isa.name(), if t == 1 { "" } else { "s" })
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<Matrix, BackendError> {
