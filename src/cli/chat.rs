@@ -173,6 +173,8 @@ fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokeniz
     req.resume = last.clone();
     req.return_state = true;
     let mut h = runtime.submit(req)?;
+    super::interrupt::install();
+    super::interrupt::set(Some(h.canceller()));
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut reply = String::new();
@@ -195,6 +197,7 @@ fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokeniz
     }
     writeln!(out)?;
     out.flush()?;
+    super::interrupt::set(None);
     let f = finished.context("the runtime stopped during the reply")?;
     if let FinishReason::Error(e) = &f.reason {
         bail!("{e}");
@@ -203,6 +206,7 @@ fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokeniz
     let stop = match f.reason {
         FinishReason::Eos(_) | FinishReason::StopString(_) => "eos",
         FinishReason::Length => "length",
+        FinishReason::Cancelled => "Ctrl-C",
         _ => "context",
     };
     let st = runtime.stats();

@@ -154,3 +154,43 @@ pub fn resolve_model(arg: &Path) -> Result<(PathBuf, Option<String>)> {
         None => Ok((arg.to_path_buf(), None)),
     }
 }
+
+/// What Ctrl-C does while a command streams a reply: the first press cancels the request being
+/// generated (the command then finishes as usual: summary, files), a second exits at once.
+pub mod interrupt {
+    use std::sync::{Mutex, OnceLock};
+    use tensorfold::runtime::Canceller;
+
+    /// The request a press cancels, and whether a press is pending for it.
+    static CURRENT: Mutex<(Option<Canceller>, bool)> = Mutex::new((None, false));
+    static INSTALLED: OnceLock<bool> = OnceLock::new();
+
+    /// Installs the handler (once per process; harmless to call again).
+    pub fn install() {
+        INSTALLED.get_or_init(|| {
+            ctrlc::set_handler(|| {
+                let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+                match (&cur.0, cur.1) {
+                    (Some(c), false) => {
+                        c.cancel();
+                        cur.1 = true;
+                        eprintln!("\n(interrupted: stopping the reply; Ctrl-C again to exit)");
+                    }
+                    _ => std::process::exit(130),
+                }
+            })
+            .is_ok()
+        });
+    }
+
+    /// Makes `c` the request a press cancels (`None`: a press exits).
+    pub fn set(c: Option<Canceller>) {
+        let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
+        *cur = (c, false);
+    }
+
+    /// Whether a press cancelled the current request.
+    pub fn pressed() -> bool {
+        CURRENT.lock().map(|c| c.1).unwrap_or(false)
+    }
+}

@@ -335,6 +335,8 @@ fn generate(
     req.progress = true;
     let t_prompt = Instant::now();
     let mut handle = runtime.submit(req)?;
+    super::interrupt::install();
+    super::interrupt::set(Some(handle.canceller()));
 
     // A progress bar when the prompt is long.
     let bar = if prompt.len() - start > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
@@ -413,6 +415,7 @@ fn generate(
         writeln!(out)?;
     }
     drop(out);
+    super::interrupt::set(None);
     let Some(f) = finished else { bail!("the runtime stopped before the request finished") };
     if let FinishReason::Error(e) = &f.reason {
         bail!("generation failed: {e}");
@@ -425,7 +428,7 @@ fn generate(
         FinishReason::Eos(_) | FinishReason::StopString(_) => "eos",
         FinishReason::Length => "length",
         FinishReason::ContextFull => "context",
-        FinishReason::Cancelled => "cancel",
+        FinishReason::Cancelled => "Ctrl-C",
         FinishReason::Error(_) => "error",
     };
     // The last generated id is never fed, so its row is not dumped; the dump holds one row per

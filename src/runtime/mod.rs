@@ -157,7 +157,8 @@ pub struct Usage {
 pub struct Finished {
     pub reason: FinishReason,
     pub usage: Usage,
-    /// The final state (with [`Request::return_state`], when it ended by a stop rule).
+    /// The final state (with [`Request::return_state`], when it ended by a stop rule or a
+    /// cancel).
     pub saved: Option<Saved>,
 }
 
@@ -317,6 +318,26 @@ impl Handle {
     /// it had finished already.
     pub fn cancel(&self) {
         let _ = self.tx.send(Command::Cancel(self.id));
+    }
+
+    /// A handle that cancels this request from anywhere (a signal handler, another thread).
+    pub fn canceller(&self) -> Canceller {
+        Canceller { id: self.id, tx: Mutex::new(self.tx.clone()) }
+    }
+}
+
+/// Cancels one request ([`Handle::canceller`]); `Send` and `Sync`.
+pub struct Canceller {
+    id: u64,
+    tx: Mutex<mpsc::Sender<Command>>,
+}
+
+impl Canceller {
+    /// As [`Handle::cancel`].
+    pub fn cancel(&self) {
+        if let Ok(tx) = self.tx.lock() {
+            let _ = tx.send(Command::Cancel(self.id));
+        }
     }
 }
 
@@ -569,9 +590,11 @@ impl<B: Backend> Worker<B> {
     /// Ends a sequence: frees its slot, sends `Finished`.
     fn finish(&mut self, mut s: Seq, reason: FinishReason) {
         let stopped = matches!(reason, FinishReason::Eos(_) | FinishReason::StopString(_) | FinishReason::Length | FinishReason::ContextFull);
+        // A cancelled sequence's state is whole too (every event sent matches it).
+        let keep = stopped || reason == FinishReason::Cancelled;
         let mut saved = None;
         if let Some(session) = s.session.take() {
-            if stopped && s.req.return_state {
+            if keep && s.req.return_state {
                 if let Ok(state) = self.engine.export_state(&session) {
                     saved = Some(Saved { tokens: session.tokens().to_vec(), state });
                 }
