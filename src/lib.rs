@@ -11,6 +11,7 @@ pub mod engine;
 pub mod model;
 pub mod numerics;
 pub mod sampling;
+pub mod server;
 pub mod session;
 pub mod synth;
 #[doc(hidden)]
