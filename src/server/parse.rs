@@ -471,7 +471,11 @@ impl OutputParser {
             .filter_map(|t| self.buf.find(t).map(|i| (i, *t)))
             .min_by_key(|(i, _)| *i);
         let Some((i, tag)) = found else {
-            let hold = if eof { 0 } else { partial_suffix(&self.buf, &tags) };
+            let hold = if eof {
+                0
+            } else {
+                partial_suffix(&self.buf, &tags)
+            };
             let text: String = self.buf.drain(..self.buf.len() - hold).collect();
             self.emit_text(reasoning, &text, out);
             if eof {
@@ -523,7 +527,11 @@ impl OutputParser {
             return;
         }
         let mut piece = std::mem::take(&mut trim.pending);
-        piece.push_str(if trim.started { body } else { body.trim_start() });
+        piece.push_str(if trim.started {
+            body
+        } else {
+            body.trim_start()
+        });
         trim.started = true;
         trim.pending.push_str(tail);
         self.fresh = false;
@@ -959,13 +967,19 @@ mod tests {
 
         let text = "\n<think>\nHmm.\n</think>\n\nHi.";
         let out = parse(text, false, false);
-        assert_eq!((out.reasoning.as_str(), out.content.as_str()), ("Hmm.", "Hi."));
+        assert_eq!(
+            (out.reasoning.as_str(), out.content.as_str()),
+            ("Hmm.", "Hi.")
+        );
         assert_split_invariant(text, false, false);
 
         // A repeated `<think>` at the start of reasoning is dropped; one later is text.
         let text = "<think>\nA <think> B\n</think>\nC";
         let out = parse(text, true, false);
-        assert_eq!((out.reasoning.as_str(), out.content.as_str()), ("A <think> B", "C"));
+        assert_eq!(
+            (out.reasoning.as_str(), out.content.as_str()),
+            ("A <think> B", "C")
+        );
         assert_split_invariant(text, true, false);
     }
 
@@ -1025,7 +1039,11 @@ mod tests {
         let out = parse(&text, false, true);
         assert_eq!(
             out.tool_calls,
-            [call(0, "write_file", json!({"path": "src/main.rs", "content": body}))]
+            [call(
+                0,
+                "write_file",
+                json!({"path": "src/main.rs", "content": body})
+            )]
         );
         assert_split_invariant(&text, false, true);
     }
@@ -1125,7 +1143,10 @@ mod tests {
         let mut p = OutputParser::new(options(true, true));
         assert_eq!(p.push("Let me "), [Delta::Reasoning("Let me".into())]);
         assert_eq!(p.push("see.\n</thi"), [Delta::Reasoning(" see.".into())]);
-        assert_eq!(p.push("nk>\n\nSure. <tool"), [Delta::Content("Sure.".into())]);
+        assert_eq!(
+            p.push("nk>\n\nSure. <tool"),
+            [Delta::Content("Sure.".into())]
+        );
         assert_eq!(
             p.push("_call>\n<function=get_weather>\n<parameter=city>\nPa"),
             [
@@ -1157,6 +1178,61 @@ mod tests {
         assert_eq!(p.tool_calls(), 1);
         assert_eq!(p.finish(), []);
         assert_eq!(p.push("more"), []);
+    }
+
+    #[test]
+    fn arbitrary_tag_soup_never_panics_and_splits_agree() {
+        // Texts drawn (by a fixed LCG) from pieces of the format, broken tags and multi-byte
+        // characters: whatever the model writes, the parser must not panic, and streaming
+        // must agree with the whole.
+        const PIECES: [&str; 18] = [
+            "<tool_call>",
+            "</tool_call>",
+            "<function=get_weather>",
+            "<function=now>",
+            "<parameter=days>",
+            "<parameter=city>",
+            "</parameter>",
+            "</function>",
+            "<think>",
+            "</think>",
+            "\n",
+            " ",
+            "x1",
+            "é😀",
+            "<",
+            ">",
+            "</",
+            "<parameter=",
+        ];
+        let mut state: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            (state >> 33) as usize
+        };
+        for _ in 0..300 {
+            let len = next() % 14;
+            let text: String = (0..len).map(|_| PIECES[next() % PIECES.len()]).collect();
+            for (reasoning, tools) in [(false, true), (true, true), (true, false)] {
+                let whole = parse(&text, reasoning, tools);
+                for call in &whole.tool_calls {
+                    assert!(
+                        serde_json::from_str::<Json>(&call.arguments).is_ok_and(|v| v.is_object()),
+                        "{text:?}: {}",
+                        call.arguments
+                    );
+                }
+                for a in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+                    assert_eq!(
+                        streamed(&[&text[..a], &text[a..]], reasoning, tools),
+                        whole,
+                        "{text:?} at {a}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]
