@@ -26,8 +26,9 @@ use error::RequestError;
 use parse::{ParserOptions, ToolSchemas};
 
 /// Sampling and stopping settings of a request, checked (ranges as OpenAI documents them).
-/// `None` leaves a setting to the server's default.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// `None` leaves a setting to the server's default; the default is one completion with every
+/// setting left to the server.
+#[derive(Debug, Clone, PartialEq)]
 pub struct SamplingOptions {
     /// Most tokens to generate.
     pub max_tokens: Option<u32>,
@@ -57,6 +58,28 @@ pub struct SamplingOptions {
     pub logit_bias: Vec<(u32, f32)>,
     /// Keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: bool,
+}
+
+impl Default for SamplingOptions {
+    fn default() -> Self {
+        Self {
+            max_tokens: None,
+            temperature: None,
+            top_p: None,
+            top_k: None,
+            min_p: None,
+            presence_penalty: None,
+            frequency_penalty: None,
+            repetition_penalty: None,
+            seed: None,
+            stop: Vec::new(),
+            // One completion: a derived default of 0 would ask for none.
+            n: 1,
+            logprobs: None,
+            logit_bias: Vec::new(),
+            ignore_eos: false,
+        }
+    }
 }
 
 /// What the request says about calling tools.

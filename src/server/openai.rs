@@ -2239,6 +2239,8 @@ mod tests {
             (job.sampling.max_tokens, job.sampling.logprobs, job.echo),
             (Some(16), Some(2), true)
         );
+        assert_eq!(job.sampling.n, 1);
+        assert_eq!(SamplingOptions::default().n, 1);
         let job = parse(json!({"prompt": [[1, 2], [3]], "max_tokens": 4})).unwrap();
         assert_eq!(job.prompts, [Prompt::Ids(vec![1, 2]), Prompt::Ids(vec![3])]);
         let job = parse(json!({"prompt": ["a", "b"]})).unwrap();
