@@ -15,6 +15,7 @@ pub mod model;
 pub mod numerics;
 pub mod runtime;
 pub mod sampling;
+pub mod server;
 pub mod session;
 pub mod synth;
 #[doc(hidden)]

@@ -703,6 +703,7 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
+        env.add_filter("string", string_filter);
 
         let mut templates = Vec::with_capacity(sources.len());
         for (name, source, origin) in sources {
@@ -883,7 +884,41 @@ fn python_formatter(
         ValueKind::Bool => out
             .write_str(if value.is_true() { "True" } else { "False" })
             .map_err(minijinja::Error::from),
-        _ => minijinja::escape_formatter(out, state, value),
+        _ => match python_float(value) {
+            Some(f) => out.write_str(&python_str_float(f)).map_err(minijinja::Error::from),
+            None => minijinja::escape_formatter(out, state, value),
+        },
+    }
+}
+
+/// The value of a float (not an integer) number.
+fn python_float(value: &Value) -> Option<f64> {
+    if value.kind() == ValueKind::Number && !value.is_integer() {
+        f64::try_from(value.clone()).ok()
+    } else {
+        None
+    }
+}
+
+/// Python's `str(float)`, which Jinja2 prints and `|string` returns (`1e+16`, `1e-05`, `2.0`,
+/// `nan`, `inf`), where minijinja writes Rust's digits (`10000000000000000.0`, `0.00001`).
+fn python_str_float(f: f64) -> String {
+    if f.is_nan() {
+        "nan".to_string()
+    } else if f.is_infinite() {
+        if f > 0.0 { "inf" } else { "-inf" }.to_string()
+    } else {
+        python_float_repr(f)
+    }
+}
+
+/// `|string` as in Jinja2 (Python's `str()`): floats as Python writes them (Qwen3.5's template
+/// writes tool-call arguments that are not containers with `| string`); other values as
+/// minijinja's built-in filter, whose `None`/`True`/`False` already match.
+fn string_filter(state: &minijinja::State, value: &Value) -> std::result::Result<Value, minijinja::Error> {
+    match python_float(value) {
+        Some(f) => Ok(Value::from(python_str_float(f))),
+        None => minijinja::filters::string(state, value),
     }
 }
 
@@ -2025,6 +2060,22 @@ mod tests {
         ] {
             assert_eq!(python_float_repr(f), want);
         }
+    }
+
+    #[test]
+    fn floats_print_and_stringify_as_python_str() {
+        // Jinja2 3.1.6 renders this to the expected string, with data from json.loads.
+        let t = ChatTemplate::new(
+            "{% for x in data %}{{ x }}|{{ x | string }}|{{ (x | string) ~ '!' }} {% endfor %}",
+            "inline",
+        )
+        .unwrap();
+        let data = serde_json::json!({"data": [1e16, 0.00001, 2.0, -0.0, 0.25, 7, true, null, "s"]});
+        assert_eq!(
+            t.render(&[], false, &json_map(data)).unwrap(),
+            "1e+16|1e+16|1e+16! 1e-05|1e-05|1e-05! 2.0|2.0|2.0! -0.0|-0.0|-0.0! 0.25|0.25|0.25! \
+             7|7|7! True|True|True! None|None|None! s|s|s! "
+        );
     }
 
     #[test]
