@@ -12,6 +12,7 @@ pub mod model;
 pub mod numerics;
 pub mod runtime;
 pub mod sampling;
+pub mod serve;
 pub mod session;
 pub mod synth;
 #[doc(hidden)]

@@ -5,6 +5,7 @@ mod chat;
 mod info;
 mod kernels;
 mod run;
+mod serve;
 mod synth;
 mod verify;
 
@@ -37,6 +38,9 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
     Verify(verify::VerifyArgs),
+    /// Serve a model over HTTP: OpenAI-compatible chat and completions (streaming or not),
+    /// models, tokenize/detokenize, health and Prometheus metrics.
+    Serve(serve::ServeArgs),
     /// Write a random-weight checkpoint with the real config of a Qwen3.5 size.
     Synth(synth::SynthArgs),
 }
@@ -50,6 +54,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Kernels(a) => kernels::kernels(a),
         Command::Verify(a) => verify::verify(a),
         Command::Synth(a) => synth::synth(a),
+        Command::Serve(a) => serve::serve(a),
     }
 }
 
