@@ -731,10 +731,13 @@ async fn whole_response(ctx: Ctx, choices: Vec<Choice>, mut log: RequestLog) -> 
     Json(v).into_response()
 }
 
+/// One choice's events, tagged with its index.
+type ChoiceEvents = std::pin::Pin<Box<dyn futures_util::Stream<Item = (usize, Event, Finish)> + Send>>;
+
 /// The state of an SSE response: the choices' merged events, chunks to send, the totals.
 struct Streamer {
     ctx: Ctx,
-    merged: stream::SelectAll<std::pin::Pin<Box<dyn futures_util::Stream<Item = (usize, Event, Finish)> + Send>>>,
+    merged: stream::SelectAll<ChoiceEvents>,
     out: VecDeque<String>,
     usage: UsageSum,
     /// Per choice: text bytes sent so far (completions' `text_offset`).
@@ -823,7 +826,7 @@ fn stream_response(ctx: Ctx, choices: Vec<Choice>, log: RequestLog) -> Response 
             let e = c.next().await?;
             Some(((c.index, e, fin), c))
         });
-        Box::pin(s) as std::pin::Pin<Box<dyn futures_util::Stream<Item = (usize, Event, Finish)> + Send>>
+        Box::pin(s) as ChoiceEvents
     }));
     let keep_alive = ctx.st.config.keep_alive;
     let s = Streamer { ctx, merged, out, usage: UsageSum::default(), offsets: vec![0; n], reasons: Vec::new(), ended: false, log };
