@@ -16,6 +16,7 @@ pub mod numerics;
 pub mod runtime;
 pub mod sampling;
 pub mod server;
+pub mod serve;
 pub mod session;
 pub mod synth;
 #[doc(hidden)]

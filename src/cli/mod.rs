@@ -6,6 +6,7 @@ mod convert;
 mod info;
 mod kernels;
 mod run;
+mod serve;
 mod synth;
 mod verify;
 
@@ -38,6 +39,9 @@ pub enum Command {
     Kernels(kernels::KernelsArgs),
     /// Run the CPU reference and a GPU side by side; compare logits bit for bit every step.
     Verify(verify::VerifyArgs),
+    /// Serve a model over HTTP: OpenAI-compatible chat and completions (streaming or not),
+    /// models, tokenize/detokenize, health and Prometheus metrics.
+    Serve(serve::ServeArgs),
     /// Write a random-weight checkpoint with the real config of a Qwen3.5 size.
     Synth(synth::SynthArgs),
     /// Convert a Hugging Face bf16 checkpoint to MLX affine 4/8-bit, as mlx_lm.convert writes it.
@@ -54,6 +58,7 @@ pub fn dispatch(cli: Cli) -> Result<()> {
         Command::Verify(a) => verify::verify(a),
         Command::Synth(a) => synth::synth(a),
         Command::Convert(a) => convert::convert(a),
+        Command::Serve(a) => serve::serve(a),
     }
 }
 
@@ -187,10 +192,5 @@ pub mod interrupt {
     pub fn set(c: Option<Canceller>) {
         let mut cur = CURRENT.lock().unwrap_or_else(|e| e.into_inner());
         *cur = (c, false);
-    }
-
-    /// Whether a press cancelled the current request.
-    pub fn pressed() -> bool {
-        CURRENT.lock().map(|c| c.1).unwrap_or(false)
     }
 }

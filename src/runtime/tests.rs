@@ -98,7 +98,7 @@ fn request(prompt: Vec<u32>, params: SamplingParams, n: usize) -> Request {
 
 /// Greedy for even `i`, seeded sampling (llama.cpp's defaults, a repetition penalty) for odd.
 fn params(i: usize) -> SamplingParams {
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         SamplingParams::greedy()
     } else {
         SamplingParams { seed: 1000 + i as u64, repetition_penalty: 1.1, ..SamplingParams::default() }

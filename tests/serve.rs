@@ -1,0 +1,150 @@
+//! `tensorfold serve` as clients see it: the built binary on a free loopback port on the vocab
+//! fixture (random weights, Qwen3.5's tokenizer and chat template), driven by the official
+//! `openai` Python package (tests/serve/test_openai.py; `.ci/run` installs it), then stopped by
+//! SIGTERM while a request is streaming, which must finish before the process exits.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tensorfold::testutil::shared;
+
+const KEY: &str = "test-key-7f3a";
+
+/// A running server; killed when dropped.
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `tensorfold serve` on the vocab fixture on port 0 and waits for its address.
+    fn start(extra: &[&str]) -> Self {
+        let model = shared("fixtures/vocab/mlx-q4");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+            .args(["serve", "-m"])
+            .arg(&model)
+            .args(["--device", "cpu", "--port", "0"])
+            .args(extra)
+            .env("RUST_LOG", "tensorfold=info")
+            .env_remove("TENSORFOLD_API_KEY")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start tensorfold serve");
+        let stderr = child.stderr.take().expect("piped stderr");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = mpsc::channel();
+        let l = log.clone();
+        // Reads stderr to its end (so the pipe never fills), sending the address once logged.
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(rest) = line.split("listening on http://").nth(1) {
+                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
+                }
+                let mut g = l.lock().unwrap();
+                g.push_str(&line);
+                g.push('\n');
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(120)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the server did not start listening; its log:\n{}", log.lock().unwrap());
+            }
+        };
+        Self { child, addr, log }
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    /// Runs one class of the Python suite against this server.
+    fn python(&self, class: &str) {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/test_openai.py");
+        let out = Command::new("python3")
+            .arg(&script)
+            .arg(class)
+            .env("TF_BASE", format!("http://{}", self.addr))
+            .env("TF_KEY", KEY)
+            .output()
+            .expect("run python3 (the serve tests need python3 and `pip install openai==3.51.0`, as .ci/run does)");
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        println!("{text}");
+        assert!(
+            !text.contains("No module named 'openai'"),
+            "the serve tests need the openai package: python3 -m pip install openai==3.51.0 (as .ci/run does)"
+        );
+        assert!(out.status.success(), "python suite {class} failed:\n{text}\nserver log:\n{}", self.log());
+        assert!(text.contains("\nOK"), "python suite {class} did not report OK:\n{text}");
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    fn terminate(&mut self, within: Duration) -> std::process::ExitStatus {
+        let ok = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status().expect("run kill");
+        assert!(ok.success(), "kill -TERM failed");
+        let t0 = Instant::now();
+        loop {
+            if let Some(s) = self.child.try_wait().expect("wait for the server") {
+                return s;
+            }
+            assert!(t0.elapsed() < within, "the server did not exit within {within:?} of SIGTERM; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn openai_client_against_a_default_server() {
+    let server = Server::start(&[]);
+    server.python("Main");
+    let log = server.log();
+    // One line per request, with its counts and timings.
+    let line = log.lines().find(|l| l.contains("endpoint=\"chat\"") && l.contains("status=200")).unwrap_or_else(|| panic!("no request line in the log:\n{log}"));
+    for field in ["id=chatcmpl-", "prompt_tokens=", "completion_tokens=", "cached_tokens=", "ttft_ms=", "duration_ms="] {
+        assert!(line.contains(field), "the request line lacks {field}: {line}");
+    }
+    assert!(log.contains("status=400"), "no 400 was logged:\n{log}");
+}
+
+#[test]
+fn queue_limit_api_key_context_limit_and_draining_shutdown() {
+    let mut server = Server::start(&["--max-seqs", "1", "--max-waiting", "1", "--max-model-len", "64", "--api-key", KEY, "--drain-seconds", "30"]);
+    server.python("Limited");
+
+    // A streaming request in flight when SIGTERM comes finishes before the process exits.
+    let mut s = TcpStream::connect(&server.addr).expect("connect");
+    let body = r#"{"prompt": "Go", "max_tokens": 12, "stream": true, "ignore_eos": true}"#;
+    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    let mut first = [0u8; 64];
+    let n = s.read(&mut first).expect("read the response head");
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&first[..n]));
+    let reader = std::thread::spawn(move || {
+        let mut rest = String::new();
+        let _ = s.read_to_string(&mut rest);
+        rest
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let status = server.terminate(Duration::from_secs(60));
+    let rest = reader.join().unwrap();
+    assert!(status.success(), "the server exited with {status}; log:\n{}", server.log());
+    assert!(rest.contains("data: [DONE]"), "the stream was cut by the shutdown:\n{rest}");
+    assert_eq!(rest.matches("\"finish_reason\":\"length\"").count(), 1, "{rest}");
+    let log = server.log();
+    assert!(log.contains("shutting down: draining"), "{log}");
+    assert!(log.contains("completion_tokens=12"), "the drained request's line is missing:\n{log}");
+    assert!(TcpStream::connect(&server.addr).is_err(), "the port still accepts connections after the exit");
+}
