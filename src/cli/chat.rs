@@ -170,6 +170,8 @@ fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokeniz
     // Templates write their own special tokens, so none are added (as transformers).
     let ids = tokenizer.encode_with(&template.render(messages, true, &Default::default())?, false)?;
     let mut req = Request::new(ids.clone(), params, StopRules { eos_ids: tokenizer.eos_ids().to_vec(), strings: Vec::new(), max_tokens: max_new });
+    // Reuse past the resumed state's position came from a snapshot.
+    let own = last.as_ref().filter(|l| ids.starts_with(&l.tokens[..l.state.position])).map_or(0, |l| l.state.position);
     req.resume = last.clone();
     req.return_state = true;
     let mut h = runtime.submit(req)?;
@@ -211,9 +213,10 @@ fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokeniz
     };
     let st = runtime.stats();
     eprintln!(
-        "[prompt {} tokens: {} reused, {} processed | reply {} tokens, stopped by {} | {} snapshots, {:.1} MiB]",
+        "[prompt {} tokens: {} reused{}, {} processed | reply {} tokens, stopped by {} | {} snapshots, {:.1} MiB]",
         ids.len(),
         cached,
+        if cached > own { " from a snapshot" } else { "" },
         ids.len() - cached,
         f.usage.completion_tokens,
         stop,
