@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use tensorfold::backend::cpu::Cpu;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
@@ -45,6 +44,13 @@ pub struct ChatArgs {
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
+    /// CPU threads (default: one per core, or TENSORFOLD_THREADS); the CPU backend only.
+    #[arg(short = 't', long = "threads", value_name = "N")]
+    pub threads: Option<usize>,
+    /// Extra chat template variables as a JSON object, e.g. '{"enable_thinking": false}'
+    /// (llama.cpp's spelling).
+    #[arg(long = "chat-template-kwargs", value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
 }
 
 const HELP: &str = "commands: /save FILE, /load FILE, /reset, /quit (anything else is your message)";
@@ -65,6 +71,8 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             dir.display()
         );
     };
+    super::run::check_threads(a.threads)?;
+    let kwargs = super::run::template_kwargs(a.chat_template_kwargs.as_deref())?;
     let gc = GenerationConfig::from_dir(&dir)?;
     let params = a.sampling.apply(checkpoint_params(&gc, dir.join("generation_config.json").exists()));
     params.validate()?;
@@ -83,7 +91,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let host = Arc::new(host);
     let h = host.clone();
     let runtime = match a.device {
-        super::Device::Cpu => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?.with_model_dir(model_dir)) }),
+        super::Device::Cpu => {
+            let threads = a.threads;
+            Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads))?, chunk)?.with_model_dir(model_dir)) })
+        }
         super::Device::Cuda(n) => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
             let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
             Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
@@ -152,7 +163,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             continue;
         }
         messages.push(ChatMessage::new("user", line));
-        match turn(&runtime, &tokenizer, template, &messages, params, max_new, &mut last) {
+        match turn(&runtime, &tokenizer, template, &kwargs, &messages, params, max_new, &mut last) {
             Ok(reply) => messages.push(ChatMessage::new("assistant", reply)),
             Err(e) => {
                 messages.pop();
@@ -166,9 +177,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
 /// One exchange: renders `messages`, submits them (the runtime feeds only what its state or a
 /// snapshot lacks), streams the reply to stdout and returns its text; `last` becomes the state
 /// after the reply.
-fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokenizer::ChatTemplate, messages: &[ChatMessage], params: SamplingParams, max_new: Option<usize>, last: &mut Option<Saved>) -> Result<String> {
+#[allow(clippy::too_many_arguments)]
+fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokenizer::ChatTemplate, kwargs: &serde_json::Map<String, serde_json::Value>, messages: &[ChatMessage], params: SamplingParams, max_new: Option<usize>, last: &mut Option<Saved>) -> Result<String> {
     // Templates write their own special tokens, so none are added (as transformers).
-    let ids = tokenizer.encode_with(&template.render(messages, true, &Default::default())?, false)?;
+    let ids = tokenizer.encode_with(&template.render(messages, true, kwargs)?, false)?;
     let mut req = Request::new(ids.clone(), params, StopRules { eos_ids: tokenizer.eos_ids().to_vec(), strings: Vec::new(), max_tokens: max_new });
     req.resume = last.clone();
     req.return_state = true;
