@@ -415,3 +415,17 @@ fn chat_takes_threads_and_checks_chat_template_kwargs() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && e.contains("--chat-template-kwargs must be a JSON object"), "{e}");
 }
+
+#[test]
+fn chat_bounds_replies_by_default_and_joins_lines_ending_in_a_backslash() {
+    let help = ok(&["chat", "--help"]);
+    assert!(help.contains("[default: 4096]") && help.contains("end a line with \\"), "{help}");
+    let m = shared("fixtures/vocab/mlx-q4");
+    let m = m.to_str().unwrap();
+    // One message over two lines: one turn; the same lines without the backslash: two.
+    let one = chat(&["-m", m, "--device", "cpu", "-n", "2", "--temp", "0"], "hi\\\nthere\n");
+    let two = chat(&["-m", m, "--device", "cpu", "-n", "2", "--temp", "0"], "hi\nthere\n");
+    let turns = |o: &Output| String::from_utf8_lossy(&o.stderr).matches("[prompt ").count();
+    assert_eq!(turns(&one), 1, "{}", String::from_utf8_lossy(&one.stderr));
+    assert_eq!(turns(&two), 2, "{}", String::from_utf8_lossy(&two.stderr));
+}

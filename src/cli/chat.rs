@@ -27,7 +27,8 @@ pub struct ChatArgs {
     #[arg(long = "system")]
     pub system: Option<String>,
     /// Tokens per reply at most (-1: until an end-of-sequence token or the context is full).
-    #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_hyphen_values = true)]
+    /// The default bounds a reply that never ends (llama.cpp's -n -1 does not).
+    #[arg(short = 'n', long = "n-predict", default_value_t = DEFAULT_REPLY_TOKENS, allow_hyphen_values = true)]
     pub n_predict: i64,
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -53,7 +54,69 @@ pub struct ChatArgs {
     pub chat_template_kwargs: Option<String>,
 }
 
-const HELP: &str = "commands: /save FILE, /load FILE, /reset, /quit (anything else is your message)";
+const HELP: &str = "commands: /save FILE, /load FILE, /reset, /quit (anything else is your message; end a line with \\ to continue it on the next)";
+
+/// `-n` of `chat` unless given: tokens per reply at most.
+pub const DEFAULT_REPLY_TOKENS: i64 = 4096;
+
+/// Where messages come from: a line editor with history at a terminal, else stdin's lines.
+enum Input {
+    Tty(rustyline::DefaultEditor),
+    Pipe(std::io::Lines<std::io::StdinLock<'static>>),
+}
+
+impl Input {
+    /// One message: lines ending in `\` continue on the next (joined by a newline). `None` at
+    /// the end of input. At a terminal, Ctrl-C clears the line; on an empty line it asks for a
+    /// second press, which exits.
+    fn message(&mut self) -> Result<Option<String>> {
+        let mut text = String::new();
+        let mut armed = false;
+        loop {
+            let prompt = if text.is_empty() { "> " } else { "... " };
+            let line = match self {
+                Input::Pipe(lines) => match lines.next() {
+                    None => return Ok((!text.is_empty()).then_some(text)),
+                    Some(l) => l.context("reading stdin")?,
+                },
+                Input::Tty(ed) => match ed.readline(prompt) {
+                    Ok(l) => l,
+                    Err(rustyline::error::ReadlineError::Interrupted) => {
+                        if armed {
+                            std::process::exit(130);
+                        }
+                        if text.is_empty() {
+                            armed = true;
+                            eprintln!("(Ctrl-C again to exit, /quit or Ctrl-D to end)");
+                        } else {
+                            text.clear();
+                        }
+                        continue;
+                    }
+                    Err(rustyline::error::ReadlineError::Eof) => return Ok(None),
+                    Err(e) => return Err(e).context("reading the terminal"),
+                },
+            };
+            armed = false;
+            let line = line.trim_end_matches(['\r', '\n']);
+            match line.strip_suffix('\\') {
+                Some(head) => {
+                    text.push_str(head);
+                    text.push('\n');
+                }
+                None => {
+                    text.push_str(line);
+                    if let Input::Tty(ed) = self {
+                        if !text.trim().is_empty() {
+                            let _ = ed.add_history_entry(text.as_str());
+                        }
+                    }
+                    return Ok(Some(text));
+                }
+            }
+        }
+    }
+}
 
 /// The conversation as stored in a session's meta.
 #[derive(serde::Serialize, serde::Deserialize, Default)]
@@ -110,16 +173,14 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let system: Vec<ChatMessage> = a.system.iter().map(|t| ChatMessage::new("system", t.clone())).collect();
     let mut messages = system.clone();
     let max_new = if a.n_predict < 0 { None } else { Some(a.n_predict as usize) };
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut input = if interactive {
+        Input::Tty(rustyline::DefaultEditor::new().context("opening the terminal for line editing")?)
+    } else {
+        Input::Pipe(std::io::stdin().lock().lines())
+    };
     loop {
-        if interactive {
-            eprint!("> ");
-            std::io::stderr().flush()?;
-        }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("reading stdin")?;
-        let line = line.trim_end_matches(['\r', '\n']);
+        let Some(line) = input.message()? else { break };
+        let line = line.as_str();
         if line.trim().is_empty() {
             continue;
         }
