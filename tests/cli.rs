@@ -429,3 +429,23 @@ fn chat_bounds_replies_by_default_and_joins_lines_ending_in_a_backslash() {
     assert_eq!(turns(&one), 1, "{}", String::from_utf8_lossy(&one.stderr));
     assert_eq!(turns(&two), 2, "{}", String::from_utf8_lossy(&two.stderr));
 }
+
+#[test]
+fn bench_defaults_to_a_quick_plan_and_full_is_the_sweep() {
+    let tmp = TempDir::new("bench");
+    let json = tmp.path().join("b.json");
+    let tiny = shared("fixtures/tiny/mlx-q4");
+    let out = ok(&["bench", "-m", tiny.to_str().unwrap(), "-n", "4", "--json", json.to_str().unwrap()]);
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["repetitions"], 2);
+    let names: Vec<&str> = r["phases"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("pp512")) && !names.iter().any(|n| n.contains("4096")), "{names:?}");
+    // Every row is in the table, before the definitions that close the report.
+    let table = out.split("\n- ").next().unwrap();
+    for n in &names {
+        assert!(table.lines().any(|l| l.starts_with(n)), "{n} missing from {out}");
+    }
+    let help = ok(&["bench", "--help"]);
+    assert!(help.contains("--full") && help.contains("4096"), "{help}");
+}
