@@ -100,8 +100,9 @@ pub fn ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 }
 
 /// Runs `plan` on `engine`. `chunk` is the engine's prompt chunk (for the logits rows the
-/// prompt phases compute); `progress` receives a line before each timed phase.
-pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan: &Plan, progress: &mut dyn FnMut(&str)) -> Result<Vec<Phase>, BackendError> {
+/// prompt phases compute); `progress` receives a line before each timed phase, and `done` each
+/// phase as soon as its last repetition is timed (so a caller can print it then).
+pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan: &Plan, progress: &mut dyn FnMut(&str), done: &mut dyn FnMut(&Phase)) -> Result<Vec<Phase>, BackendError> {
     let vocab = engine.vocab_size();
     let d = plan.decode_tokens.max(1);
     let mut prompts: Vec<usize> = plan.prompt_lens.iter().copied().filter(|&n| n > 0).collect();
@@ -151,6 +152,9 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan
             engine.free_session(seq)?;
             let i = find(&phases, Kind::Decode, 0);
             phases[i].seconds.push(s);
+            if r + 1 == plan.repeats.max(1) {
+                done(&phases[i]);
+            }
         }
         // Prompts, each followed by decode at that context when asked.
         for &n in &prompts {
@@ -162,11 +166,17 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan
             let s = t.elapsed().as_secs_f64();
             let i = find(&phases, Kind::Prompt, n);
             phases[i].seconds.push(s);
+            if r + 1 == plan.repeats.max(1) {
+                done(&phases[i]);
+            }
             if contexts.contains(&n) {
                 progress(&format!("repeat {}/{}: tg{d}@{n}", r + 1, plan.repeats));
                 let s = decode(engine, &mut seq, next)?;
                 let i = find(&phases, Kind::Decode, n);
                 phases[i].seconds.push(s);
+                if r + 1 == plan.repeats.max(1) {
+                    done(&phases[i]);
+                }
             }
             engine.free_session(seq)?;
         }
@@ -179,6 +189,9 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan
             engine.free_session(seq)?;
             let i = find(&phases, Kind::Decode, c);
             phases[i].seconds.push(s);
+            if r + 1 == plan.repeats.max(1) {
+                done(&phases[i]);
+            }
         }
     }
     Ok(phases)

@@ -348,3 +348,104 @@ fn over_long_prompts_and_unwritable_outputs_are_refused_before_any_work() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success() && stderr.contains("generation: 0 tokens") && !stderr.contains("inf"), "{stderr}");
 }
+
+#[test]
+fn threads_ctx_size_and_stop_flags_as_llama_cpp_spells_them() {
+    // -t 1: the backend line names one thread.
+    let o = tensorfold(&["run", "--device", "cpu", "-t", "1", "-p", "def f", "-n", "2", "--temp", "0"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && e.contains("1 thread)"), "{e}");
+    // -c 10 with 3 prompt ids and -n -1: exactly 7 tokens, then the context is full.
+    let o = tensorfold(&["run", "--device", "cpu", "--prompt-ids", "1,2,3", "-c", "10", "-n", "-1", "--print-ids", "--temp", "0"]);
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{e}");
+    assert_eq!(ids(&String::from_utf8_lossy(&o.stdout)).len(), 7, "{e}");
+    assert!(e.contains("stopped by context"), "{e}");
+    // A prompt plus -n that cannot fit, and -c past the model's context, are refused.
+    let e = err(&["run", "--device", "cpu", "--prompt-ids", "1,2,3", "-c", "10", "-n", "8"]);
+    assert!(e.contains("the prompt (3 tokens) and -n 8 do not fit -c 10"), "{e}");
+    let e = err(&["run", "--device", "cpu", "-c", "100000000", "-p", "x"]);
+    assert!(e.contains("-c 100000000") && e.contains("32768"), "{e}");
+    // --stop: the output ends just before the first stop string (repeatable: the earliest wins).
+    let full = ok(&["run", "--device", "cpu", "-p", "def f", "-n", "24", "--temp", "0"]);
+    let gen = &full["def f".len()..];
+    let cut = gen.char_indices().nth(gen.chars().count() / 2).unwrap().0;
+    let stop: String = gen[cut..].chars().take(3).collect();
+    let first = gen.find(&stop).unwrap();
+    let out = ok(&["run", "--device", "cpu", "-p", "def f", "-n", "24", "--temp", "0", "--stop", "\u{1}never", "--stop", &stop]);
+    assert_eq!(out, format!("def f{}\n", &gen[..first]), "stop {stop:?}");
+}
+
+#[test]
+fn the_prompt_is_echoed_alike_from_p_f_and_stdin() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let tmp = TempDir::new("echo");
+    let file = tmp.path().join("p.txt");
+    std::fs::write(&file, "def add(a, b):").unwrap();
+    let args = ["run", "--device", "cpu", "-n", "8", "--temp", "0"];
+    let from_p = ok(&[&args[..], &["-p", "def add(a, b):"]].concat());
+    assert!(from_p.starts_with("def add(a, b):") && from_p.len() > "def add(a, b):\n".len(), "{from_p:?}");
+    let from_f = ok(&[&args[..], &["-f", file.to_str().unwrap()]].concat());
+    assert_eq!(from_f, from_p);
+    for extra in [&["-f", "-"][..], &[][..]] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+            .args(args)
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(b"def add(a, b):").unwrap();
+        let o = child.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(String::from_utf8(o.stdout).unwrap(), from_p, "stdin {extra:?}");
+    }
+}
+
+#[test]
+fn chat_takes_threads_and_checks_chat_template_kwargs() {
+    let m = shared("fixtures/vocab/mlx-q4");
+    let m = m.to_str().unwrap();
+    let o = chat(&["-m", m, "--device", "cpu", "-t", "1", "-n", "2", "--temp", "0", "--chat-template-kwargs", r#"{"enable_thinking": false}"#], "hi\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success() && e.contains("1 thread)") && e.contains("reply 2 tokens"), "{e}");
+    let o = chat(&["-m", m, "--device", "cpu", "--chat-template-kwargs", "[1]"], "hi\n");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && e.contains("--chat-template-kwargs must be a JSON object"), "{e}");
+}
+
+#[test]
+fn chat_bounds_replies_by_default_and_joins_lines_ending_in_a_backslash() {
+    let help = ok(&["chat", "--help"]);
+    assert!(help.contains("[default: 4096]") && help.contains("end a line with \\"), "{help}");
+    let m = shared("fixtures/vocab/mlx-q4");
+    let m = m.to_str().unwrap();
+    // One message over two lines: one turn; the same lines without the backslash: two.
+    let one = chat(&["-m", m, "--device", "cpu", "-n", "2", "--temp", "0"], "hi\\\nthere\n");
+    let two = chat(&["-m", m, "--device", "cpu", "-n", "2", "--temp", "0"], "hi\nthere\n");
+    let turns = |o: &Output| String::from_utf8_lossy(&o.stderr).matches("[prompt ").count();
+    assert_eq!(turns(&one), 1, "{}", String::from_utf8_lossy(&one.stderr));
+    assert_eq!(turns(&two), 2, "{}", String::from_utf8_lossy(&two.stderr));
+}
+
+#[test]
+fn bench_defaults_to_a_quick_plan_and_full_is_the_sweep() {
+    let tmp = TempDir::new("bench");
+    let json = tmp.path().join("b.json");
+    let tiny = shared("fixtures/tiny/mlx-q4");
+    let out = ok(&["bench", "-m", tiny.to_str().unwrap(), "-n", "4", "--json", json.to_str().unwrap()]);
+    let r: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(r["repetitions"], 2);
+    let names: Vec<&str> = r["phases"].as_array().unwrap().iter().map(|p| p["name"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 4, "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("pp512")) && !names.iter().any(|n| n.contains("4096")), "{names:?}");
+    // Every row is in the table, before the definitions that close the report.
+    let table = out.split("\n- ").next().unwrap();
+    for n in &names {
+        assert!(table.lines().any(|l| l.starts_with(n)), "{n} missing from {out}");
+    }
+    let help = ok(&["bench", "--help"]);
+    assert!(help.contains("--full") && help.contains("4096"), "{help}");
+}

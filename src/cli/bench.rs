@@ -18,18 +18,23 @@ pub struct BenchArgs {
     /// Model directory; default: the demo model.
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
-    /// Prompt lengths to time (prompt processing from an empty sequence).
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "128,512,4096")]
-    pub prompts: Vec<usize>,
-    /// Contexts at which to time decode.
-    #[arg(short = 'c', long = "decode-context", value_delimiter = ',', default_value = "0,512,4096")]
-    pub contexts: Vec<usize>,
+    /// Prompt lengths to time (prompt processing from an empty sequence); default 128,512
+    /// (--full: 128,512,4096).
+    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',')]
+    pub prompts: Option<Vec<usize>>,
+    /// Contexts at which to time decode; default 0,512 (--full: 0,512,4096).
+    #[arg(short = 'c', long = "decode-context", value_delimiter = ',')]
+    pub contexts: Option<Vec<usize>>,
     /// Tokens generated per decode phase.
     #[arg(short = 'n', long = "n-gen", default_value_t = 32)]
     pub decode_tokens: usize,
-    /// Repetitions of every phase; the median and the spread are reported.
-    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
-    pub repeats: usize,
+    /// Repetitions of every phase; the median and the spread are reported; default 2 (--full: 3).
+    #[arg(short = 'r', long = "repetitions")]
+    pub repeats: Option<usize>,
+    /// The full sweep (pp128/512/4096, decode at 0/512/4096, 3 repetitions) instead of the quick
+    /// default (pp128/512, decode at 0/512, 2 repetitions: about a minute on two cores).
+    #[arg(long)]
+    pub full: bool,
     /// Tokens per prompt-processing step.
     #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
     pub chunk: usize,
@@ -52,6 +57,21 @@ pub struct BenchArgs {
     /// to first token.
     #[arg(long = "concurrency", value_delimiter = ',')]
     pub concurrency: Option<Vec<usize>>,
+}
+
+/// The arguments with the plan's defaults filled in.
+struct Resolved {
+    prompts: Vec<usize>,
+    contexts: Vec<usize>,
+    repeats: usize,
+    args: BenchArgs,
+}
+
+impl std::ops::Deref for Resolved {
+    type Target = BenchArgs;
+    fn deref(&self) -> &BenchArgs {
+        &self.args
+    }
 }
 
 /// What the device can do at best, measured in this run.
@@ -153,7 +173,12 @@ fn gib(b: f64) -> String {
     format!("{:.1} MiB", b / (1u64 << 20) as f64)
 }
 
-pub fn bench(a: BenchArgs) -> Result<()> {
+pub fn bench(mut a: BenchArgs) -> Result<()> {
+    // The quick default plan, or the full sweep; flags given win over both.
+    let (prompts, contexts, repeats): (&[usize], &[usize], usize) = if a.full { (&[128, 512, 4096], &[0, 512, 4096], 3) } else { (&[128, 512], &[0, 512], 2) };
+    let prompts = a.prompts.take().unwrap_or_else(|| prompts.to_vec());
+    let contexts = a.contexts.take().unwrap_or_else(|| contexts.to_vec());
+    let a = Resolved { prompts, contexts, repeats: a.repeats.unwrap_or(repeats), args: a };
     // Arguments first, before a model loads or the machine is measured.
     if a.repeats == 0 {
         bail!("--repetitions must be at least 1");
@@ -198,7 +223,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let describe = gpu.describe();
             let model = Model::new(&host, gpu)?;
             let mut engine = Engine::new(model, a.chunk)?;
-            let phases = bench::run(&mut engine, &costs, a.chunk, &plan, &mut |s| eprintln!("  {s}"))?;
+            print_header(&a, &dir, &model_summary, &describe, &m);
+            let phases = bench::run(&mut engine, &costs, a.chunk, &plan, &mut |s| eprintln!("  {s}"), &mut |p| print_row(&phase_report(p.clone(), &m)))?;
             // What one decode token costs the host: launches and waits over 64 greedy tokens.
             let mut s = engine.new_session(tensorfold::sampling::SamplingParams::greedy())?;
             let v = engine.vocab_size();
@@ -244,7 +270,8 @@ pub fn bench(a: BenchArgs) -> Result<()> {
                     notes.push(format!("  {name:<36} {:>8.1} us/token  ({} launches/token, {:.2} us each)", 1e3 * ms / 32.0, n / 32, 1e3 * ms / n as f64));
                 }
             }
-            report(&a, &dir, model_summary, describe, m, phases, notes)
+            let pre = m.clone();
+            report(&a, &dir, model_summary, describe, &pre, m, phases, notes)
         }
         super::Device::Cpu => {
             let threads = a.threads.unwrap_or_else(|| Cpu::new().threads());
@@ -253,50 +280,98 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             let mut m = cpu_machine(&cpu);
             let describe = cpu.describe();
             let model = Model::new(&host, cpu)?;
-            let phases = run(model, &costs, &a, &plan)?;
+            print_header(&a, &dir, &model_summary, &describe, &m);
+            let pre = m.clone();
+            let phases = run(model, &costs, &a, &plan, &pre)?;
             // Bandwidth again after the phases (drift, other load).
             let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
             m.copy_bandwidth.extend(cpu.copy_bandwidth(5));
             m.read_bandwidth.extend(cpu.read_bandwidth(5));
-            report(&a, &dir, model_summary, describe, m, phases, Vec::new())
+            report(&a, &dir, model_summary, describe, &pre, m, phases, Vec::new())
         }
     }
 }
 
-fn run<B: Backend>(model: Model<B>, costs: &Costs, a: &BenchArgs, plan: &Plan) -> Result<Vec<Phase>> {
+fn run<B: Backend>(model: Model<B>, costs: &Costs, a: &Resolved, plan: &Plan, m: &MachineFigures) -> Result<Vec<Phase>> {
     let mut engine = Engine::new(model, a.chunk)?;
-    Ok(bench::run(&mut engine, costs, a.chunk, plan, &mut |s| eprintln!("  {s}"))?)
+    Ok(bench::run(&mut engine, costs, a.chunk, plan, &mut |s| eprintln!("  {s}"), &mut |p| print_row(&phase_report(p.clone(), m)))?)
 }
 
-fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: String, m: MachineFigures, phases: Vec<Phase>, notes: Vec<String>) -> Result<()> {
+/// A phase's figures against the machine's (measured before the phases).
+fn phase_report(p: Phase, m: &MachineFigures) -> PhaseReport {
+    let bw = Spread::of(&m.copy_bandwidth);
+    let rbw = (!m.read_bandwidth.is_empty()).then(|| Spread::of(&m.read_bandwidth));
+    let t = Spread::of(&p.seconds);
+    let n = p.tokens as f64;
+    let tps = t.map_decreasing(|s| n / s);
+    let ms = Spread { median: 1e3 * t.median / n, min: 1e3 * t.min / n, max: 1e3 * t.max / n };
+    let (mut bpt, mut gbs, mut pbw, mut prd, mut gfs, mut ppk) = (None, None, None, None, None, None);
+    match p.kind {
+        Kind::Decode => {
+            let bytes = p.bytes as f64;
+            bpt = Some(bytes / n);
+            let g = t.map_decreasing(|s| bytes / s / 1e9);
+            pbw = Some(100.0 * g.median * 1e9 / bw.median);
+            prd = rbw.map(|r| 100.0 * g.median * 1e9 / r.median);
+            gbs = Some(g);
+        }
+        Kind::Prompt => {
+            let f = p.flops as f64;
+            let g = t.map_decreasing(|s| f / s / 1e9);
+            ppk = Some(100.0 * g.median * 1e9 / m.fma_peak);
+            gfs = Some(g);
+        }
+    }
+    PhaseReport { name: p.name(), phase: p, tokens_per_second: tps, ms_per_token: ms, bytes_per_token: bpt, gb_per_second: gbs, percent_of_bandwidth: pbw, percent_of_read_bandwidth: prd, gflop_per_second: gfs, percent_of_fma_peak: ppk }
+}
+
+/// The lines before the table, and its header: printed before the phases run, so each row can
+/// follow as soon as it is measured.
+fn print_header(a: &Resolved, dir: &std::path::Path, model_summary: &str, backend: &str, m: &MachineFigures) {
+    let date = jiff::fmt::strtime::format("%Y-%m-%d %H:%M:%S %Z", &jiff::ZonedDateTime::now()).unwrap_or_default();
+    let bw = Spread::of(&m.copy_bandwidth);
+    println!("tensorfold bench  {}  commit {}", date, commit());
+    println!("model    {} ({})", dir.display(), model_summary);
+    println!("device   {} on {}", backend, cpu_name());
+    println!("machine  copy bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {})", bw.median / 1e9, bw.min / 1e9, bw.max / 1e9, m.copy_bandwidth_method);
+    if !m.read_bandwidth.is_empty() {
+        let g = Spread::of(&m.read_bandwidth);
+        println!("         read bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {}): the ceiling of decode, which mostly reads", g.median / 1e9, g.min / 1e9, g.max / 1e9, m.read_bandwidth_method);
+    }
+    println!("         f32 FMA peak {:.1} GFLOP/s ({})", m.fma_peak / 1e9, m.fma_peak_method);
+    println!("{} repetitions per phase; median (min-max)", a.repeats);
+    println!();
+    let read_col = !m.read_bandwidth.is_empty();
+    println!("{:<12} {:>22} {:>9} {:>13} {:>20} {:>8}{}", "phase", "tokens/s", "ms/tok", "bytes/tok", "GB/s | GFLOP/s", "% peak", if read_col { "   % read" } else { "" });
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+}
+
+/// One row of the table, printed as its phase finishes.
+fn print_row(p: &PhaseReport) {
+    let tps = format!("{:.1} ({:.1}-{:.1})", p.tokens_per_second.median, p.tokens_per_second.min, p.tokens_per_second.max);
+    let (bytes, rate, pct) = match p.phase.kind {
+        Kind::Decode => {
+            let g = p.gb_per_second.unwrap();
+            (gib(p.bytes_per_token.unwrap()), format!("{:.2} GB/s", g.median), format!("{:.0}% bw", p.percent_of_bandwidth.unwrap()))
+        }
+        Kind::Prompt => {
+            let g = p.gflop_per_second.unwrap();
+            ("-".to_string(), format!("{:.1} GFLOP/s", g.median), format!("{:.0}% fma", p.percent_of_fma_peak.unwrap()))
+        }
+    };
+    let read = p.percent_of_read_bandwidth.map_or(String::new(), |x| format!(" {:>8}", format!("{x:.0}% rd")));
+    println!("{:<12} {:>22} {:>9.2} {:>13} {:>20} {:>8}{read}", p.name, tps, p.ms_per_token.median, bytes, rate, pct);
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+}
+
+/// After the phases: notes, definitions and the JSON file. `pre` are the machine figures the
+/// rows were computed against (measured before the phases); `m` adds any measured after.
+#[allow(clippy::too_many_arguments)]
+fn report(a: &Resolved, dir: &std::path::Path, model_summary: String, backend: String, pre: &MachineFigures, m: MachineFigures, phases: Vec<Phase>, notes: Vec<String>) -> Result<()> {
     let bw = Spread::of(&m.copy_bandwidth);
     let rbw = (!m.read_bandwidth.is_empty()).then(|| Spread::of(&m.read_bandwidth));
     let date = jiff::fmt::strtime::format("%Y-%m-%d %H:%M:%S %Z", &jiff::ZonedDateTime::now()).unwrap_or_default();
-    let mut rows = Vec::new();
-    for p in phases {
-        let t = Spread::of(&p.seconds);
-        let n = p.tokens as f64;
-        let tps = t.map_decreasing(|s| n / s);
-        let ms = Spread { median: 1e3 * t.median / n, min: 1e3 * t.min / n, max: 1e3 * t.max / n };
-        let (mut bpt, mut gbs, mut pbw, mut prd, mut gfs, mut ppk) = (None, None, None, None, None, None);
-        match p.kind {
-            Kind::Decode => {
-                let bytes = p.bytes as f64;
-                bpt = Some(bytes / n);
-                let g = t.map_decreasing(|s| bytes / s / 1e9);
-                pbw = Some(100.0 * g.median * 1e9 / bw.median);
-                prd = rbw.map(|r| 100.0 * g.median * 1e9 / r.median);
-                gbs = Some(g);
-            }
-            Kind::Prompt => {
-                let f = p.flops as f64;
-                let g = t.map_decreasing(|s| f / s / 1e9);
-                ppk = Some(100.0 * g.median * 1e9 / m.fma_peak);
-                gfs = Some(g);
-            }
-        }
-        rows.push(PhaseReport { name: p.name(), phase: p, tokens_per_second: tps, ms_per_token: ms, bytes_per_token: bpt, gb_per_second: gbs, percent_of_bandwidth: pbw, percent_of_read_bandwidth: prd, gflop_per_second: gfs, percent_of_fma_peak: ppk });
-    }
+    let rows: Vec<PhaseReport> = phases.into_iter().map(|p| phase_report(p, pre)).collect();
     let r = Report {
         tool: "tensorfold bench",
         date,
@@ -316,38 +391,12 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
         notes,
         definitions: DEFINITIONS.to_vec(),
     };
-    println!("tensorfold bench  {}  commit {}", r.date, r.commit);
-    println!("model    {} ({})", r.model, r.model_summary);
-    println!("device   {} on {}", r.backend, r.cpu);
-    println!(
-        "machine  copy bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {})",
-        r.copy_bandwidth_gb_s.median, r.copy_bandwidth_gb_s.min, r.copy_bandwidth_gb_s.max, r.machine.copy_bandwidth_method
-    );
-    if let Some(g) = &r.read_bandwidth_gb_s {
-        println!("         read bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {}): the ceiling of decode, which mostly reads", g.median, g.min, g.max, r.machine.read_bandwidth_method);
+    println!();
+    if r.machine.copy_bandwidth.len() > pre.copy_bandwidth.len() {
+        println!("machine  after the phases, with the samples taken then: copy bandwidth {:.2} GB/s (median){}", r.copy_bandwidth_gb_s.median, r.read_bandwidth_gb_s.map_or(String::new(), |g| format!(", read bandwidth {:.2} GB/s", g.median)));
     }
-    println!("         f32 FMA peak {:.1} GFLOP/s ({})", r.fma_peak_gflop_s, r.machine.fma_peak_method);
     for n in &r.notes {
         println!("         {n}");
-    }
-    println!("{} repetitions per phase; median (min-max)", r.repetitions);
-    println!();
-    let read_col = r.read_bandwidth_gb_s.is_some();
-    println!("{:<12} {:>22} {:>9} {:>13} {:>20} {:>8}{}", "phase", "tokens/s", "ms/tok", "bytes/tok", "GB/s | GFLOP/s", "% peak", if read_col { "   % read" } else { "" });
-    for p in &r.phases {
-        let tps = format!("{:.1} ({:.1}-{:.1})", p.tokens_per_second.median, p.tokens_per_second.min, p.tokens_per_second.max);
-        let (bytes, rate, pct) = match p.phase.kind {
-            Kind::Decode => {
-                let g = p.gb_per_second.unwrap();
-                (gib(p.bytes_per_token.unwrap()), format!("{:.2} GB/s", g.median), format!("{:.0}% bw", p.percent_of_bandwidth.unwrap()))
-            }
-            Kind::Prompt => {
-                let g = p.gflop_per_second.unwrap();
-                ("-".to_string(), format!("{:.1} GFLOP/s", g.median), format!("{:.0}% fma", p.percent_of_fma_peak.unwrap()))
-            }
-        };
-        let read = p.percent_of_read_bandwidth.map_or(String::new(), |x| format!(" {:>8}", format!("{x:.0}% rd")));
-        println!("{:<12} {:>22} {:>9.2} {:>13} {:>20} {:>8}{read}", p.name, tps, p.ms_per_token.median, bytes, rate, pct);
     }
     println!();
     for d in DEFINITIONS {
@@ -362,7 +411,7 @@ fn report(a: &BenchArgs, dir: &std::path::Path, model_summary: String, backend: 
 }
 
 /// `bench --concurrency`: requests submitted together through the runtime, per level.
-fn concurrency(a: &BenchArgs, dir: &std::path::Path, host: HostModel, levels: &[usize]) -> Result<()> {
+fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[usize]) -> Result<()> {
     use std::sync::Arc;
     use tensorfold::runtime::{Runtime, RuntimeConfig};
     if levels.is_empty() || levels.contains(&0) {

@@ -8,7 +8,6 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use tensorfold::backend::cpu::Cpu;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
@@ -28,7 +27,8 @@ pub struct ChatArgs {
     #[arg(long = "system")]
     pub system: Option<String>,
     /// Tokens per reply at most (-1: until an end-of-sequence token or the context is full).
-    #[arg(short = 'n', long = "n-predict", default_value_t = -1, allow_hyphen_values = true)]
+    /// The default bounds a reply that never ends (llama.cpp's -n -1 does not).
+    #[arg(short = 'n', long = "n-predict", default_value_t = DEFAULT_REPLY_TOKENS, allow_hyphen_values = true)]
     pub n_predict: i64,
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -45,9 +45,78 @@ pub struct ChatArgs {
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
+    /// CPU threads (default: one per core, or TENSORFOLD_THREADS); the CPU backend only.
+    #[arg(short = 't', long = "threads", value_name = "N")]
+    pub threads: Option<usize>,
+    /// Extra chat template variables as a JSON object, e.g. '{"enable_thinking": false}'
+    /// (llama.cpp's spelling).
+    #[arg(long = "chat-template-kwargs", value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
 }
 
-const HELP: &str = "commands: /save FILE, /load FILE, /reset, /quit (anything else is your message)";
+const HELP: &str = "commands: /save FILE, /load FILE, /reset, /quit (anything else is your message; end a line with \\ to continue it on the next)";
+
+/// `-n` of `chat` unless given: tokens per reply at most.
+pub const DEFAULT_REPLY_TOKENS: i64 = 4096;
+
+/// Where messages come from: a line editor with history at a terminal, else stdin's lines.
+enum Input {
+    Tty(rustyline::DefaultEditor),
+    Pipe(std::io::Lines<std::io::StdinLock<'static>>),
+}
+
+impl Input {
+    /// One message: lines ending in `\` continue on the next (joined by a newline). `None` at
+    /// the end of input. At a terminal, Ctrl-C clears the line; on an empty line it asks for a
+    /// second press, which exits.
+    fn message(&mut self) -> Result<Option<String>> {
+        let mut text = String::new();
+        let mut armed = false;
+        loop {
+            let prompt = if text.is_empty() { "> " } else { "... " };
+            let line = match self {
+                Input::Pipe(lines) => match lines.next() {
+                    None => return Ok((!text.is_empty()).then_some(text)),
+                    Some(l) => l.context("reading stdin")?,
+                },
+                Input::Tty(ed) => match ed.readline(prompt) {
+                    Ok(l) => l,
+                    Err(rustyline::error::ReadlineError::Interrupted) => {
+                        if armed {
+                            std::process::exit(130);
+                        }
+                        if text.is_empty() {
+                            armed = true;
+                            eprintln!("(Ctrl-C again to exit, /quit or Ctrl-D to end)");
+                        } else {
+                            text.clear();
+                        }
+                        continue;
+                    }
+                    Err(rustyline::error::ReadlineError::Eof) => return Ok(None),
+                    Err(e) => return Err(e).context("reading the terminal"),
+                },
+            };
+            armed = false;
+            let line = line.trim_end_matches(['\r', '\n']);
+            match line.strip_suffix('\\') {
+                Some(head) => {
+                    text.push_str(head);
+                    text.push('\n');
+                }
+                None => {
+                    text.push_str(line);
+                    if let Input::Tty(ed) = self {
+                        if !text.trim().is_empty() {
+                            let _ = ed.add_history_entry(text.as_str());
+                        }
+                    }
+                    return Ok(Some(text));
+                }
+            }
+        }
+    }
+}
 
 /// The conversation as stored in a session's meta.
 #[derive(serde::Serialize, serde::Deserialize, Default)]
@@ -65,6 +134,8 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             dir.display()
         );
     };
+    super::run::check_threads(a.threads)?;
+    let kwargs = super::run::template_kwargs(a.chat_template_kwargs.as_deref())?;
     let gc = GenerationConfig::from_dir(&dir)?;
     let params = a.sampling.apply(checkpoint_params(&gc, dir.join("generation_config.json").exists()));
     params.validate()?;
@@ -83,7 +154,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let host = Arc::new(host);
     let h = host.clone();
     let runtime = match a.device {
-        super::Device::Cpu => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?.with_model_dir(model_dir)) }),
+        super::Device::Cpu => {
+            let threads = a.threads;
+            Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads))?, chunk)?.with_model_dir(model_dir)) })
+        }
         super::Device::Cuda(n) => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
             let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
             Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
@@ -99,16 +173,14 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let system: Vec<ChatMessage> = a.system.iter().map(|t| ChatMessage::new("system", t.clone())).collect();
     let mut messages = system.clone();
     let max_new = if a.n_predict < 0 { None } else { Some(a.n_predict as usize) };
-    let stdin = std::io::stdin();
-    let mut lines = stdin.lock().lines();
+    let mut input = if interactive {
+        Input::Tty(rustyline::DefaultEditor::new().context("opening the terminal for line editing")?)
+    } else {
+        Input::Pipe(std::io::stdin().lock().lines())
+    };
     loop {
-        if interactive {
-            eprint!("> ");
-            std::io::stderr().flush()?;
-        }
-        let Some(line) = lines.next() else { break };
-        let line = line.context("reading stdin")?;
-        let line = line.trim_end_matches(['\r', '\n']);
+        let Some(line) = input.message()? else { break };
+        let line = line.as_str();
         if line.trim().is_empty() {
             continue;
         }
@@ -152,7 +224,7 @@ pub fn chat(a: ChatArgs) -> Result<()> {
             continue;
         }
         messages.push(ChatMessage::new("user", line));
-        match turn(&runtime, &tokenizer, template, &messages, params, max_new, &mut last) {
+        match turn(&runtime, &tokenizer, template, &kwargs, &messages, params, max_new, &mut last) {
             Ok(reply) => messages.push(ChatMessage::new("assistant", reply)),
             Err(e) => {
                 messages.pop();
@@ -166,9 +238,10 @@ pub fn chat(a: ChatArgs) -> Result<()> {
 /// One exchange: renders `messages`, submits them (the runtime feeds only what its state or a
 /// snapshot lacks), streams the reply to stdout and returns its text; `last` becomes the state
 /// after the reply.
-fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokenizer::ChatTemplate, messages: &[ChatMessage], params: SamplingParams, max_new: Option<usize>, last: &mut Option<Saved>) -> Result<String> {
+#[allow(clippy::too_many_arguments)]
+fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokenizer::ChatTemplate, kwargs: &serde_json::Map<String, serde_json::Value>, messages: &[ChatMessage], params: SamplingParams, max_new: Option<usize>, last: &mut Option<Saved>) -> Result<String> {
     // Templates write their own special tokens, so none are added (as transformers).
-    let ids = tokenizer.encode_with(&template.render(messages, true, &Default::default())?, false)?;
+    let ids = tokenizer.encode_with(&template.render(messages, true, kwargs)?, false)?;
     let mut req = Request::new(ids.clone(), params, StopRules { eos_ids: tokenizer.eos_ids().to_vec(), strings: Vec::new(), max_tokens: max_new });
     // Reuse past the resumed state's position came from a snapshot.
     let own = last.as_ref().filter(|l| ids.starts_with(&l.tokens[..l.state.position])).map_or(0, |l| l.state.position);

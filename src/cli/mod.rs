@@ -27,7 +27,8 @@ pub struct Cli {
 pub enum Command {
     /// Generate text from a prompt (the embedded demo model when no -m is given).
     Run(run::RunArgs),
-    /// Talk with a model: each line on stdin is a message; the conversation lives in one session
+    /// Talk with a model: each line on stdin is a message (end a line with \ to continue it on the
+    /// next; at a terminal, line editing and history); the conversation lives in one session
     /// that only ever processes new tokens (/save FILE, /load FILE, /reset, /quit).
     Chat(chat::ChatArgs),
     /// Print a checkpoint's architecture, sizes, quantization and per-token costs.

@@ -58,6 +58,17 @@ pub struct RunArgs {
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
+    /// CPU threads (default: one per core, or TENSORFOLD_THREADS); the CPU backend only.
+    #[arg(short = 't', long = "threads", value_name = "N")]
+    pub threads: Option<usize>,
+    /// Context size in tokens: a prompt plus -n that cannot fit is refused, and with -n -1
+    /// generation stops when it is full (default and upper bound: the model's
+    /// max_position_embeddings).
+    #[arg(short = 'c', long = "ctx-size", value_name = "N")]
+    pub ctx_size: Option<usize>,
+    /// Stop where this text first appears in the output (not printed); may be given again.
+    #[arg(long = "stop", value_name = "STRING")]
+    pub stop: Vec<String>,
     /// Continue a session saved by --save-session (or chat's /save): the prompt, if any, is
     /// appended to it, and generation continues exactly where it stopped. Its sampling settings
     /// apply unless flags override them.
@@ -151,6 +162,33 @@ impl SamplingArgs {
     }
 }
 
+/// The CPU backend with `-t N` threads (else one per core, or `TENSORFOLD_THREADS`).
+pub fn cpu_backend(threads: Option<usize>) -> Cpu {
+    match threads {
+        Some(n) => Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), n),
+        None => Cpu::new(),
+    }
+}
+
+/// `-t N` checked: at least one thread.
+pub fn check_threads(threads: Option<usize>) -> Result<()> {
+    if threads == Some(0) {
+        bail!("-t 0 is invalid: give a number of CPU threads, at least 1");
+    }
+    Ok(())
+}
+
+/// `--chat-template-kwargs JSON` as the template's extra variables (none when not given).
+pub fn template_kwargs(json: Option<&str>) -> Result<serde_json::Map<String, serde_json::Value>> {
+    match json {
+        None => Ok(Default::default()),
+        Some(j) => match serde_json::from_str::<serde_json::Value>(j) {
+            Ok(serde_json::Value::Object(m)) => Ok(m),
+            _ => bail!("--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"),
+        },
+    }
+}
+
 pub fn run(a: RunArgs) -> Result<()> {
     let dir = super::model_dir(a.model.as_deref())?;
     let t_load = Instant::now();
@@ -180,7 +218,13 @@ pub fn run(a: RunArgs) -> Result<()> {
     if a.chunk == 0 {
         bail!("--chunk 0 is invalid: a prompt step holds at least one token");
     }
+    check_threads(a.threads)?;
+    if a.stop.iter().any(|s| s.is_empty()) {
+        bail!("--stop needs a non-empty string");
+    }
     let loading = a.load_session.is_some();
+    // The prompt text as given (-p, -f, stdin), echoed before the completion as -p always was.
+    let mut echo: Option<String> = None;
 
     let prompt_ids: Vec<u32> = match (&a.prompt_ids, &a.prompt, &a.file) {
         (Some(ids), _, _) => {
@@ -215,18 +259,16 @@ pub fn run(a: RunArgs) -> Result<()> {
                     bail!("--chat: the model in {} has no chat template (no chat_template in tokenizer_config.json, no chat_template.jinja)", dir.display());
                 };
                 // Templates write their own special tokens, so none are added (as transformers).
-                let kwargs = match &a.chat_template_kwargs {
-                    None => Default::default(),
-                    Some(j) => match serde_json::from_str::<serde_json::Value>(j) {
-                        Ok(serde_json::Value::Object(m)) => m,
-                        _ => bail!("--chat-template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"),
-                    },
-                };
+                let kwargs = template_kwargs(a.chat_template_kwargs.as_deref())?;
                 tokenizer.encode_with(&t.render(&[ChatMessage::new("user", text)], true, &kwargs)?, false)?
             } else if text.is_empty() {
                 Vec::new()
             } else {
-                tokenizer.encode(&text)?
+                let ids = tokenizer.encode(&text)?;
+                if !a.print_ids {
+                    echo = Some(text);
+                }
+                ids
             }
         }
     };
@@ -264,6 +306,23 @@ pub fn run(a: RunArgs) -> Result<()> {
     if total_prompt > max_pos {
         bail!("the prompt holds {total_prompt} tokens; the model's context is {max_pos} tokens (max_position_embeddings in {})", dir.join("config.json").display());
     }
+    // -c N: the prompt and the generation together hold at most N tokens.
+    let ctx_limit = match a.ctx_size {
+        None => None,
+        Some(0) => bail!("-c 0 is invalid: give a context size in tokens"),
+        Some(n) if n > max_pos => {
+            bail!("-c {n} is larger than the model's context of {max_pos} tokens (max_position_embeddings in {})", dir.join("config.json").display())
+        }
+        Some(n) => {
+            if total_prompt >= n {
+                bail!("the prompt holds {total_prompt} tokens; -c {n} leaves no room to generate");
+            }
+            if a.n_predict >= 0 && total_prompt + a.n_predict as usize > n {
+                bail!("the prompt ({total_prompt} tokens) and -n {} do not fit -c {n} (lower -n, or -n -1 to stop when the context is full)", a.n_predict);
+            }
+            Some(n - total_prompt)
+        }
+    };
     let tokenizer = tokenizer.map(std::sync::Arc::new);
     let cfg = RuntimeConfig { max_seqs: 1, max_batch_tokens: a.chunk, chunk: a.chunk, max_waiting: 1, state_budget: u64::MAX, ..RuntimeConfig::default() };
     let chunk = a.chunk;
@@ -271,13 +330,16 @@ pub fn run(a: RunArgs) -> Result<()> {
     let host = std::sync::Arc::new(host);
     let h = host.clone();
     let runtime = match a.device {
-        super::Device::Cpu => Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?.with_model_dir(model_dir)) }),
+        super::Device::Cpu => {
+            let threads = a.threads;
+            Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> { Ok(Engine::new(Model::new(&h, cpu_backend(threads))?, chunk)?.with_model_dir(model_dir)) })
+        }
         super::Device::Cuda(n) => Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> {
             let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
             Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
         }),
     }?;
-    generate(&a, &dir, &host, tokenizer.as_deref(), prompt_ids, params, resume, runtime, t_load)
+    generate(&a, &dir, &host, tokenizer.as_deref(), prompt_ids, params, resume, runtime, t_load, echo, ctx_limit)
 }
 
 /// Refuses an output path that cannot be written (a directory, a missing parent) before any
@@ -305,6 +367,8 @@ fn generate(
     resume: Option<SessionData>,
     runtime: Runtime,
     t_load: Instant,
+    echo: Option<String>,
+    ctx_limit: Option<usize>,
 ) -> Result<()> {
     let info = runtime.info().clone();
     eprintln!("model: {} ({}), loaded in {:.2} s", dir.display(), info.backend, t_load.elapsed().as_secs_f64());
@@ -326,8 +390,9 @@ fn generate(
     };
     let start = resume.as_ref().map_or(0, |r| r.state.position);
     prompt.extend_from_slice(&prompt_ids);
-    let max_tokens = if a.n_predict < 0 { None } else { Some(a.n_predict as usize) };
-    let mut req = Request::new(prompt.clone(), params, StopRules { eos_ids: eos, strings: Vec::new(), max_tokens });
+    // With -c N and -n -1 the limit is the room -c leaves (reported as the context filling up).
+    let max_tokens = if a.n_predict < 0 { ctx_limit } else { Some(a.n_predict as usize) };
+    let mut req = Request::new(prompt.clone(), params, StopRules { eos_ids: eos, strings: a.stop.clone(), max_tokens });
     req.resume = resume;
     req.return_state = a.save_session.is_some();
     req.prompt_logits = dump;
@@ -354,13 +419,9 @@ fn generate(
     };
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
-    if !a.print_ids {
-        if let Some(p) = &a.prompt {
-            if !a.chat {
-                write!(out, "{p}")?;
-                out.flush()?;
-            }
-        }
+    if let Some(p) = &echo {
+        write!(out, "{p}")?;
+        out.flush()?;
     }
     let mut dumped: Vec<f32> = Vec::new();
     let mut dumped_ids: Vec<u32> = prompt[start..].to_vec();
@@ -426,6 +487,7 @@ fn generate(
     let processed = f.usage.prompt_tokens - f.usage.cached_tokens.max(start);
     let stop_reason = match &f.reason {
         FinishReason::Eos(_) | FinishReason::StopString(_) => "eos",
+        FinishReason::Length if a.n_predict < 0 => "context",
         FinishReason::Length => "length",
         FinishReason::ContextFull => "context",
         FinishReason::Cancelled => "Ctrl-C",
