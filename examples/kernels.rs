@@ -26,7 +26,14 @@ fn main() {
         name: "w".into(),
         rows,
         cols,
-        data: MatrixData::Affine { bits: 4, group_size: gs, weight: Bytes::from_vec(codes), scales: Bytes::from_vec(sc), biases: Bytes::from_vec(bi), scale_dtype: FloatType::BF16 },
+        data: MatrixData::Affine {
+            bits: 4,
+            group_size: gs,
+            weight: Bytes::from_vec(codes),
+            scales: Bytes::from_vec(sc),
+            biases: Bytes::from_vec(bi),
+            scale_dtype: FloatType::BF16,
+        },
     };
     let x: Vec<f32> = (0..tokens * cols).map(|_| (next() % 1000) as f32 / 1000.0 - 0.5).collect();
     let xt = Transposed::new(&x, tokens, cols, 8);

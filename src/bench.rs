@@ -102,7 +102,14 @@ pub fn ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
 /// Runs `plan` on `engine`. `chunk` is the engine's prompt chunk (for the logits rows the
 /// prompt phases compute); `progress` receives a line before each timed phase, and `done` each
 /// phase as soon as its last repetition is timed (so a caller can print it then).
-pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan: &Plan, progress: &mut dyn FnMut(&str), done: &mut dyn FnMut(&Phase)) -> Result<Vec<Phase>, BackendError> {
+pub fn run<B: Backend>(
+    engine: &mut Engine<B>,
+    costs: &Costs,
+    chunk: usize,
+    plan: &Plan,
+    progress: &mut dyn FnMut(&str),
+    done: &mut dyn FnMut(&Phase),
+) -> Result<Vec<Phase>, BackendError> {
     let vocab = engine.vocab_size();
     let d = plan.decode_tokens.max(1);
     let mut prompts: Vec<usize> = plan.prompt_lens.iter().copied().filter(|&n| n > 0).collect();
@@ -119,7 +126,8 @@ pub fn run<B: Backend>(engine: &mut Engine<B>, costs: &Costs, chunk: usize, plan
     for &c in &contexts {
         phases.push(Phase { kind: Kind::Decode, tokens: d, context: c, seconds: Vec::new(), flops: 0, bytes: decode_bytes(c) });
     }
-    let find = |phases: &[Phase], kind: Kind, key: usize| phases.iter().position(|p| p.kind == kind && if kind == Kind::Prompt { p.tokens == key } else { p.context == key }).unwrap();
+    let find =
+        |phases: &[Phase], kind: Kind, key: usize| phases.iter().position(|p| p.kind == kind && if kind == Kind::Prompt { p.tokens == key } else { p.context == key }).unwrap();
 
     // Warm-up, untimed: touches every weight page and grows the buffers.
     {

@@ -111,18 +111,13 @@ impl Checkpoint {
         let index_path = dir.join("model.safetensors.index.json");
         let mut names: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read(&index_path).map_err(|source| CheckpointError::Open { path: index_path.clone(), source })?;
-            let v: serde_json::Value = serde_json::from_slice(&text)
-                .map_err(|e| CheckpointError::Index { path: index_path.clone(), reason: format!("not valid JSON: {e}") })?;
-            let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CheckpointError::Index {
-                path: index_path.clone(),
-                reason: "has no `weight_map` object".into(),
-            })?;
+            let v: serde_json::Value = serde_json::from_slice(&text).map_err(|e| CheckpointError::Index { path: index_path.clone(), reason: format!("not valid JSON: {e}") })?;
+            let map =
+                v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| CheckpointError::Index { path: index_path.clone(), reason: "has no `weight_map` object".into() })?;
             let mut files: Vec<PathBuf> = Vec::new();
             for (tensor, file) in map {
-                let file = file.as_str().ok_or_else(|| CheckpointError::Index {
-                    path: index_path.clone(),
-                    reason: format!("weight_map entry for `{tensor}` is not a file name"),
-                })?;
+                let file =
+                    file.as_str().ok_or_else(|| CheckpointError::Index { path: index_path.clone(), reason: format!("weight_map entry for `{tensor}` is not a file name") })?;
                 // Shard names are plain file names inside the directory.
                 if file.contains('/') || file.contains('\\') || file == ".." {
                     return Err(CheckpointError::Index { path: index_path.clone(), reason: format!("shard name `{file}` is not a plain file name") });
@@ -135,9 +130,7 @@ impl Checkpoint {
             files
         } else {
             let rd = std::fs::read_dir(dir).map_err(|source| CheckpointError::Open { path: dir.to_path_buf(), source })?;
-            rd.filter_map(|e| e.ok().map(|e| e.path()))
-                .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-                .collect()
+            rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "safetensors")).collect()
         };
         names.sort();
         if names.is_empty() {
@@ -151,18 +144,11 @@ impl Checkpoint {
             // SAFETY: the map is read-only; a checkpoint modified while mapped is outside what any
             // inference engine can defend against (llama.cpp and safetensors' own loaders map too).
             let map = unsafe { Mmap::map(&f) }.map_err(|source| CheckpointError::Open { path: path.clone(), source })?;
-            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map)
-                .map_err(|e| CheckpointError::Corrupt { path: path.clone(), reason: e.to_string() })?;
+            let (header_len, meta) = safetensors::SafeTensors::read_metadata(&map).map_err(|e| CheckpointError::Corrupt { path: path.clone(), reason: e.to_string() })?;
             let data_start = 8 + header_len;
             for (name, info) in meta.tensors() {
                 let (a, b) = info.data_offsets;
-                let entry = TensorEntry {
-                    name: name.clone(),
-                    file: fi,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    range: data_start + a..data_start + b,
-                };
+                let entry = TensorEntry { name: name.clone(), file: fi, dtype: info.dtype, shape: info.shape.clone(), range: data_start + a..data_start + b };
                 if let Some(prev) = tensors.insert(name.clone(), entry) {
                     return Err(CheckpointError::Duplicate { name, first: files_path(&files, prev.file), second: path.clone() });
                 }

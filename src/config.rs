@@ -129,21 +129,11 @@ impl ModelConfig {
     /// Parses a config already read from `path`.
     pub fn from_json(path: &Path, root: &Value) -> Result<Self, ConfigError> {
         let p = || path.to_path_buf();
-        let root = root.as_object().ok_or_else(|| ConfigError::Invalid {
-            path: p(),
-            field: "(root)".into(),
-            problem: "is not a JSON object".into(),
-        })?;
+        let root = root.as_object().ok_or_else(|| ConfigError::Invalid { path: p(), field: "(root)".into(), problem: "is not a JSON object".into() })?;
         let outer_type = root.get("model_type").and_then(Value::as_str);
         let text: &Map<String, Value> = match root.get("text_config") {
             Some(Value::Object(t)) => t,
-            Some(_) => {
-                return Err(ConfigError::Invalid {
-                    path: p(),
-                    field: "text_config".into(),
-                    problem: "is not an object".into(),
-                })
-            }
+            Some(_) => return Err(ConfigError::Invalid { path: p(), field: "text_config".into(), problem: "is not an object".into() }),
             None => root,
         };
         for mt in [outer_type, text.get("model_type").and_then(Value::as_str)].into_iter().flatten() {
@@ -157,20 +147,12 @@ impl ModelConfig {
             let v = get(k).ok_or_else(|| ConfigError::Missing { path: p(), field: k.into() })?;
             match v.as_u64() {
                 Some(n) if n > 0 => Ok(n as usize),
-                _ => Err(ConfigError::Invalid {
-                    path: p(),
-                    field: k.into(),
-                    problem: format!("must be a positive integer, found {v}"),
-                }),
+                _ => Err(ConfigError::Invalid { path: p(), field: k.into(), problem: format!("must be a positive integer, found {v}") }),
             }
         };
         let usize_or = |k: &str, d: usize| if get(k).is_some() { usize_field(k) } else { Ok(d) };
         let f64_of = |k: &str, v: &Value| -> Result<f64, ConfigError> {
-            v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ConfigError::Invalid {
-                path: p(),
-                field: k.into(),
-                problem: format!("must be a number, found {v}"),
-            })
+            v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ConfigError::Invalid { path: p(), field: k.into(), problem: format!("must be a number, found {v}") })
         };
 
         let hidden_size = usize_field("hidden_size")?;
@@ -201,11 +183,7 @@ impl ModelConfig {
         // A negative epsilon makes RMSNorm's square root NaN for small rows (and an f64 beyond
         // f32's range becomes infinite): the logits would be NaN, silently.
         if !(rms_norm_eps >= 0.0 && rms_norm_eps.is_finite()) {
-            return Err(ConfigError::Invalid {
-                path: p(),
-                field: "rms_norm_eps".into(),
-                problem: format!("({rms_norm_eps}) must be a finite number >= 0"),
-            });
+            return Err(ConfigError::Invalid { path: p(), field: "rms_norm_eps".into(), problem: format!("({rms_norm_eps}) must be a finite number >= 0") });
         }
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(ConfigError::Invalid {
@@ -222,11 +200,7 @@ impl ModelConfig {
             });
         }
         if linear_conv_kernel_dim < 2 {
-            return Err(ConfigError::Invalid {
-                path: p(),
-                field: "linear_conv_kernel_dim".into(),
-                problem: "must be at least 2".into(),
-            });
+            return Err(ConfigError::Invalid { path: p(), field: "linear_conv_kernel_dim".into(), problem: "must be at least 2".into() });
         }
         if let Some(act) = get("hidden_act").and_then(Value::as_str) {
             if act != "silu" {
@@ -262,15 +236,11 @@ impl ModelConfig {
                 }
                 out
             }
-            Some(v) => {
-                return Err(ConfigError::Invalid { path: p(), field: "layer_types".into(), problem: format!("must be a list, found {v}") })
-            }
+            Some(v) => return Err(ConfigError::Invalid { path: p(), field: "layer_types".into(), problem: format!("must be a list, found {v}") }),
             None => {
                 // transformers' Qwen3_5TextConfig.__post_init__: full attention every `interval` layers.
                 let interval = usize_or("full_attention_interval", 4)?;
-                (0..num_hidden_layers)
-                    .map(|i| if (i + 1) % interval == 0 { LayerType::FullAttention } else { LayerType::LinearAttention })
-                    .collect()
+                (0..num_hidden_layers).map(|i| if (i + 1) % interval == 0 { LayerType::FullAttention } else { LayerType::LinearAttention }).collect()
             }
         };
 
@@ -317,11 +287,7 @@ impl ModelConfig {
                 let num = |m: &Map<String, Value>| m.get(key).and_then(Value::as_f64);
                 if let (Some(x), Some(y)) = (num(a), num(b)) {
                     if x != y {
-                        return Err(ConfigError::Invalid {
-                            path: p(),
-                            field: format!("{second}.{key}"),
-                            problem: format!("({y}) conflicts with {first}.{key} ({x})"),
-                        });
+                        return Err(ConfigError::Invalid { path: p(), field: format!("{second}.{key}"), problem: format!("({y}) conflicts with {first}.{key} ({x})") });
                     }
                 }
             }
@@ -335,11 +301,7 @@ impl ModelConfig {
         // The RoPE table takes ln θ (defined for θ > 0) and reduces angles p·θ^(−2i/r), which stay
         // within the position (and within what the reduction covers) only for θ >= 1.
         if rope_theta < 1.0 {
-            return Err(ConfigError::Invalid {
-                path: p(),
-                field: "rope_theta".into(),
-                problem: format!("({rope_theta}) must be at least 1 (Qwen3.5 uses 1e7)"),
-            });
+            return Err(ConfigError::Invalid { path: p(), field: "rope_theta".into(), problem: format!("({rope_theta}) must be at least 1 (Qwen3.5 uses 1e7)") });
         }
         let partial_rotary_factor = match rope_get("partial_rotary_factor") {
             Some(v) => f64_of("partial_rotary_factor", v)?,
@@ -358,11 +320,8 @@ impl ModelConfig {
         // test configs keep the released [11, 11, 10] even where their rotary dim is smaller.
 
         let tie_word_embeddings = get("tie_word_embeddings").and_then(Value::as_bool).unwrap_or(false);
-        let eos_token_id = parse_id_list(get("eos_token_id")).ok_or_else(|| ConfigError::Invalid {
-            path: p(),
-            field: "eos_token_id".into(),
-            problem: "must be an id or a list of ids".into(),
-        })?;
+        let eos_token_id =
+            parse_id_list(get("eos_token_id")).ok_or_else(|| ConfigError::Invalid { path: p(), field: "eos_token_id".into(), problem: "must be an id or a list of ids".into() })?;
         let quantization = parse_quantization(path, root)?;
 
         Ok(Self {
@@ -667,7 +626,12 @@ mod tests {
     fn default_or_absent_rope_scaling_is_accepted() {
         // base() has flat rope_theta 1e4 and factor 0.25; the blocks below override them.
         let params = serde_json::json!({"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.5});
-        for scaling in [Value::Null, serde_json::json!({"rope_type": "default"}), serde_json::json!({"type": "mrope", "mrope_section": [1, 1, 2]}), serde_json::json!({"rope_type": "default", "rope_theta": 1e7})] {
+        for scaling in [
+            Value::Null,
+            serde_json::json!({"rope_type": "default"}),
+            serde_json::json!({"type": "mrope", "mrope_section": [1, 1, 2]}),
+            serde_json::json!({"rope_type": "default", "rope_theta": 1e7}),
+        ] {
             let mut t = base();
             t["rope_parameters"] = params.clone();
             t["rope_scaling"] = scaling.clone();

@@ -261,7 +261,9 @@ enum Op {
     Scales(QuantParams),
     Biases(QuantParams),
     /// The values, `+ 1` in the source dtype when `shift`, then in the output dtype.
-    Float { shift: bool },
+    Float {
+        shift: bool,
+    },
 }
 
 /// One tensor of the output.

@@ -506,11 +506,7 @@ impl<B: Backend> Engine<B> {
         let pos = s.position;
         let batch = Batch::single(slot, pos as u32, &s.tokens[pos..pos + last], false);
         let scratch = if last == 1 { &mut self.decode } else { prefill_scratch(&self.model, &mut self.prefill, self.chunk, last, 1)? };
-        let next = if sample {
-            self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?
-        } else {
-            self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?
-        };
+        let next = if sample { self.model.step_sample(&batch, &mut self.states, scratch, v_eff)? } else { self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)? };
         s.position += last;
         if stride > 0 && s.position.is_multiple_of(stride) {
             self.snapshot(s)?;

@@ -75,9 +75,7 @@ pub fn write_atomic(path: &Path, write: impl FnOnce(&mut File) -> io::Result<()>
         use std::os::unix::fs::PermissionsExt;
         builder.permissions(std::fs::Permissions::from_mode(0o666));
     }
-    let mut tmp = builder
-        .tempfile_in(dir)
-        .map_err(|source| WriteError::Create { path: path.to_path_buf(), dir: dir.to_path_buf(), source })?;
+    let mut tmp = builder.tempfile_in(dir).map_err(|source| WriteError::Create { path: path.to_path_buf(), dir: dir.to_path_buf(), source })?;
     let written = write(tmp.as_file_mut()).and_then(|()| tmp.as_file().sync_all());
     if let Err(source) = written {
         // Dropping `tmp` removes the temporary file.

@@ -130,10 +130,7 @@ pub fn cached_snapshot(spec: &RepoSpec, cache_dir: &Path) -> Result<PathBuf, (Pa
     }
     let index = snap.join("model.safetensors.index.json");
     if index.is_file() {
-        let v: serde_json::Value = std::fs::read(&index)
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .ok_or_else(|| (index.clone(), "is not readable JSON".to_string()))?;
+        let v: serde_json::Value = std::fs::read(&index).ok().and_then(|b| serde_json::from_slice(&b).ok()).ok_or_else(|| (index.clone(), "is not readable JSON".to_string()))?;
         let shards: std::collections::BTreeSet<&str> = v.get("weight_map").and_then(|m| m.as_object()).into_iter().flat_map(|m| m.values().filter_map(|f| f.as_str())).collect();
         for s in shards {
             if let Some(m) = missing(s) {
@@ -141,7 +138,10 @@ pub fn cached_snapshot(spec: &RepoSpec, cache_dir: &Path) -> Result<PathBuf, (Pa
             }
         }
     } else {
-        let any = std::fs::read_dir(&snap).map_err(|e| (snap.clone(), e.to_string()))?.filter_map(Result::ok).any(|e| e.path().extension().is_some_and(|x| x == "safetensors") && e.path().is_file());
+        let any = std::fs::read_dir(&snap)
+            .map_err(|e| (snap.clone(), e.to_string()))?
+            .filter_map(Result::ok)
+            .any(|e| e.path().extension().is_some_and(|x| x == "safetensors") && e.path().is_file());
         if !any {
             return Err((snap, "the snapshot holds no *.safetensors file".into()));
         }

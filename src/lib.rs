@@ -9,14 +9,14 @@ pub mod checkpoint;
 pub mod config;
 pub mod convert;
 pub mod engine;
-pub mod hub;
 pub mod fsutil;
+pub mod hub;
 pub mod model;
 pub mod numerics;
 pub mod runtime;
 pub mod sampling;
-pub mod server;
 pub mod serve;
+pub mod server;
 pub mod session;
 pub mod synth;
 #[doc(hidden)]

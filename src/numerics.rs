@@ -439,7 +439,7 @@ mod tests {
         x[1] = 1.0; // word 0, lane 0: absorbed by 1e8 (spacing 8)
         x[128] = 5.0; // word 16, lane 16
         x[256] = -1.0e8; // word 32, lane 0 again
-        // lane 0: ((1e8 + 1) − 1e8) = 0; lane 16: 5; fold: 5.
+                         // lane 0: ((1e8 + 1) − 1e8) = 0; lane 16: 5; fold: 5.
         assert_eq!(dot_ref(8, &x, |_| 1.0), 5.0);
         // Element-wise lanes (k % 32) put 1, 5 and −1e8 all with 1e8 or beside it:
         // lane 0: ((1e8 + 5) − 1e8) = 8 (1e8 + 5 rounds to 1e8 + 8), lane 1: 1; fold: 9.

@@ -74,11 +74,7 @@ pub enum SamplingError {
     /// A parameter is outside its domain. `flag` is the command-line spelling (`--temp`,
     /// `--top-p`, ...), `value` the offending value as written by `Display`.
     #[error("sampling parameter {flag} = {value} is invalid: {requirement}")]
-    OutOfRange {
-        flag: &'static str,
-        value: String,
-        requirement: &'static str,
-    },
+    OutOfRange { flag: &'static str, value: String, requirement: &'static str },
 }
 
 /// Sampling settings for one sequence. Names and meanings follow llama.cpp (`common_params_sampling`);
@@ -131,16 +127,7 @@ impl Default for SamplingParams {
 impl SamplingParams {
     /// Pure argmax: temperature 0, every filter and penalty off.
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            ..Self::default()
-        }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, min_p: 0.0, repetition_penalty: 1.0, presence_penalty: 0.0, frequency_penalty: 0.0, ..Self::default() }
     }
 
     /// Checks every parameter's domain (see the field docs).
@@ -149,24 +136,12 @@ impl SamplingParams {
     /// [`SamplingError::OutOfRange`] naming the first offending parameter by its command-line
     /// flag.
     pub fn validate(&self) -> Result<(), SamplingError> {
-        fn bad(
-            flag: &'static str,
-            value: impl std::fmt::Display,
-            requirement: &'static str,
-        ) -> SamplingError {
-            SamplingError::OutOfRange {
-                flag,
-                value: value.to_string(),
-                requirement,
-            }
+        fn bad(flag: &'static str, value: impl std::fmt::Display, requirement: &'static str) -> SamplingError {
+            SamplingError::OutOfRange { flag, value: value.to_string(), requirement }
         }
         let t = self.temperature;
         if !(t.is_finite() && t >= 0.0) {
-            return Err(bad(
-                "--temp",
-                t,
-                "must be a finite number >= 0 (0 = greedy)",
-            ));
+            return Err(bad("--temp", t, "must be a finite number >= 0 (0 = greedy)"));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(bad("--top-p", self.top_p, "must be in (0, 1] (1 = off)"));
@@ -176,32 +151,16 @@ impl SamplingParams {
         }
         let rp = self.repetition_penalty;
         if !(rp.is_finite() && rp > 0.0) {
-            return Err(bad(
-                "--repeat-penalty",
-                rp,
-                "must be a finite number > 0 (1 = off)",
-            ));
+            return Err(bad("--repeat-penalty", rp, "must be a finite number > 0 (1 = off)"));
         }
         if !self.presence_penalty.is_finite() {
-            return Err(bad(
-                "--presence-penalty",
-                self.presence_penalty,
-                "must be finite",
-            ));
+            return Err(bad("--presence-penalty", self.presence_penalty, "must be finite"));
         }
         if !self.frequency_penalty.is_finite() {
-            return Err(bad(
-                "--frequency-penalty",
-                self.frequency_penalty,
-                "must be finite",
-            ));
+            return Err(bad("--frequency-penalty", self.frequency_penalty, "must be finite"));
         }
         if self.repeat_last_n < -1 {
-            return Err(bad(
-                "--repeat-last-n",
-                self.repeat_last_n,
-                "must be >= -1 (0 = no penalties, -1 = whole history)",
-            ));
+            return Err(bad("--repeat-last-n", self.repeat_last_n, "must be >= -1 (0 = no penalties, -1 = whole history)"));
         }
         Ok(())
     }
@@ -251,10 +210,7 @@ pub fn philox4x32_10(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 ///
 /// Stateless: any position can be drawn on its own, on any device.
 pub fn uniform(seed: u64, position: u64) -> f32 {
-    let w = philox4x32_10(
-        [position as u32, (position >> 32) as u32, 0, 0],
-        [seed as u32, (seed >> 32) as u32],
-    );
+    let w = philox4x32_10([position as u32, (position >> 32) as u32, 0, 0], [seed as u32, (seed >> 32) as u32]);
     // A 24-bit integer is exact in f32, and so is the scaling by a power of two.
     (w[0] >> 8) as f32 * (1.0 / 16_777_216.0)
 }
@@ -344,10 +300,7 @@ pub fn argmax(logits: &[f32]) -> u32 {
 /// [`argmax`] over `logits` with the entries listed in `overrides` (sorted by id) replaced.
 fn argmax_with(logits: &[f32], overrides: &[(u32, f32)]) -> u32 {
     assert!(!logits.is_empty(), "argmax of an empty logits row");
-    let mut best = Cand {
-        logit: f32::NEG_INFINITY,
-        id: 0,
-    };
+    let mut best = Cand { logit: f32::NEG_INFINITY, id: 0 };
     let mut first = true;
     for_each_logit(logits, overrides, |id, l| {
         let l = no_nan(l);
@@ -426,30 +379,14 @@ impl Sampler {
     ///
     /// # Panics
     /// If `logits` is empty.
-    pub fn sample(
-        &mut self,
-        logits: &[f32],
-        history: &[u32],
-        position: u64,
-        params: &SamplingParams,
-    ) -> u32 {
+    pub fn sample(&mut self, logits: &[f32], history: &[u32], position: u64, params: &SamplingParams) -> u32 {
         // The generator is not consulted for greedy decoding (no effect on the result, only cost).
-        let u = if is_greedy(params) {
-            0.0
-        } else {
-            uniform(params.seed, position)
-        };
+        let u = if is_greedy(params) { 0.0 } else { uniform(params.seed, position) };
         self.sample_with_u(logits, history, params, u)
     }
 
     /// Steps 1–8 of the contract with the uniform number `u` given.
-    fn sample_with_u(
-        &mut self,
-        logits: &[f32],
-        history: &[u32],
-        params: &SamplingParams,
-        u: f32,
-    ) -> u32 {
+    fn sample_with_u(&mut self, logits: &[f32], history: &[u32], params: &SamplingParams, u: f32) -> u32 {
         assert!(!logits.is_empty(), "sampling from an empty logits row");
         self.apply_penalties(logits, history, params);
         if is_greedy(params) {
@@ -568,9 +505,7 @@ impl Sampler {
         let key = |l: f32| no_nan(l / temperature);
         if k == v {
             let cands = &mut self.cands;
-            for_each_logit(logits, &self.penalised, |id, l| {
-                cands.push(Cand { logit: key(l), id })
-            });
+            for_each_logit(logits, &self.penalised, |id, l| cands.push(Cand { logit: key(l), id }));
             self.cands.sort_unstable();
         } else {
             // Bounded max-heap under the sampling order: its top is the worst candidate kept.
@@ -660,28 +595,13 @@ mod tests {
     fn greedy_when_temperature_is_zero_or_top_k_is_one() {
         let logits = [0.5, 2.0, 2.0, 1.0];
         // u close to 1 would pick a low-probability token if sampling happened.
-        for p in [
-            SamplingParams::greedy(),
-            SamplingParams {
-                temperature: 0.0,
-                ..params()
-            },
-            SamplingParams {
-                temperature: -1.0,
-                ..params()
-            },
-            SamplingParams {
-                top_k: 1,
-                ..params()
-            },
-        ] {
+        for p in
+            [SamplingParams::greedy(), SamplingParams { temperature: 0.0, ..params() }, SamplingParams { temperature: -1.0, ..params() }, SamplingParams { top_k: 1, ..params() }]
+        {
             assert_eq!(Sampler::new().sample_with_u(&logits, &[], &p, 0.999), 1);
         }
         // Sanity check of the previous line's premise: with sampling on, u = 0.999 picks id 0.
-        assert_eq!(
-            Sampler::new().sample_with_u(&logits, &[], &params(), 0.999),
-            0
-        );
+        assert_eq!(Sampler::new().sample_with_u(&logits, &[], &params(), 0.999), 0);
     }
 
     // --- penalties ------------------------------------------------------------------------
@@ -694,85 +614,36 @@ mod tests {
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative() {
-        let p = SamplingParams {
-            repetition_penalty: 2.0,
-            ..params()
-        };
+        let p = SamplingParams { repetition_penalty: 2.0, ..params() };
         // 2/2 = 1 and -1·2 = -2 exactly; 0 is "not > 0" so it is multiplied (stays 0).
         let got = penalised(&[2.0, -1.0, 0.5, 3.0, 0.0], &[1, 0, 1, 4], &p);
         assert_eq!(got, vec![(0, 1.0), (1, -2.0), (4, 0.0)]);
         // It changes the greedy choice: 2.0 -> 1.0 falls below 1.5.
-        let g = SamplingParams {
-            temperature: 0.0,
-            ..p
-        };
+        let g = SamplingParams { temperature: 0.0, ..p };
         assert_eq!(Sampler::new().sample_with_u(&[2.0, 1.5], &[0], &g, 0.0), 1);
         assert_eq!(Sampler::new().sample_with_u(&[2.0, 1.5], &[], &g, 0.0), 0);
     }
 
     #[test]
     fn frequency_and_presence_penalties_count_the_window() {
-        let p = SamplingParams {
-            frequency_penalty: 0.25,
-            presence_penalty: 0.5,
-            ..params()
-        };
+        let p = SamplingParams { frequency_penalty: 0.25, presence_penalty: 0.5, ..params() };
         // id 0 three times: 1 - 3·0.25 - 0.5 = -0.25; id 1 once: 1 - 0.25 - 0.5 = 0.25.
         let got = penalised(&[1.0, 1.0, 1.0], &[0, 1, 0, 0], &p);
         assert_eq!(got, vec![(0, -0.25), (1, 0.25)]);
         // A window of 2 sees only [0, 0] (the last two ids): 1 - 0.5 - 0.5 = 0.
-        let got = penalised(
-            &[1.0, 1.0, 1.0],
-            &[0, 1, 0, 0],
-            &SamplingParams {
-                repeat_last_n: 2,
-                ..p
-            },
-        );
+        let got = penalised(&[1.0, 1.0, 1.0], &[0, 1, 0, 0], &SamplingParams { repeat_last_n: 2, ..p });
         assert_eq!(got, vec![(0, 0.0)]);
         // -1 = whole history; a window longer than the history is the whole history.
         let whole = vec![(0, -0.25), (1, 0.25)];
-        assert_eq!(
-            penalised(
-                &[1.0; 3],
-                &[0, 1, 0, 0],
-                &SamplingParams {
-                    repeat_last_n: -1,
-                    ..p
-                }
-            ),
-            whole
-        );
-        assert_eq!(
-            penalised(
-                &[1.0; 3],
-                &[0, 1, 0, 0],
-                &SamplingParams {
-                    repeat_last_n: 1000,
-                    ..p
-                }
-            ),
-            whole
-        );
+        assert_eq!(penalised(&[1.0; 3], &[0, 1, 0, 0], &SamplingParams { repeat_last_n: -1, ..p }), whole);
+        assert_eq!(penalised(&[1.0; 3], &[0, 1, 0, 0], &SamplingParams { repeat_last_n: 1000, ..p }), whole);
         // 0 disables.
-        assert!(penalised(
-            &[1.0; 3],
-            &[0, 1, 0, 0],
-            &SamplingParams {
-                repeat_last_n: 0,
-                ..p
-            }
-        )
-        .is_empty());
+        assert!(penalised(&[1.0; 3], &[0, 1, 0, 0], &SamplingParams { repeat_last_n: 0, ..p }).is_empty());
     }
 
     #[test]
     fn repetition_penalty_applies_before_the_subtraction() {
-        let p = SamplingParams {
-            repetition_penalty: 1.5,
-            frequency_penalty: 0.5,
-            ..params()
-        };
+        let p = SamplingParams { repetition_penalty: 1.5, frequency_penalty: 0.5, ..params() };
         // 3/1.5 - 2·0.5 = 1; -3·1.5 - 2·0.5 = -5.5 (other order would give 1.5·... = 3 and -6).
         let got = penalised(&[3.0, -3.0], &[0, 1, 0, 1], &p);
         assert_eq!(got, vec![(0, 1.0), (1, -5.5)]);
@@ -780,27 +651,13 @@ mod tests {
 
     #[test]
     fn penalties_ignore_out_of_range_ids_and_skip_when_off() {
-        let p = SamplingParams {
-            presence_penalty: 1.0,
-            ..params()
-        };
-        assert_eq!(
-            penalised(&[0.0, 0.0], &[7, 1, u32::MAX, 2], &p),
-            vec![(1, -1.0)]
-        );
+        let p = SamplingParams { presence_penalty: 1.0, ..params() };
+        assert_eq!(penalised(&[0.0, 0.0], &[7, 1, u32::MAX, 2], &p), vec![(1, -1.0)]);
         // All three off: nothing is touched even with a non-empty window.
         assert!(penalised(&[1.0, 2.0], &[0, 1], &params()).is_empty());
         // Penalised logits feed the sampling order: id 0 drops below id 1.
         let mut s = Sampler::new();
-        s.sample_with_u(
-            &[2.0, 1.5, 0.0],
-            &[0, 0],
-            &SamplingParams {
-                presence_penalty: 1.0,
-                ..params()
-            },
-            0.0,
-        );
+        s.sample_with_u(&[2.0, 1.5, 0.0], &[0, 0], &SamplingParams { presence_penalty: 1.0, ..params() }, 0.0);
         assert_eq!(ids(&s), vec![1, 0, 2]);
     }
 
@@ -812,26 +669,10 @@ mod tests {
         // T = 0.5: 0.8808; T = 1: 0.7311; T = 2: 0.6225. With u = 0.7, id 1 wins for T <= 1,
         // with u = 0.8 only for T = 0.5.
         let l = [0.0, 1.0];
-        let at = |t: f32, u: f32| {
-            Sampler::new().sample_with_u(
-                &l,
-                &[],
-                &SamplingParams {
-                    temperature: t,
-                    ..params()
-                },
-                u,
-            )
-        };
+        let at = |t: f32, u: f32| Sampler::new().sample_with_u(&l, &[], &SamplingParams { temperature: t, ..params() }, u);
         assert_eq!((at(0.5, 0.8), at(1.0, 0.8), at(2.0, 0.8)), (1, 0, 0));
         assert_eq!((at(0.5, 0.7), at(1.0, 0.7), at(2.0, 0.7)), (1, 1, 0));
-        let (_, probs) = kept(
-            &l,
-            &SamplingParams {
-                temperature: 0.5,
-                ..params()
-            },
-        );
+        let (_, probs) = kept(&l, &SamplingParams { temperature: 0.5, ..params() });
         let want = 1.0 / (1.0 + (-2.0f64).exp());
         assert!((probs[0] as f64 - want).abs() < 1e-6, "{probs:?}");
     }
@@ -840,10 +681,7 @@ mod tests {
     fn temperature_is_a_division() {
         let t = 0.7f32;
         // Find a logit where l/t and l·(1/t) round differently, so the test can tell them apart.
-        let l = (1..10_000)
-            .map(|i| i as f32 * 0.001)
-            .find(|&l| l / t != l * (1.0 / t))
-            .expect("some logit distinguishes division from reciprocal multiplication");
+        let l = (1..10_000).map(|i| i as f32 * 0.001).find(|&l| l / t != l * (1.0 / t)).expect("some logit distinguishes division from reciprocal multiplication");
         let mut s = Sampler::new();
         s.collect_candidates(&[l, -1.0], t, 0);
         assert_eq!(s.cands[0].logit.to_bits(), (l / t).to_bits());
@@ -864,52 +702,22 @@ mod tests {
     #[test]
     fn top_k_keeps_the_k_largest() {
         let l = [1.0, 5.0, 3.0, 4.0, 2.0];
-        let (k, _) = kept(
-            &l,
-            &SamplingParams {
-                top_k: 2,
-                ..params()
-            },
-        );
+        let (k, _) = kept(&l, &SamplingParams { top_k: 2, ..params() });
         assert_eq!(k, vec![1, 3]);
         // u close to 1 takes the last kept candidate: id 3 with top-k 2, id 0 without.
         // (p of id 0 without top-k is e^-4 / Σe^-j ≈ 0.0116, so u = 0.999 lands in it.)
-        let at = |top_k| {
-            Sampler::new().sample_with_u(&l, &[], &SamplingParams { top_k, ..params() }, 0.999)
-        };
+        let at = |top_k| Sampler::new().sample_with_u(&l, &[], &SamplingParams { top_k, ..params() }, 0.999);
         assert_eq!(at(2), 3);
         assert_eq!(at(0), 0);
         // top_k above V keeps everything.
-        assert_eq!(
-            kept(
-                &l,
-                &SamplingParams {
-                    top_k: 99,
-                    ..params()
-                }
-            )
-            .0,
-            vec![1, 3, 2, 4, 0]
-        );
+        assert_eq!(kept(&l, &SamplingParams { top_k: 99, ..params() }).0, vec![1, 3, 2, 4, 0]);
         // Ties at the boundary go to the smaller id.
-        assert_eq!(
-            kept(
-                &[1.0, 2.0, 1.0, 1.0],
-                &SamplingParams {
-                    top_k: 3,
-                    ..params()
-                }
-            )
-            .0,
-            vec![1, 0, 2]
-        );
+        assert_eq!(kept(&[1.0, 2.0, 1.0, 1.0], &SamplingParams { top_k: 3, ..params() }).0, vec![1, 0, 2]);
     }
 
     /// Deterministic pseudo-random logits in a small integer range (many ties), tempered.
     fn tie_heavy_logits(seed: u64, v: usize) -> Vec<f32> {
-        (0..v as u64)
-            .map(|i| (philox4x32_10([i as u32, 0, 0, 0], [seed as u32, 7])[1] % 9) as f32 - 4.0)
-            .collect()
+        (0..v as u64).map(|i| (philox4x32_10([i as u32, 0, 0, 0], [seed as u32, 7])[1] % 9) as f32 - 4.0).collect()
     }
 
     #[test]
@@ -942,9 +750,7 @@ mod tests {
         assert_eq!(at(0.95), vec![0, 1, 2, 3]);
         // The draw renormalises over the kept set: u = 0.99 gives t = 0.99·0.83481 = 0.8265,
         // reached by id 1; without top-p, t = 0.99 falls in id 3's slice.
-        let draw = |top_p| {
-            Sampler::new().sample_with_u(&L4, &[], &SamplingParams { top_p, ..params() }, 0.99)
-        };
+        let draw = |top_p| Sampler::new().sample_with_u(&L4, &[], &SamplingParams { top_p, ..params() }, 0.99);
         assert_eq!(draw(0.7), 1);
         assert_eq!(draw(1.0), 3);
     }
@@ -959,12 +765,7 @@ mod tests {
         assert_eq!(at(1.0), vec![0]);
         // Top-k 3 renormalises over ids 0, 1, 2 (p = 0.6652, 0.2447, 0.0900); top-p 0.95 keeps
         // all three (cumulative 0.9100 < 0.95); min-p 0.3 (threshold 0.1996) leaves 0, 1.
-        let p = SamplingParams {
-            top_k: 3,
-            top_p: 0.95,
-            min_p: 0.3,
-            ..params()
-        };
+        let p = SamplingParams { top_k: 3, top_p: 0.95, min_p: 0.3, ..params() };
         assert_eq!(kept(&L4, &p).0, vec![0, 1]);
     }
 
@@ -1021,61 +822,21 @@ mod tests {
     /// ("Generated by gentests.py"). They exercise counter words 0 and 1 and both key words,
     /// the ones [`uniform`] uses.
     const PHILOX_KAT: [([u32; 4], [u32; 2], [u32; 4]); 9] = [
-        (
-            [0, 0, 0, 0],
-            [0, 0],
-            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8],
-        ),
-        (
-            [0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff],
-            [0xffffffff, 0xffffffff],
-            [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd],
-        ),
-        (
-            [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
-            [0xa4093822, 0x299f31d0],
-            [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1],
-        ),
-        (
-            [0x00000001, 0, 0, 0],
-            [0x00000001, 0],
-            [0xac08141b, 0xdfc5ccbe, 0x79c07a47, 0xa7f66093],
-        ),
-        (
-            [0, 0x00000001, 0, 0],
-            [0x00000001, 0],
-            [0x833ff8dc, 0x225c963c, 0x232b88b3, 0x0b334b07],
-        ),
-        (
-            [0, 0, 0, 0x00000001],
-            [0x00000001, 0],
-            [0x127bee41, 0x1e047488, 0x48842b20, 0x0a393496],
-        ),
-        (
-            [0, 0xffffffff, 0, 0],
-            [0, 0x00000001],
-            [0x00e94a67, 0x3524f44e, 0x22995230, 0xbb54df1e],
-        ),
-        (
-            [0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344],
-            [0, 0xffffffff],
-            [0x08f7720c, 0x845ee9e0, 0x502ccd3d, 0xa9a00e27],
-        ),
-        (
-            [0x452821e6, 0x38d01377, 0xbe5466cf, 0x34e90c6c],
-            [0, 0x80000000],
-            [0x94ca5566, 0x14924b2f, 0x28214292, 0x59faeaee],
-        ),
+        ([0, 0, 0, 0], [0, 0], [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]),
+        ([0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff], [0xffffffff, 0xffffffff], [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]),
+        ([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0xa4093822, 0x299f31d0], [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]),
+        ([0x00000001, 0, 0, 0], [0x00000001, 0], [0xac08141b, 0xdfc5ccbe, 0x79c07a47, 0xa7f66093]),
+        ([0, 0x00000001, 0, 0], [0x00000001, 0], [0x833ff8dc, 0x225c963c, 0x232b88b3, 0x0b334b07]),
+        ([0, 0, 0, 0x00000001], [0x00000001, 0], [0x127bee41, 0x1e047488, 0x48842b20, 0x0a393496]),
+        ([0, 0xffffffff, 0, 0], [0, 0x00000001], [0x00e94a67, 0x3524f44e, 0x22995230, 0xbb54df1e]),
+        ([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344], [0, 0xffffffff], [0x08f7720c, 0x845ee9e0, 0x502ccd3d, 0xa9a00e27]),
+        ([0x452821e6, 0x38d01377, 0xbe5466cf, 0x34e90c6c], [0, 0x80000000], [0x94ca5566, 0x14924b2f, 0x28214292, 0x59faeaee]),
     ];
 
     #[test]
     fn philox_matches_random123_known_answers() {
         for (ctr, key, want) in PHILOX_KAT {
-            assert_eq!(
-                philox4x32_10(ctr, key),
-                want,
-                "counter {ctr:08x?} key {key:08x?}"
-            );
+            assert_eq!(philox4x32_10(ctr, key), want, "counter {ctr:08x?} key {key:08x?}");
         }
     }
 
@@ -1084,10 +845,7 @@ mod tests {
         // Row (ctr 1,0,0,0; key 1,0): seed 1, position 1 → w0 = 0xac08141b.
         assert_eq!(uniform(1, 1), (0xac08141bu32 >> 8) as f32 / 16_777_216.0);
         // Row (ctr 0,ffffffff,0,0; key 0,1): position 0xffffffff_00000000, seed 1 << 32 → 0x00e94a67.
-        assert_eq!(
-            uniform(1 << 32, 0xffff_ffff_0000_0000),
-            0x00e94a as f32 / 16_777_216.0
-        );
+        assert_eq!(uniform(1 << 32, 0xffff_ffff_0000_0000), 0x00e94a as f32 / 16_777_216.0);
         // Row (zero counter, zero key) → 0x6627e8d5.
         assert_eq!(uniform(0, 0), 0x6627e8 as f32 / 16_777_216.0);
     }
@@ -1108,9 +866,7 @@ mod tests {
         assert!(distinct.len() > 4080, "{} distinct", distinct.len());
         assert!((mean - 0.5).abs() < 0.02, "mean {mean}");
         // Another seed gives another stream.
-        let same = (0..1000u64)
-            .filter(|&p| uniform(1, p) == uniform(2, p))
-            .count();
+        let same = (0..1000u64).filter(|&p| uniform(1, p) == uniform(2, p)).count();
         assert!(same < 5, "{same} equal draws for seeds 1 and 2");
     }
 
@@ -1119,13 +875,7 @@ mod tests {
     #[test]
     fn same_seed_and_position_give_the_same_token() {
         let l = tie_heavy_logits(3, 500);
-        let p = SamplingParams {
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            temperature: 2.0,
-            ..SamplingParams::default()
-        };
+        let p = SamplingParams { top_k: 0, top_p: 1.0, min_p: 0.0, temperature: 2.0, ..SamplingParams::default() };
         let mut s = Sampler::new();
         let first: Vec<u32> = (0..64).map(|pos| s.sample(&l, &[], pos, &p)).collect();
         let again: Vec<u32> = (0..64).map(|pos| sample(&l, &[], pos, &p)).collect();
@@ -1134,9 +884,7 @@ mod tests {
         let distinct: std::collections::HashSet<_> = first.iter().collect();
         assert!(distinct.len() > 40, "{} distinct tokens", distinct.len());
         // A different seed changes the tokens.
-        let other: Vec<u32> = (0..64)
-            .map(|pos| sample(&l, &[], pos, &SamplingParams { seed: 99, ..p }))
-            .collect();
+        let other: Vec<u32> = (0..64).map(|pos| sample(&l, &[], pos, &SamplingParams { seed: 99, ..p })).collect();
         assert_ne!(first, other);
     }
 
@@ -1153,10 +901,7 @@ mod tests {
             let want = (l[i] as f64).exp() / z;
             let got = counts[i] as f64 / n as f64;
             // sd ≤ sqrt(0.25/40000) = 0.0025; allow 6 sd.
-            assert!(
-                (got - want).abs() < 0.015,
-                "token {i}: frequency {got}, softmax {want}"
-            );
+            assert!((got - want).abs() < 0.015, "token {i}: frequency {got}, softmax {want}");
         }
     }
 
@@ -1165,18 +910,8 @@ mod tests {
     #[test]
     fn defaults_are_llama_cpp_defaults_with_a_fixed_seed() {
         let d = SamplingParams::default();
-        assert_eq!(
-            (d.temperature, d.top_k, d.top_p, d.min_p),
-            (0.8, 40, 0.95, 0.05)
-        );
-        assert_eq!(
-            (
-                d.repetition_penalty,
-                d.presence_penalty,
-                d.frequency_penalty
-            ),
-            (1.0, 0.0, 0.0)
-        );
+        assert_eq!((d.temperature, d.top_k, d.top_p, d.min_p), (0.8, 40, 0.95, 0.05));
+        assert_eq!((d.repetition_penalty, d.presence_penalty, d.frequency_penalty), (1.0, 0.0, 0.0));
         assert_eq!((d.repeat_last_n, d.seed), (64, DEFAULT_SEED));
         assert_eq!(d.validate(), Ok(()));
         assert_eq!(SamplingParams::greedy().validate(), Ok(()));
@@ -1186,66 +921,18 @@ mod tests {
     fn validate_names_the_flag_at_fault() {
         let d = SamplingParams::default();
         let cases: [(SamplingParams, &str); 12] = [
-            (
-                SamplingParams {
-                    temperature: -0.1,
-                    ..d
-                },
-                "--temp",
-            ),
-            (
-                SamplingParams {
-                    temperature: f32::INFINITY,
-                    ..d
-                },
-                "--temp",
-            ),
+            (SamplingParams { temperature: -0.1, ..d }, "--temp"),
+            (SamplingParams { temperature: f32::INFINITY, ..d }, "--temp"),
             (SamplingParams { top_p: 0.0, ..d }, "--top-p"),
             (SamplingParams { top_p: 1.01, ..d }, "--top-p"),
-            (
-                SamplingParams {
-                    top_p: f32::NAN,
-                    ..d
-                },
-                "--top-p",
-            ),
+            (SamplingParams { top_p: f32::NAN, ..d }, "--top-p"),
             (SamplingParams { min_p: -0.01, ..d }, "--min-p"),
             (SamplingParams { min_p: 1.5, ..d }, "--min-p"),
-            (
-                SamplingParams {
-                    repetition_penalty: 0.0,
-                    ..d
-                },
-                "--repeat-penalty",
-            ),
-            (
-                SamplingParams {
-                    repetition_penalty: f32::INFINITY,
-                    ..d
-                },
-                "--repeat-penalty",
-            ),
-            (
-                SamplingParams {
-                    presence_penalty: f32::NAN,
-                    ..d
-                },
-                "--presence-penalty",
-            ),
-            (
-                SamplingParams {
-                    frequency_penalty: f32::NEG_INFINITY,
-                    ..d
-                },
-                "--frequency-penalty",
-            ),
-            (
-                SamplingParams {
-                    repeat_last_n: -2,
-                    ..d
-                },
-                "--repeat-last-n",
-            ),
+            (SamplingParams { repetition_penalty: 0.0, ..d }, "--repeat-penalty"),
+            (SamplingParams { repetition_penalty: f32::INFINITY, ..d }, "--repeat-penalty"),
+            (SamplingParams { presence_penalty: f32::NAN, ..d }, "--presence-penalty"),
+            (SamplingParams { frequency_penalty: f32::NEG_INFINITY, ..d }, "--frequency-penalty"),
+            (SamplingParams { repeat_last_n: -2, ..d }, "--repeat-last-n"),
         ];
         for (p, flag) in cases {
             let err = p.validate().expect_err(flag);
@@ -1255,19 +942,8 @@ mod tests {
         }
         // Edges that are allowed.
         for p in [
-            SamplingParams {
-                temperature: 0.0,
-                top_p: 1.0,
-                min_p: 0.0,
-                repeat_last_n: -1,
-                ..d
-            },
-            SamplingParams {
-                min_p: 1.0,
-                presence_penalty: -2.0,
-                frequency_penalty: 2.0,
-                ..d
-            },
+            SamplingParams { temperature: 0.0, top_p: 1.0, min_p: 0.0, repeat_last_n: -1, ..d },
+            SamplingParams { min_p: 1.0, presence_penalty: -2.0, frequency_penalty: 2.0, ..d },
         ] {
             assert_eq!(p.validate(), Ok(()));
         }

@@ -369,18 +369,7 @@ pub struct PrefixStats {
 
 impl PrefixCache {
     pub fn new(config: SnapshotConfig) -> Self {
-        Self {
-            config,
-            entries: Vec::new(),
-            free: Vec::new(),
-            lru: std::collections::BTreeMap::new(),
-            trie: Trie::new(),
-            bytes: 0,
-            clock: 0,
-            hits: 0,
-            reused_tokens: 0,
-            lookups: 0,
-        }
+        Self { config, entries: Vec::new(), free: Vec::new(), lru: std::collections::BTreeMap::new(), trie: Trie::new(), bytes: 0, clock: 0, hits: 0, reused_tokens: 0, lookups: 0 }
     }
 
     pub fn config(&self) -> SnapshotConfig {

@@ -156,13 +156,7 @@ pub enum Preset {
 impl Preset {
     /// Every preset, smallest first: the dense Qwen3.5 sizes (the MoE ones, 35B-A3B and up,
     /// are another architecture).
-    pub const ALL: [Preset; 5] = [
-        Preset::Qwen35_0_8B,
-        Preset::Qwen35_2B,
-        Preset::Qwen35_4B,
-        Preset::Qwen35_9B,
-        Preset::Qwen35_27B,
-    ];
+    pub const ALL: [Preset; 5] = [Preset::Qwen35_0_8B, Preset::Qwen35_2B, Preset::Qwen35_4B, Preset::Qwen35_9B, Preset::Qwen35_27B];
 
     /// The name [`FromStr`] accepts: `qwen3.5-0.8b`, `qwen3.5-2b`, `qwen3.5-4b`, `qwen3.5-9b`,
     /// `qwen3.5-27b`.
@@ -218,10 +212,7 @@ impl FromStr for Preset {
     /// Parses `qwen3.5-0.8b` | `qwen3.5-2b` | `qwen3.5-4b` | `qwen3.5-9b` | `qwen3.5-27b`
     /// (ASCII case ignored).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Preset::ALL
-            .into_iter()
-            .find(|p| p.name().eq_ignore_ascii_case(s.trim()))
-            .ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
+        Preset::ALL.into_iter().find(|p| p.name().eq_ignore_ascii_case(s.trim())).ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
     }
 }
 
@@ -236,9 +227,7 @@ pub enum SynthLayout {
 
 impl Default for SynthLayout {
     fn default() -> Self {
-        SynthLayout::Mlx4Bit {
-            group_size: MLX_DEFAULT_GROUP_SIZE,
-        }
+        SynthLayout::Mlx4Bit { group_size: MLX_DEFAULT_GROUP_SIZE }
     }
 }
 
@@ -250,10 +239,7 @@ impl FromStr for SynthLayout {
         match s.trim().to_ascii_lowercase().as_str() {
             "mlx" | "mlx-4bit" | "mlx-q4" => Ok(SynthLayout::default()),
             "hf" | "hf-bf16" => Ok(SynthLayout::HfBf16),
-            _ => Err(SynthError::InvalidOption {
-                option: "layout",
-                reason: format!("{s:?} is not one of mlx, hf"),
-            }),
+            _ => Err(SynthError::InvalidOption { option: "layout", reason: format!("{s:?} is not one of mlx, hf") }),
         }
     }
 }
@@ -294,15 +280,10 @@ pub struct SynthSummary {
 /// Errors of [`write_checkpoint`] and the parsers of this module.
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
-    #[error(
-        "unknown preset {0:?}: expected one of qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b"
-    )]
+    #[error("unknown preset {0:?}: expected one of qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b")]
     UnknownPreset(String),
     #[error("invalid {option}: {reason}")]
-    InvalidOption {
-        option: &'static str,
-        reason: String,
-    },
+    InvalidOption { option: &'static str, reason: String },
     #[error("output directory {0} exists and is not empty: refusing to overwrite it")]
     OutDirNotEmpty(PathBuf),
     #[error("output path {0} exists and is not a directory")]
@@ -328,10 +309,7 @@ impl From<WriteError> for SynthError {
         match e {
             WriteError::OutDirNotEmpty(p) => SynthError::OutDirNotEmpty(p),
             WriteError::OutPathNotDir(p) => SynthError::OutPathNotDir(p),
-            WriteError::NoFileName(p) => SynthError::InvalidOption {
-                option: "out_dir",
-                reason: format!("{} has no final component", p.display()),
-            },
+            WriteError::NoFileName(p) => SynthError::InvalidOption { option: "out_dir", reason: format!("{} has no final component", p.display()) },
             WriteError::Io { path, source } => SynthError::Io { path, source },
             WriteError::Safetensors { path, source } => SynthError::Safetensors { path, source },
         }
@@ -339,10 +317,7 @@ impl From<WriteError> for SynthError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> SynthError + '_ {
-    move |source| SynthError::Io {
-        path: path.to_path_buf(),
-        source,
-    }
+    move |source| SynthError::Io { path: path.to_path_buf(), source }
 }
 
 /// The real `text_config` of a size (spec §1), keys in the order of the released 0.8B file.
@@ -358,17 +333,11 @@ pub fn preset_text_config(p: Preset) -> Value {
 /// 32/64/128 or zero layers; [`SynthError::Tokenizer`] when the tokenizer does not load or has
 /// more ids than `vocab_size`; [`SynthError::Io`] / [`SynthError::Safetensors`] while writing,
 /// after which no partial checkpoint is left behind.
-pub fn write_checkpoint(
-    opts: &SynthOptions,
-    progress: &mut dyn FnMut(u64, u64),
-) -> Result<SynthSummary, SynthError> {
+pub fn write_checkpoint(opts: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthSummary, SynthError> {
     let mut dims = opts.preset.dims();
     if let Some(n) = opts.num_hidden_layers {
         if n == 0 {
-            return Err(SynthError::InvalidOption {
-                option: "num_hidden_layers",
-                reason: "must be at least 1".into(),
-            });
+            return Err(SynthError::InvalidOption { option: "num_hidden_layers", reason: "must be at least 1".into() });
         }
         dims.layers = n;
     }
@@ -415,15 +384,7 @@ impl Dims {
 }
 
 fn text_config(d: &Dims) -> Value {
-    let layer_types: Vec<&str> = (0..d.layers)
-        .map(|l| {
-            if d.is_full_attention(l) {
-                "full_attention"
-            } else {
-                "linear_attention"
-            }
-        })
-        .collect();
+    let layer_types: Vec<&str> = (0..d.layers).map(|l| if d.is_full_attention(l) { "full_attention" } else { "linear_attention" }).collect();
     json!({
         "attention_bias": false,
         "attention_dropout": 0.0,
@@ -575,44 +536,27 @@ fn logical_tensors(d: &Dims) -> Vec<Logical> {
     let mut out = Vec::new();
     let mut push = |key: String, init: Init, shape: Vec<usize>| {
         let weight_suffix = !(key.ends_with(".A_log") || key.ends_with(".dt_bias"));
-        out.push(Logical {
-            key,
-            weight_suffix,
-            init,
-            shape,
-        });
+        out.push(Logical { key, weight_suffix, init, shape });
     };
     let inv_sqrt = |n: usize| 1.0 / (n as f64).sqrt();
     let two_l = 2 * d.layers;
     let (dm, hv) = (d.hidden, d.lin_v_heads);
     let embed_std = inv_sqrt(dm); // rows of norm ≈ 1 (module docs)
-    push(
-        "embed_tokens".into(),
-        Init::Embedding { std: embed_std },
-        vec![d.vocab, dm],
-    );
+    push("embed_tokens".into(), Init::Embedding { std: embed_std }, vec![d.vocab, dm]);
     for l in 0..d.layers {
         let p = format!("layers.{l}.");
         let unit = Init::ShiftedNorm { gain: 1.0 };
         push(format!("{p}input_layernorm"), unit, vec![dm]);
         push(format!("{p}post_attention_layernorm"), unit, vec![dm]);
-        let lin = |fan_in: usize| Init::Linear {
-            std: inv_sqrt(fan_in),
-        };
-        let out_lin = |fan_in: usize| Init::Linear {
-            std: inv_sqrt(fan_in * two_l),
-        };
+        let lin = |fan_in: usize| Init::Linear { std: inv_sqrt(fan_in) };
+        let out_lin = |fan_in: usize| Init::Linear { std: inv_sqrt(fan_in * two_l) };
         if d.is_full_attention(l) {
             let a = format!("{p}self_attn.");
             let (q_out, kv_out) = (2 * d.heads * d.head_dim, d.kv_heads * d.head_dim);
             push(format!("{a}q_proj"), lin(dm), vec![q_out, dm]);
             push(format!("{a}k_proj"), lin(dm), vec![kv_out, dm]);
             push(format!("{a}v_proj"), lin(dm), vec![kv_out, dm]);
-            push(
-                format!("{a}o_proj"),
-                out_lin(d.heads * d.head_dim),
-                vec![dm, d.heads * d.head_dim],
-            );
+            push(format!("{a}o_proj"), out_lin(d.heads * d.head_dim), vec![dm, d.heads * d.head_dim]);
             push(format!("{a}q_norm"), unit, vec![d.head_dim]);
             push(format!("{a}k_norm"), unit, vec![d.head_dim]);
         } else {
@@ -621,43 +565,19 @@ fn logical_tensors(d: &Dims) -> Vec<Logical> {
             push(format!("{a}in_proj_z"), lin(dm), vec![d.value_dim(), dm]);
             push(format!("{a}in_proj_b"), lin(dm), vec![hv, dm]);
             push(format!("{a}in_proj_a"), lin(dm), vec![hv, dm]);
-            push(
-                format!("{a}conv1d"),
-                Init::Conv,
-                vec![d.conv_dim(), d.conv_kernel],
-            );
+            push(format!("{a}conv1d"), Init::Conv, vec![d.conv_dim(), d.conv_kernel]);
             push(format!("{a}dt_bias"), Init::DtBias, vec![hv]);
             push(format!("{a}A_log"), Init::ALog, vec![hv]);
             push(format!("{a}norm"), Init::GatedNorm, vec![d.lin_v_dim]);
-            push(
-                format!("{a}out_proj"),
-                out_lin(d.value_dim()),
-                vec![dm, d.value_dim()],
-            );
+            push(format!("{a}out_proj"), out_lin(d.value_dim()), vec![dm, d.value_dim()]);
         }
-        push(
-            format!("{p}mlp.gate_proj"),
-            lin(dm),
-            vec![d.intermediate, dm],
-        );
+        push(format!("{p}mlp.gate_proj"), lin(dm), vec![d.intermediate, dm]);
         push(format!("{p}mlp.up_proj"), lin(dm), vec![d.intermediate, dm]);
-        push(
-            format!("{p}mlp.down_proj"),
-            out_lin(d.intermediate),
-            vec![dm, d.intermediate],
-        );
+        push(format!("{p}mlp.down_proj"), out_lin(d.intermediate), vec![dm, d.intermediate]);
     }
-    push(
-        "norm".into(),
-        Init::ShiftedNorm { gain: LOGIT_STD },
-        vec![dm],
-    );
+    push("norm".into(), Init::ShiftedNorm { gain: LOGIT_STD }, vec![dm]);
     if !d.tied {
-        push(
-            "lm_head".into(),
-            Init::Embedding { std: embed_std },
-            vec![d.vocab, dm],
-        );
+        push("lm_head".into(), Init::Embedding { std: embed_std }, vec![d.vocab, dm]);
     }
     out
 }
@@ -697,9 +617,7 @@ fn stored_tensors(logical: &[Logical], layout: SynthLayout) -> Vec<Stored> {
     let mut out = Vec::new();
     for (i, t) in logical.iter().enumerate() {
         let base = match layout {
-            SynthLayout::Mlx4Bit { .. } if t.key == "lm_head" => {
-                "language_model.lm_head".to_string()
-            }
+            SynthLayout::Mlx4Bit { .. } if t.key == "lm_head" => "language_model.lm_head".to_string(),
             SynthLayout::Mlx4Bit { .. } => format!("language_model.model.{}", t.key),
             SynthLayout::HfBf16 if t.key == "lm_head" => "lm_head".to_string(),
             SynthLayout::HfBf16 => format!("model.language_model.{}", t.key),
@@ -707,56 +625,21 @@ fn stored_tensors(logical: &[Logical], layout: SynthLayout) -> Vec<Stored> {
         let name = |suffix: &str| format!("{base}{suffix}");
         let weight = if t.weight_suffix { ".weight" } else { "" };
         let mut push = |name: String, dtype: Dtype, shape: Vec<usize>, part: Part| {
-            out.push(Stored {
-                name,
-                dtype,
-                shape,
-                logical: i,
-                part,
-            });
+            out.push(Stored { name, dtype, shape, logical: i, part });
         };
         match (layout, t.init) {
             (SynthLayout::Mlx4Bit { group_size }, _) if t.quantized() => {
                 let (rows, cols) = (t.shape[0], t.shape[1]);
-                push(
-                    name(".weight"),
-                    Dtype::U32,
-                    vec![rows, cols / 8],
-                    Part::Codes,
-                );
+                push(name(".weight"), Dtype::U32, vec![rows, cols / 8], Part::Codes);
                 let g = cols / group_size;
-                push(
-                    name(".scales"),
-                    Dtype::BF16,
-                    vec![rows, g],
-                    Part::Scales { group: group_size },
-                );
-                push(
-                    name(".biases"),
-                    Dtype::BF16,
-                    vec![rows, g],
-                    Part::Biases { group: group_size },
-                );
+                push(name(".scales"), Dtype::BF16, vec![rows, g], Part::Scales { group: group_size });
+                push(name(".biases"), Dtype::BF16, vec![rows, g], Part::Biases { group: group_size });
             }
-            (SynthLayout::HfBf16, _) if t.quantized() => {
-                push(name(".weight"), Dtype::BF16, t.shape.clone(), Part::Dequant)
-            }
-            (SynthLayout::Mlx4Bit { .. }, Init::Conv) => push(
-                name(weight),
-                Dtype::BF16,
-                vec![t.shape[0], t.shape[1], 1],
-                Part::Values,
-            ),
-            (SynthLayout::HfBf16, Init::Conv) => push(
-                name(weight),
-                Dtype::BF16,
-                vec![t.shape[0], 1, t.shape[1]],
-                Part::Values,
-            ),
+            (SynthLayout::HfBf16, _) if t.quantized() => push(name(".weight"), Dtype::BF16, t.shape.clone(), Part::Dequant),
+            (SynthLayout::Mlx4Bit { .. }, Init::Conv) => push(name(weight), Dtype::BF16, vec![t.shape[0], t.shape[1], 1], Part::Values),
+            (SynthLayout::HfBf16, Init::Conv) => push(name(weight), Dtype::BF16, vec![t.shape[0], 1, t.shape[1]], Part::Values),
             (_, Init::ALog) => push(name(weight), Dtype::F32, t.shape.clone(), Part::Values),
-            (SynthLayout::HfBf16, Init::GatedNorm) => {
-                push(name(weight), Dtype::F32, t.shape.clone(), Part::Values)
-            }
+            (SynthLayout::HfBf16, Init::GatedNorm) => push(name(weight), Dtype::F32, t.shape.clone(), Part::Values),
             _ => push(name(weight), Dtype::BF16, t.shape.clone(), Part::Values),
         }
     }
@@ -804,13 +687,7 @@ impl Stream {
 
 /// Scale and bias of group `g` of row `row` of a 4-bit matrix (module docs, "4-bit groups").
 #[inline]
-fn group_scale_bias(
-    scales: Stream,
-    s0: f64,
-    groups_per_row: usize,
-    row: usize,
-    g: usize,
-) -> (bf16, bf16) {
+fn group_scale_bias(scales: Stream, s0: f64, groups_per_row: usize, row: usize, g: usize) -> (bf16, bf16) {
     let d = scales.at((row * groups_per_row + g) as u64);
     let jitter = 0.5 + (d >> 11) as f64 * (1.0 / (1u64 << 53) as f64);
     let sign = if d & 1 == 0 { 1.0 } else { -1.0 };
@@ -889,11 +766,7 @@ impl Generator<'_> {
                 let want_scale = matches!(t.part, Part::Scales { .. });
                 par_rows(out, gpr * 2, self.threads, |row, buf| {
                     for (g, chunk) in buf.chunks_exact_mut(2).enumerate() {
-                        let (s, b) = if row >= live_rows {
-                            (zero_group_scale(), bf16::ZERO)
-                        } else {
-                            group_scale_bias(scales, s0, gpr, row, g)
-                        };
+                        let (s, b) = if row >= live_rows { (zero_group_scale(), bf16::ZERO) } else { group_scale_bias(scales, s0, gpr, row, g) };
                         let v = if want_scale { s } else { b };
                         chunk.copy_from_slice(&v.to_bits().to_le_bytes());
                     }
@@ -1005,40 +878,23 @@ impl View for Lazy<'_> {
 /// mlx-lm's `total_parameters`: leaf modules only, so `A_log` and `dt_bias` (parameters of the
 /// GatedDeltaNet module itself) are not counted (`shared/fixtures/tiny/mlx-q4` shows this).
 fn mlx_total_parameters(logical: &[Logical]) -> u64 {
-    logical
-        .iter()
-        .filter(|t| !matches!(t.init, Init::ALog | Init::DtBias))
-        .map(Logical::elements)
-        .sum()
+    logical.iter().filter(|t| !matches!(t.init, Init::ALog | Init::DtBias)).map(Logical::elements).sum()
 }
 
 fn check_tokenizer(path: &Path, vocab: usize) -> Result<(), SynthError> {
-    let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| SynthError::Tokenizer {
-        path: path.to_path_buf(),
-        reason: e.to_string(),
-    })?;
+    let tok = tokenizers::Tokenizer::from_file(path).map_err(|e| SynthError::Tokenizer { path: path.to_path_buf(), reason: e.to_string() })?;
     let ids = tok.get_vocab_size(true);
     if ids > vocab {
-        return Err(SynthError::Tokenizer {
-            path: path.to_path_buf(),
-            reason: format!("{ids} token ids do not fit vocab_size {vocab}"),
-        });
+        return Err(SynthError::Tokenizer { path: path.to_path_buf(), reason: format!("{ids} token ids do not fit vocab_size {vocab}") });
     }
     Ok(())
 }
 
-fn write_dims(
-    dims: &Dims,
-    opts: &SynthOptions,
-    progress: &mut dyn FnMut(u64, u64),
-) -> Result<SynthSummary, SynthError> {
+fn write_dims(dims: &Dims, opts: &SynthOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<SynthSummary, SynthError> {
     // Validate everything before touching the disk.
     if let SynthLayout::Mlx4Bit { group_size } = opts.layout {
         if ![32, 64, 128].contains(&group_size) {
-            return Err(SynthError::InvalidOption {
-                option: "group_size",
-                reason: format!("{group_size} is not one of 32, 64, 128 (MLX affine 4-bit)"),
-            });
+            return Err(SynthError::InvalidOption { option: "group_size", reason: format!("{group_size} is not one of 32, 64, 128 (MLX affine 4-bit)") });
         }
     }
     let logical = logical_tensors(dims);
@@ -1048,13 +904,7 @@ fn write_dims(
     };
     for t in logical.iter().filter(|t| t.quantized()) {
         if t.shape[1] % group != 0 || t.shape[1] % 16 != 0 {
-            return Err(SynthError::InvalidOption {
-                option: "group_size",
-                reason: format!(
-                    "{group} does not divide the input dim {} of {}",
-                    t.shape[1], t.key
-                ),
-            });
+            return Err(SynthError::InvalidOption { option: "group_size", reason: format!("{group} does not divide the input dim {} of {}", t.shape[1], t.key) });
         }
     }
     let out_dir = &opts.out_dir;
@@ -1077,18 +927,8 @@ fn write_dims(
     let tensor_bytes: u64 = stored.iter().map(|t| t.bytes() as u64).sum();
     let parameters: u64 = logical.iter().map(Logical::elements).sum();
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let generator = Generator {
-        seed: opts.seed,
-        zero_centred_norms: !is_mlx,
-        dims,
-        logical: &logical,
-        threads,
-    };
-    let progress_state = RefCell::new(Progress {
-        done: 0,
-        total: tensor_bytes,
-        callback: progress,
-    });
+    let generator = Generator { seed: opts.seed, zero_centred_norms: !is_mlx, dims, logical: &logical, threads };
+    let progress_state = RefCell::new(Progress { done: 0, total: tensor_bytes, callback: progress });
     let format = if is_mlx { "mlx" } else { "pt" };
     let mut weight_map = BTreeMap::new();
     for (i, shard) in shard_list.iter().enumerate() {
@@ -1098,14 +938,7 @@ fn write_dims(
             .iter()
             .map(|&k| {
                 weight_map.insert(stored[k].name.clone(), file.clone());
-                (
-                    stored[k].name.clone(),
-                    Lazy {
-                        generator: &generator,
-                        stored: &stored[k],
-                        progress: &progress_state,
-                    },
-                )
+                (stored[k].name.clone(), Lazy { generator: &generator, stored: &stored[k], progress: &progress_state })
             })
             .collect();
         let metadata = HashMap::from([("format".to_string(), format.to_string())]);
@@ -1118,10 +951,7 @@ fn write_dims(
     }
 
     // Index, configs, tokenizer files.
-    let weight_map: serde_json::Map<String, Value> = weight_map
-        .into_iter()
-        .map(|(k, v)| (k, Value::String(v)))
-        .collect();
+    let weight_map: serde_json::Map<String, Value> = weight_map.into_iter().map(|(k, v)| (k, Value::String(v))).collect();
     let d = tmp.path();
     if is_mlx {
         // mlx-lm writes the index even for one shard: json.dump(indent=4), no trailing newline.
@@ -1129,18 +959,8 @@ fn write_dims(
             "metadata": { "total_size": tensor_bytes, "total_parameters": mlx_total_parameters(&logical) },
             "weight_map": weight_map
         });
-        write_json(
-            &d.join("model.safetensors.index.json"),
-            &index,
-            b"    ",
-            false,
-        )?;
-        write_json(
-            &d.join("config.json"),
-            &mlx_config(dims, group),
-            b"    ",
-            false,
-        )?;
+        write_json(&d.join("model.safetensors.index.json"), &index, b"    ", false)?;
+        write_json(&d.join("config.json"), &mlx_config(dims, group), b"    ", false)?;
     } else {
         if shard_list.len() > 1 {
             let index = json!({
@@ -1155,8 +975,7 @@ fn write_dims(
     write_json(&d.join("generation_config.json"), &generation, b"  ", false)?;
     let tokenizer_config = if is_mlx {
         // As mlx-lm's tokenizer save leaves it; the template goes to chat_template.jinja.
-        fs::write(d.join("chat_template.jinja"), CHAT_TEMPLATE)
-            .map_err(io_err(&d.join("chat_template.jinja")))?;
+        fs::write(d.join("chat_template.jinja"), CHAT_TEMPLATE).map_err(io_err(&d.join("chat_template.jinja")))?;
         json!({
             "add_prefix_space": null,
             "backend": "tokenizers",
@@ -1187,12 +1006,7 @@ fn write_dims(
             "split_special_tokens": false
         })
     };
-    write_json(
-        &d.join("tokenizer_config.json"),
-        &tokenizer_config,
-        b"  ",
-        false,
-    )?;
+    write_json(&d.join("tokenizer_config.json"), &tokenizer_config, b"  ", false)?;
     if let Some(tok) = &opts.tokenizer {
         let dst = d.join("tokenizer.json");
         // Read and write rather than fs::copy, which would carry over a read-only mode.
@@ -1223,20 +1037,14 @@ fn write_dims(
     }
     files.sort();
     tmp.commit()?;
-    Ok(SynthSummary {
-        out_dir: out_dir.clone(),
-        parameters,
-        tensor_bytes,
-        bytes_written,
-        files,
-    })
+    Ok(SynthSummary { out_dir: out_dir.clone(), parameters, tensor_bytes, bytes_written, files })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::writer::PARALLEL_MIN_BYTES;
     use crate::testutil::shared;
+    use crate::writer::PARALLEL_MIN_BYTES;
     use safetensors::SafeTensors;
     use std::collections::BTreeSet;
 
@@ -1245,8 +1053,7 @@ mod tests {
 
     impl Scratch {
         fn new(label: &str) -> Scratch {
-            let p = std::env::temp_dir()
-                .join(format!("tensorfold-synth-{label}-{}", std::process::id()));
+            let p = std::env::temp_dir().join(format!("tensorfold-synth-{label}-{}", std::process::id()));
             let _ = fs::remove_dir_all(&p);
             fs::create_dir_all(&p).unwrap();
             Scratch(p)
@@ -1283,22 +1090,13 @@ mod tests {
     }
 
     fn opts(preset: Preset, layout: SynthLayout, seed: u64, out_dir: PathBuf) -> SynthOptions {
-        SynthOptions {
-            preset,
-            layout,
-            seed,
-            tokenizer: None,
-            out_dir,
-            num_hidden_layers: Some(4),
-        }
+        SynthOptions { preset, layout, seed, tokenizer: None, out_dir, num_hidden_layers: Some(4) }
     }
 
     fn header_of(path: &Path) -> BTreeMap<String, (Dtype, Vec<usize>)> {
         let bytes = fs::read(path).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
-        st.iter()
-            .map(|(n, v)| (n.to_string(), (v.dtype(), v.shape().to_vec())))
-            .collect()
+        st.iter().map(|(n, v)| (n.to_string(), (v.dtype(), v.shape().to_vec()))).collect()
     }
 
     fn json_of(path: &Path) -> Value {
@@ -1306,15 +1104,11 @@ mod tests {
     }
 
     fn bf16s(b: &[u8]) -> Vec<f32> {
-        b.chunks_exact(2)
-            .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-            .collect()
+        b.chunks_exact(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
     }
 
     fn f32s(b: &[u8]) -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
+        b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
     }
 
     /// Dequantizes an MLX 4-bit matrix by spec §6.2 (Q1)/(Q2): q = (word >> 4·(k mod 8)) & 0xF,
@@ -1326,11 +1120,7 @@ mod tests {
         let (rows, cols) = (w.shape()[0], w.shape()[1] * 8);
         let groups = s.shape()[1];
         let group = cols / groups;
-        let words: Vec<u32> = w
-            .data()
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let words: Vec<u32> = w.data().chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         let (scales, biases) = (bf16s(s.data()), bf16s(b.data()));
         let mut out = Vec::with_capacity(rows * cols);
         for r in 0..rows {
@@ -1400,21 +1190,12 @@ mod tests {
             assert_eq!(rope["mrope_section"], json!([11, 11, 10]), "{ctx}");
             assert_eq!(rope["mrope_interleaved"], true, "{ctx}");
             // 3 × linear_attention + 1 × full_attention, repeated; spec's linear/full counts.
-            let types: Vec<&str> = c["layer_types"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|v| v.as_str().unwrap())
-                .collect();
+            let types: Vec<&str> = c["layer_types"].as_array().unwrap().iter().map(|v| v.as_str().unwrap()).collect();
             assert_eq!(types.len(), layers, "{ctx}");
             let full = types.iter().filter(|&&t| t == "full_attention").count();
             assert_eq!((layers - full, full), (layers * 3 / 4, layers / 4), "{ctx}");
             for (l, t) in types.iter().enumerate() {
-                let want = if l % 4 == 3 {
-                    "full_attention"
-                } else {
-                    "linear_attention"
-                };
+                let want = if l % 4 == 3 { "full_attention" } else { "linear_attention" };
                 assert_eq!(*t, want, "{ctx} layer {l}");
             }
         }
@@ -1423,16 +1204,8 @@ mod tests {
     #[test]
     fn parameter_counts_match_the_spec_sanity_check() {
         // qwen35-spec.md §1: "0.752 B (0.8B), 1.882 B (2B), 4.206 B (4B) and 8.954 B (9B)".
-        for (p, billions) in [
-            (Preset::Qwen35_0_8B, 0.752),
-            (Preset::Qwen35_2B, 1.882),
-            (Preset::Qwen35_4B, 4.206),
-            (Preset::Qwen35_9B, 8.954),
-        ] {
-            let n: u64 = logical_tensors(&p.dims())
-                .iter()
-                .map(Logical::elements)
-                .sum();
+        for (p, billions) in [(Preset::Qwen35_0_8B, 0.752), (Preset::Qwen35_2B, 1.882), (Preset::Qwen35_4B, 4.206), (Preset::Qwen35_9B, 8.954)] {
+            let n: u64 = logical_tensors(&p.dims()).iter().map(Logical::elements).sum();
             assert!((n as f64 / 1e9 - billions).abs() < 0.0005, "{p}: {n}");
         }
     }
@@ -1457,19 +1230,11 @@ mod tests {
             assert_eq!(p.name().parse::<Preset>().unwrap(), p);
             assert_eq!(p.to_string().to_uppercase().parse::<Preset>().unwrap(), p);
         }
-        assert_eq!(
-            "qwen3.5-0.8b".parse::<Preset>().unwrap(),
-            Preset::Qwen35_0_8B
-        );
+        assert_eq!("qwen3.5-0.8b".parse::<Preset>().unwrap(), Preset::Qwen35_0_8B);
         assert_eq!("Qwen3.5-27B".parse::<Preset>().unwrap(), Preset::Qwen35_27B);
-        assert!(
-            matches!("qwen3.5-7b".parse::<Preset>(), Err(SynthError::UnknownPreset(s)) if s == "qwen3.5-7b")
-        );
+        assert!(matches!("qwen3.5-7b".parse::<Preset>(), Err(SynthError::UnknownPreset(s)) if s == "qwen3.5-7b"));
         assert_eq!("hf".parse::<SynthLayout>().unwrap(), SynthLayout::HfBf16);
-        assert_eq!(
-            "mlx".parse::<SynthLayout>().unwrap(),
-            SynthLayout::Mlx4Bit { group_size: 64 }
-        );
+        assert_eq!("mlx".parse::<SynthLayout>().unwrap(), SynthLayout::Mlx4Bit { group_size: 64 });
         assert!("gguf".parse::<SynthLayout>().is_err());
     }
 
@@ -1479,19 +1244,12 @@ mod tests {
     fn layouts_match_the_fixture_written_by_the_real_converters() {
         let dims = fixture_tiny_dims();
         let logical = logical_tensors(&dims);
-        for (layout, dir) in [
-            (SynthLayout::default(), "mlx-q4"),
-            (SynthLayout::HfBf16, "hf"),
-        ] {
-            let fixture: BTreeMap<_, _> =
-                header_of(&shared(&format!("fixtures/tiny/{dir}/model.safetensors")))
-                    .into_iter()
-                    .filter(|(n, _)| !n.starts_with("model.visual.") && !n.starts_with("mtp."))
-                    .collect();
-            let ours: BTreeMap<_, _> = stored_tensors(&logical, layout)
+        for (layout, dir) in [(SynthLayout::default(), "mlx-q4"), (SynthLayout::HfBf16, "hf")] {
+            let fixture: BTreeMap<_, _> = header_of(&shared(&format!("fixtures/tiny/{dir}/model.safetensors")))
                 .into_iter()
-                .map(|t| (t.name, (t.dtype, t.shape)))
+                .filter(|(n, _)| !n.starts_with("model.visual.") && !n.starts_with("mtp."))
                 .collect();
+            let ours: BTreeMap<_, _> = stored_tensors(&logical, layout).into_iter().map(|t| (t.name, (t.dtype, t.shape))).collect();
             assert_eq!(ours, fixture, "{dir}");
         }
         // mlx-lm's index metadata for that checkpoint.
@@ -1499,102 +1257,40 @@ mod tests {
         let stored = stored_tensors(&logical, SynthLayout::default());
         let total: u64 = stored.iter().map(|t| t.bytes() as u64).sum();
         assert_eq!(index["metadata"]["total_size"], total);
-        assert_eq!(
-            index["metadata"]["total_parameters"],
-            mlx_total_parameters(&logical)
-        );
+        assert_eq!(index["metadata"]["total_parameters"], mlx_total_parameters(&logical));
     }
 
     #[test]
     fn untied_9b_has_a_quantized_lm_head_of_the_spec_shape() {
         let logical = logical_tensors(&Preset::Qwen35_9B.dims());
-        let mlx: BTreeMap<_, _> = stored_tensors(&logical, SynthLayout::default())
-            .into_iter()
-            .map(|t| (t.name, (t.dtype, t.shape)))
-            .collect();
+        let mlx: BTreeMap<_, _> = stored_tensors(&logical, SynthLayout::default()).into_iter().map(|t| (t.name, (t.dtype, t.shape))).collect();
         // qwen35-spec.md §5.2, 9B column.
         for (name, dtype, shape) in [
-            (
-                "language_model.lm_head.weight",
-                Dtype::U32,
-                vec![248_320, 512],
-            ),
-            (
-                "language_model.lm_head.scales",
-                Dtype::BF16,
-                vec![248_320, 64],
-            ),
-            (
-                "language_model.lm_head.biases",
-                Dtype::BF16,
-                vec![248_320, 64],
-            ),
-            (
-                "language_model.model.embed_tokens.weight",
-                Dtype::U32,
-                vec![248_320, 512],
-            ),
-            (
-                "language_model.model.layers.0.linear_attn.in_proj_qkv.weight",
-                Dtype::U32,
-                vec![8192, 512],
-            ),
-            (
-                "language_model.model.layers.0.linear_attn.in_proj_a.scales",
-                Dtype::BF16,
-                vec![32, 64],
-            ),
-            (
-                "language_model.model.layers.0.mlp.down_proj.weight",
-                Dtype::U32,
-                vec![4096, 1536],
-            ),
-            (
-                "language_model.model.layers.0.mlp.down_proj.scales",
-                Dtype::BF16,
-                vec![4096, 192],
-            ),
-            (
-                "language_model.model.layers.3.self_attn.q_proj.weight",
-                Dtype::U32,
-                vec![8192, 512],
-            ),
-            (
-                "language_model.model.layers.31.self_attn.o_proj.scales",
-                Dtype::BF16,
-                vec![4096, 64],
-            ),
+            ("language_model.lm_head.weight", Dtype::U32, vec![248_320, 512]),
+            ("language_model.lm_head.scales", Dtype::BF16, vec![248_320, 64]),
+            ("language_model.lm_head.biases", Dtype::BF16, vec![248_320, 64]),
+            ("language_model.model.embed_tokens.weight", Dtype::U32, vec![248_320, 512]),
+            ("language_model.model.layers.0.linear_attn.in_proj_qkv.weight", Dtype::U32, vec![8192, 512]),
+            ("language_model.model.layers.0.linear_attn.in_proj_a.scales", Dtype::BF16, vec![32, 64]),
+            ("language_model.model.layers.0.mlp.down_proj.weight", Dtype::U32, vec![4096, 1536]),
+            ("language_model.model.layers.0.mlp.down_proj.scales", Dtype::BF16, vec![4096, 192]),
+            ("language_model.model.layers.3.self_attn.q_proj.weight", Dtype::U32, vec![8192, 512]),
+            ("language_model.model.layers.31.self_attn.o_proj.scales", Dtype::BF16, vec![4096, 64]),
         ] {
             assert_eq!(mlx.get(name), Some(&(dtype, shape)), "{name}");
         }
-        let hf: BTreeMap<_, _> = stored_tensors(&logical, SynthLayout::HfBf16)
-            .into_iter()
-            .map(|t| (t.name, (t.dtype, t.shape)))
-            .collect();
-        assert_eq!(
-            hf.get("lm_head.weight"),
-            Some(&(Dtype::BF16, vec![248_320, 4096]))
-        );
-        assert_eq!(
-            hf.get("model.language_model.layers.0.linear_attn.conv1d.weight"),
-            Some(&(Dtype::BF16, vec![8192, 1, 4]))
-        );
+        let hf: BTreeMap<_, _> = stored_tensors(&logical, SynthLayout::HfBf16).into_iter().map(|t| (t.name, (t.dtype, t.shape))).collect();
+        assert_eq!(hf.get("lm_head.weight"), Some(&(Dtype::BF16, vec![248_320, 4096])));
+        assert_eq!(hf.get("model.language_model.layers.0.linear_attn.conv1d.weight"), Some(&(Dtype::BF16, vec![8192, 1, 4])));
         // The tied sizes have no head at all.
-        let tied = stored_tensors(
-            &logical_tensors(&Preset::Qwen35_4B.dims()),
-            SynthLayout::HfBf16,
-        );
+        let tied = stored_tensors(&logical_tensors(&Preset::Qwen35_4B.dims()), SynthLayout::HfBf16);
         assert!(!tied.iter().any(|t| t.name.contains("lm_head")));
     }
 
     /// The expected 0.8B tensors of one layout for 4 layers, from the spec tables (§5.1, §5.2).
     fn expected_0_8b(mlx: bool) -> BTreeMap<String, (Dtype, Vec<usize>)> {
         let mut m = BTreeMap::new();
-        let (pre, bf, f32_norm) = if mlx {
-            ("language_model.model.", Dtype::BF16, Dtype::BF16)
-        } else {
-            ("model.language_model.", Dtype::BF16, Dtype::F32)
-        };
+        let (pre, bf, f32_norm) = if mlx { ("language_model.model.", Dtype::BF16, Dtype::BF16) } else { ("model.language_model.", Dtype::BF16, Dtype::F32) };
         let mut put = |name: String, dtype: Dtype, shape: Vec<usize>| {
             m.insert(format!("{pre}{name}"), (dtype, shape));
         };
@@ -1603,11 +1299,7 @@ mod tests {
         for l in 0..4 {
             let p = format!("layers.{l}.");
             put(format!("{p}input_layernorm.weight"), bf, vec![1024]);
-            put(
-                format!("{p}post_attention_layernorm.weight"),
-                bf,
-                vec![1024],
-            );
+            put(format!("{p}post_attention_layernorm.weight"), bf, vec![1024]);
             if l == 3 {
                 mats.push((format!("{p}self_attn.q_proj"), [4096, 1024]));
                 mats.push((format!("{p}self_attn.k_proj"), [512, 1024]));
@@ -1621,11 +1313,7 @@ mod tests {
                 mats.push((format!("{p}linear_attn.in_proj_a"), [16, 1024]));
                 mats.push((format!("{p}linear_attn.in_proj_b"), [16, 1024]));
                 mats.push((format!("{p}linear_attn.out_proj"), [1024, 2048]));
-                let conv = if mlx {
-                    vec![6144, 4, 1]
-                } else {
-                    vec![6144, 1, 4]
-                };
+                let conv = if mlx { vec![6144, 4, 1] } else { vec![6144, 1, 4] };
                 put(format!("{p}linear_attn.conv1d.weight"), bf, conv);
                 put(format!("{p}linear_attn.A_log"), Dtype::F32, vec![16]);
                 put(format!("{p}linear_attn.dt_bias"), bf, vec![16]);
@@ -1662,24 +1350,15 @@ mod tests {
         // in_proj_qkv U32 [6144,128] + scales [6144,16]).
         let bytes = fs::read(out.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
-        let got: BTreeMap<_, _> = st
-            .iter()
-            .map(|(n, v)| (n.to_string(), (v.dtype(), v.shape().to_vec())))
-            .collect();
+        let got: BTreeMap<_, _> = st.iter().map(|(n, v)| (n.to_string(), (v.dtype(), v.shape().to_vec()))).collect();
         assert_eq!(got, expected_0_8b(true));
-        assert_eq!(
-            got["language_model.model.layers.0.linear_attn.in_proj_qkv.scales"],
-            (Dtype::BF16, vec![6144, 16])
-        );
+        assert_eq!(got["language_model.model.layers.0.linear_attn.in_proj_qkv.scales"], (Dtype::BF16, vec![6144, 16]));
         let data_bytes: u64 = st.iter().map(|(_, v)| v.data().len() as u64).sum();
 
         // Summary and progress.
         assert_eq!(summary.tensor_bytes, data_bytes);
         assert_eq!(summary.out_dir, out);
-        let on_disk: u64 = fs::read_dir(&out)
-            .unwrap()
-            .map(|e| e.unwrap().metadata().unwrap().len())
-            .sum();
+        let on_disk: u64 = fs::read_dir(&out).unwrap().map(|e| e.unwrap().metadata().unwrap().len()).sum();
         assert_eq!(summary.bytes_written, on_disk);
         let expect_files = [
             "README.md",
@@ -1700,26 +1379,17 @@ mod tests {
         }
         // 4-layer 0.8B: embedding + 3 GDN layers + 1 attention layer + final norm, counted by hand
         // from the spec's shapes.
-        let gdn =
-            6144 * 1024 + 2048 * 1024 + 2 * 16 * 1024 + 6144 * 4 + 16 + 16 + 128 + 1024 * 2048;
+        let gdn = 6144 * 1024 + 2048 * 1024 + 2 * 16 * 1024 + 6144 * 4 + 16 + 16 + 128 + 1024 * 2048;
         let attn = 4096 * 1024 + 2 * 512 * 1024 + 1024 * 2048 + 2 * 256;
         let common = 3 * 3584 * 1024 + 2 * 1024;
-        assert_eq!(
-            summary.parameters,
-            248_320 * 1024 + 3 * (gdn + common) + attn + common + 1024
-        );
+        assert_eq!(summary.parameters, 248_320 * 1024 + 3 * (gdn + common) + attn + common + 1024);
         assert_eq!(calls.last(), Some(&(data_bytes, data_bytes)));
-        assert!(calls
-            .windows(2)
-            .all(|w| w[0].0 <= w[1].0 && w[0].1 == w[1].1));
+        assert!(calls.windows(2).all(|w| w[0].0 <= w[1].0 && w[0].1 == w[1].1));
         assert!(calls.len() > expect_files.len());
 
         // config.json: mlx-lm's form.
         let c = json_of(&out.join("config.json"));
-        assert_eq!(
-            c["architectures"],
-            json!(["Qwen3_5ForConditionalGeneration"])
-        );
+        assert_eq!(c["architectures"], json!(["Qwen3_5ForConditionalGeneration"]));
         assert_eq!(c["model_type"], "qwen3_5");
         let q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
         assert_eq!(c["quantization"], q);
@@ -1735,64 +1405,31 @@ mod tests {
         assert!(tc["rope_parameters"].get("rope_type").is_none());
         // The fixture written by mlx-lm has the same keys at every level but the ids we add.
         let fixture = json_of(&shared("fixtures/vocab/mlx-q4/config.json"));
-        let keys = |v: &Value| {
-            v.as_object()
-                .unwrap()
-                .keys()
-                .cloned()
-                .collect::<BTreeSet<_>>()
-        };
+        let keys = |v: &Value| v.as_object().unwrap().keys().cloned().collect::<BTreeSet<_>>();
         let extra: BTreeSet<String> = keys(&c).difference(&keys(&fixture)).cloned().collect();
-        assert_eq!(
-            extra,
-            BTreeSet::from(["vision_end_token_id".into(), "vision_start_token_id".into()])
-        );
+        assert_eq!(extra, BTreeSet::from(["vision_end_token_id".into(), "vision_start_token_id".into()]));
         assert!(keys(&fixture["text_config"]).is_subset(&keys(tc)));
-        assert_eq!(
-            keys(&fixture["text_config"]["rope_parameters"]),
-            keys(&tc["rope_parameters"])
-        );
+        assert_eq!(keys(&fixture["text_config"]["rope_parameters"]), keys(&tc["rope_parameters"]));
 
         // Index: the fixture's JSON shape, every tensor mapped to the one shard.
         let index = json_of(&out.join("model.safetensors.index.json"));
-        assert_eq!(
-            keys(&index),
-            keys(&json_of(&shared(
-                "fixtures/vocab/mlx-q4/model.safetensors.index.json"
-            )))
-        );
+        assert_eq!(keys(&index), keys(&json_of(&shared("fixtures/vocab/mlx-q4/model.safetensors.index.json"))));
         assert_eq!(index["metadata"]["total_size"], data_bytes);
         let map = index["weight_map"].as_object().unwrap();
-        assert_eq!(
-            map.keys().cloned().collect::<BTreeSet<_>>(),
-            got.keys().cloned().collect()
-        );
+        assert_eq!(map.keys().cloned().collect::<BTreeSet<_>>(), got.keys().cloned().collect());
         assert!(map.values().all(|v| v == "model.safetensors"));
 
         // Tokenizer files, as in fixtures/vocab/mlx-q4.
-        assert_eq!(
-            fs::read(out.join("tokenizer.json")).unwrap(),
-            fs::read(&tokenizer).unwrap()
-        );
+        assert_eq!(fs::read(out.join("tokenizer.json")).unwrap(), fs::read(&tokenizer).unwrap());
         for f in ["tokenizer_config.json", "generation_config.json"] {
-            assert_eq!(
-                json_of(&out.join(f)),
-                json_of(&shared(&format!("fixtures/vocab/mlx-q4/{f}"))),
-                "{f}"
-            );
+            assert_eq!(json_of(&out.join(f)), json_of(&shared(&format!("fixtures/vocab/mlx-q4/{f}"))), "{f}");
         }
-        assert_eq!(
-            fs::read_to_string(out.join("chat_template.jinja")).unwrap(),
-            fs::read_to_string(shared("fixtures/vocab/mlx-q4/chat_template.jinja")).unwrap()
-        );
+        assert_eq!(fs::read_to_string(out.join("chat_template.jinja")).unwrap(), fs::read_to_string(shared("fixtures/vocab/mlx-q4/chat_template.jinja")).unwrap());
 
         // Dequantized weights have the intended spread (module docs) and are centred.
         for (base, std) in [
             ("layers.0.linear_attn.in_proj_qkv", 1.0 / 1024f64.sqrt()),
-            (
-                "layers.1.linear_attn.out_proj",
-                1.0 / (2048.0 * 8.0f64).sqrt(),
-            ),
+            ("layers.1.linear_attn.out_proj", 1.0 / (2048.0 * 8.0f64).sqrt()),
             ("layers.2.mlp.down_proj", 1.0 / (3584.0 * 8.0f64).sqrt()),
             ("layers.3.self_attn.q_proj", 1.0 / 1024f64.sqrt()),
         ] {
@@ -1805,20 +1442,10 @@ mod tests {
         let (live, pad) = emb.split_at(TOKENIZER_IDS * cols);
         assert_eq!(rows, 248_320);
         let (mean, sd) = mean_std(live);
-        assert!(
-            (sd * 32.0 - 1.0).abs() < 0.01 && mean.abs() < 0.0003,
-            "embedding {mean} {sd}"
-        );
-        assert!(
-            pad.iter().all(|&x| x == 0.0),
-            "padding rows dequantize to zero"
-        );
+        assert!((sd * 32.0 - 1.0).abs() < 0.01 && mean.abs() < 0.0003, "embedding {mean} {sd}");
+        assert!(pad.iter().all(|&x| x == 0.0), "padding rows dequantize to zero");
         // About half the groups have negative scales, as in real MLX checkpoints.
-        let scales = bf16s(
-            st.tensor("language_model.model.layers.0.mlp.up_proj.scales")
-                .unwrap()
-                .data(),
-        );
+        let scales = bf16s(st.tensor("language_model.model.layers.0.mlp.up_proj.scales").unwrap().data());
         let negative = scales.iter().filter(|&&s| s < 0.0).count() as f64 / scales.len() as f64;
         assert!((negative - 0.5).abs() < 0.02, "{negative}");
 
@@ -1831,70 +1458,29 @@ mod tests {
                 bf16s(v.data())
             }
         };
-        for n in [
-            "layers.0.input_layernorm.weight",
-            "layers.3.self_attn.k_norm.weight",
-            "layers.1.linear_attn.norm.weight",
-        ] {
-            assert!(
-                vals(n)
-                    .iter()
-                    .all(|&x| (0.89..=1.11).contains(&x) && (x * 128.0).fract() == 0.0),
-                "{n}"
-            );
+        for n in ["layers.0.input_layernorm.weight", "layers.3.self_attn.k_norm.weight", "layers.1.linear_attn.norm.weight"] {
+            assert!(vals(n).iter().all(|&x| (0.89..=1.11).contains(&x) && (x * 128.0).fract() == 0.0), "{n}");
         }
         let (final_mean, _) = mean_std(&vals("norm.weight"));
-        assert!(
-            (final_mean - LOGIT_STD).abs() < 0.02,
-            "final norm gain {final_mean}"
-        );
-        assert!(vals("layers.0.linear_attn.A_log")
-            .iter()
-            .all(|x| (-2.5..1.0).contains(x)));
-        assert!(vals("layers.0.linear_attn.dt_bias")
-            .iter()
-            .all(|x| (0.0..=1.0).contains(x)));
+        assert!((final_mean - LOGIT_STD).abs() < 0.02, "final norm gain {final_mean}");
+        assert!(vals("layers.0.linear_attn.A_log").iter().all(|x| (-2.5..1.0).contains(x)));
+        assert!(vals("layers.0.linear_attn.dt_bias").iter().all(|x| (0.0..=1.0).contains(x)));
         let (_, conv_sd) = mean_std(&vals("layers.2.linear_attn.conv1d.weight"));
-        assert!(
-            (conv_sd / CONV_STD - 1.0).abs() < 0.03,
-            "conv std {conv_sd}"
-        );
+        assert!((conv_sd / CONV_STD - 1.0).abs() < 0.03, "conv std {conv_sd}");
     }
 
     #[test]
     fn hf_0_8b_checkpoint_matches_the_spec() {
         let scratch = Scratch::new("hf08");
         let out = scratch.join("ckpt");
-        let summary = write_checkpoint(
-            &opts(Preset::Qwen35_0_8B, SynthLayout::HfBf16, 7, out.clone()),
-            &mut |_, _| {},
-        )
-        .unwrap();
-        assert_eq!(
-            summary.files,
-            [
-                "README.md",
-                "config.json",
-                "generation_config.json",
-                "model.safetensors",
-                "tokenizer_config.json"
-            ]
-        );
+        let summary = write_checkpoint(&opts(Preset::Qwen35_0_8B, SynthLayout::HfBf16, 7, out.clone()), &mut |_, _| {}).unwrap();
+        assert_eq!(summary.files, ["README.md", "config.json", "generation_config.json", "model.safetensors", "tokenizer_config.json"]);
         let bytes = fs::read(out.join("model.safetensors")).unwrap();
         let st = SafeTensors::deserialize(&bytes).unwrap();
-        let got: BTreeMap<_, _> = st
-            .iter()
-            .map(|(n, v)| (n.to_string(), (v.dtype(), v.shape().to_vec())))
-            .collect();
+        let got: BTreeMap<_, _> = st.iter().map(|(n, v)| (n.to_string(), (v.dtype(), v.shape().to_vec()))).collect();
         assert_eq!(got, expected_0_8b(false));
         let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-        assert_eq!(
-            meta.metadata()
-                .as_ref()
-                .and_then(|m| m.get("format"))
-                .map(String::as_str),
-            Some("pt")
-        );
+        assert_eq!(meta.metadata().as_ref().and_then(|m| m.get("format")).map(String::as_str), Some("pt"));
 
         let c = json_of(&out.join("config.json"));
         let fixture = json_of(&shared("fixtures/tiny/hf/config.json"));
@@ -1913,20 +1499,14 @@ mod tests {
             f
         });
         assert_eq!(tc["chat_template"].as_str(), Some(CHAT_TEMPLATE));
-        assert_eq!(
-            json_of(&out.join("generation_config.json"))["eos_token_id"],
-            json!([248_046, 248_044])
-        );
+        assert_eq!(json_of(&out.join("generation_config.json"))["eos_token_id"], json!([248_046, 248_044]));
 
         // Zero-centred norms, F32 A_log and gated norm, bf16 weights with the intended spread.
         let get = |n: &str| st.tensor(&format!("model.language_model.{n}")).unwrap();
         let w = bf16s(get("layers.0.input_layernorm.weight").data());
         assert!(w.iter().all(|x| x.abs() <= 0.11), "zero-centred");
         let (final_w, _) = mean_std(&bf16s(get("norm.weight").data()));
-        assert!(
-            (final_w + 1.0 - LOGIT_STD).abs() < 0.02,
-            "final norm stored as gain − 1: {final_w}"
-        );
+        assert!((final_w + 1.0 - LOGIT_STD).abs() < 0.02, "final norm stored as gain − 1: {final_w}");
         let g = f32s(get("layers.0.linear_attn.norm.weight").data());
         assert!(g.iter().all(|x| (0.89..=1.11).contains(x)));
         let (_, sd) = mean_std(&bf16s(get("layers.0.mlp.gate_proj.weight").data()));
@@ -1946,39 +1526,15 @@ mod tests {
         let progress = &mut |_, _| {};
         let mlx_dir = scratch.join("mlx");
         let hf_dir = scratch.join("hf");
-        write_dims(
-            &dims,
-            &opts(
-                Preset::Qwen35_9B,
-                SynthLayout::default(),
-                3,
-                mlx_dir.clone(),
-            ),
-            progress,
-        )
-        .unwrap();
-        write_dims(
-            &dims,
-            &opts(Preset::Qwen35_9B, SynthLayout::HfBf16, 3, hf_dir.clone()),
-            progress,
-        )
-        .unwrap();
-        let (mb, hb) = (
-            fs::read(mlx_dir.join("model.safetensors")).unwrap(),
-            fs::read(hf_dir.join("model.safetensors")).unwrap(),
-        );
-        let (mlx, hf) = (
-            SafeTensors::deserialize(&mb).unwrap(),
-            SafeTensors::deserialize(&hb).unwrap(),
-        );
+        write_dims(&dims, &opts(Preset::Qwen35_9B, SynthLayout::default(), 3, mlx_dir.clone()), progress).unwrap();
+        write_dims(&dims, &opts(Preset::Qwen35_9B, SynthLayout::HfBf16, 3, hf_dir.clone()), progress).unwrap();
+        let (mb, hb) = (fs::read(mlx_dir.join("model.safetensors")).unwrap(), fs::read(hf_dir.join("model.safetensors")).unwrap());
+        let (mlx, hf) = (SafeTensors::deserialize(&mb).unwrap(), SafeTensors::deserialize(&hb).unwrap());
         let mut checked = 0;
         for (name, view) in hf.iter() {
             let (mlx_base, key) = match name.strip_prefix("model.language_model.") {
                 Some(k) => (format!("language_model.model.{k}"), k.to_string()),
-                None => (
-                    "language_model.lm_head.weight".to_string(),
-                    "lm_head.weight".to_string(),
-                ),
+                None => ("language_model.lm_head.weight".to_string(), "lm_head.weight".to_string()),
             };
             if view.shape().len() == 2 {
                 let (w, _, _) = dequantize(&mlx, mlx_base.trim_end_matches(".weight"));
@@ -1987,23 +1543,11 @@ mod tests {
             } else {
                 let m = mlx.tensor(&mlx_base).unwrap();
                 let (hv, mv) = match view.dtype() {
-                    Dtype::F32 => (
-                        f32s(view.data()),
-                        if m.dtype() == Dtype::F32 {
-                            f32s(m.data())
-                        } else {
-                            bf16s(m.data())
-                        },
-                    ),
+                    Dtype::F32 => (f32s(view.data()), if m.dtype() == Dtype::F32 { f32s(m.data()) } else { bf16s(m.data()) }),
                     _ => (bf16s(view.data()), bf16s(m.data())),
                 };
-                let shifted = key.ends_with("layernorm.weight")
-                    || key.ends_with("_norm.weight")
-                    || key == "norm.weight";
-                let hv: Vec<f32> = hv
-                    .iter()
-                    .map(|&x| if shifted { x + 1.0 } else { x })
-                    .collect();
+                let shifted = key.ends_with("layernorm.weight") || key.ends_with("_norm.weight") || key == "norm.weight";
+                let hv: Vec<f32> = hv.iter().map(|&x| if shifted { x + 1.0 } else { x }).collect();
                 assert_eq!(hv, mv, "{name}");
             }
             checked += 1;
@@ -2011,10 +1555,7 @@ mod tests {
         assert_eq!(checked, hf.len());
         assert!(hf.names().contains(&"lm_head.weight"));
         assert!(mlx.names().contains(&"language_model.lm_head.scales"));
-        assert_eq!(
-            json_of(&hf_dir.join("config.json"))["tie_word_embeddings"],
-            false
-        );
+        assert_eq!(json_of(&hf_dir.join("config.json"))["tie_word_embeddings"], false);
     }
 
     #[test]
@@ -2023,35 +1564,19 @@ mod tests {
         let dims = fixture_tiny_dims();
         let write = |name: &str, layout: SynthLayout, seed: u64| {
             let dir = scratch.join(name);
-            write_dims(
-                &dims,
-                &opts(Preset::Qwen35_0_8B, layout, seed, dir.clone()),
-                &mut |_, _| {},
-            )
-            .unwrap();
+            write_dims(&dims, &opts(Preset::Qwen35_0_8B, layout, seed, dir.clone()), &mut |_, _| {}).unwrap();
             dir
         };
-        for layout in [
-            SynthLayout::default(),
-            SynthLayout::Mlx4Bit { group_size: 32 },
-            SynthLayout::HfBf16,
-        ] {
+        for layout in [SynthLayout::default(), SynthLayout::Mlx4Bit { group_size: 32 }, SynthLayout::HfBf16] {
             let tag = format!("{layout:?}").replace([' ', '{', '}', ':'], "");
             let a = write(&format!("a{tag}"), layout, 11);
             let b = write(&format!("b{tag}"), layout, 11);
             let c = write(&format!("c{tag}"), layout, 12);
             for e in fs::read_dir(&a).unwrap() {
                 let f = e.unwrap().file_name();
-                assert_eq!(
-                    fs::read(a.join(&f)).unwrap(),
-                    fs::read(b.join(&f)).unwrap(),
-                    "{f:?}"
-                );
+                assert_eq!(fs::read(a.join(&f)).unwrap(), fs::read(b.join(&f)).unwrap(), "{f:?}");
             }
-            let (ta, tc) = (
-                fs::read(a.join("model.safetensors")).unwrap(),
-                fs::read(c.join("model.safetensors")).unwrap(),
-            );
+            let (ta, tc) = (fs::read(a.join("model.safetensors")).unwrap(), fs::read(c.join("model.safetensors")).unwrap());
             assert_eq!(ta.len(), tc.len());
             assert_ne!(ta, tc);
         }
@@ -2065,22 +1590,12 @@ mod tests {
         let logical = logical_tensors(&dims);
         for layout in [SynthLayout::default(), SynthLayout::HfBf16] {
             let stored = stored_tensors(&logical, layout);
-            let gen = |threads| Generator {
-                seed: 5,
-                zero_centred_norms: layout == SynthLayout::HfBf16,
-                dims: &dims,
-                logical: &logical,
-                threads,
-            };
+            let gen = |threads| Generator { seed: 5, zero_centred_norms: layout == SynthLayout::HfBf16, dims: &dims, logical: &logical, threads };
             let (one, three) = (gen(1), gen(3));
             for t in stored.iter().filter(|t| t.name.contains("embed_tokens")) {
                 let a = one.bytes(t);
                 if !matches!(t.part, Part::Scales { .. } | Part::Biases { .. }) {
-                    assert!(
-                        a.len() >= PARALLEL_MIN_BYTES,
-                        "{} exercises the threaded path",
-                        t.name
-                    );
+                    assert!(a.len() >= PARALLEL_MIN_BYTES, "{} exercises the threaded path", t.name);
                 }
                 assert_eq!(a, three.bytes(t), "{}", t.name);
             }
@@ -2094,106 +1609,44 @@ mod tests {
         let taken = scratch.join("taken");
         fs::create_dir(&taken).unwrap();
         fs::write(taken.join("keep.txt"), b"mine").unwrap();
-        let err = write_dims(
-            &dims,
-            &opts(
-                Preset::Qwen35_0_8B,
-                SynthLayout::default(),
-                1,
-                taken.clone(),
-            ),
-            &mut |_, _| {},
-        )
-        .unwrap_err();
-        assert!(
-            matches!(&err, SynthError::OutDirNotEmpty(p) if *p == taken),
-            "{err}"
-        );
+        let err = write_dims(&dims, &opts(Preset::Qwen35_0_8B, SynthLayout::default(), 1, taken.clone()), &mut |_, _| {}).unwrap_err();
+        assert!(matches!(&err, SynthError::OutDirNotEmpty(p) if *p == taken), "{err}");
         assert!(err.to_string().contains("taken"));
         assert_eq!(fs::read(taken.join("keep.txt")).unwrap(), b"mine");
 
         let file = scratch.join("a-file");
         fs::write(&file, b"x").unwrap();
-        let err = write_dims(
-            &dims,
-            &opts(Preset::Qwen35_0_8B, SynthLayout::default(), 1, file.clone()),
-            &mut |_, _| {},
-        )
-        .unwrap_err();
+        let err = write_dims(&dims, &opts(Preset::Qwen35_0_8B, SynthLayout::default(), 1, file.clone()), &mut |_, _| {}).unwrap_err();
         assert!(matches!(err, SynthError::OutPathNotDir(_)), "{err}");
 
         // An empty directory is fine to fill.
         let empty = scratch.join("empty");
         fs::create_dir(&empty).unwrap();
-        write_dims(
-            &dims,
-            &opts(
-                Preset::Qwen35_0_8B,
-                SynthLayout::default(),
-                1,
-                empty.clone(),
-            ),
-            &mut |_, _| {},
-        )
-        .unwrap();
+        write_dims(&dims, &opts(Preset::Qwen35_0_8B, SynthLayout::default(), 1, empty.clone()), &mut |_, _| {}).unwrap();
         assert!(empty.join("model.safetensors").is_file());
 
         // Invalid options and a bad tokenizer fail before anything is created.
         let fresh = scratch.join("fresh");
         let bad = [
-            SynthOptions {
-                layout: SynthLayout::Mlx4Bit { group_size: 48 },
-                ..opts(
-                    Preset::Qwen35_0_8B,
-                    SynthLayout::default(),
-                    1,
-                    fresh.clone(),
-                )
-            },
-            SynthOptions {
-                num_hidden_layers: Some(0),
-                ..opts(
-                    Preset::Qwen35_0_8B,
-                    SynthLayout::default(),
-                    1,
-                    fresh.clone(),
-                )
-            },
-            SynthOptions {
-                tokenizer: Some(scratch.join("a-file")),
-                ..opts(Preset::Qwen35_0_8B, SynthLayout::HfBf16, 1, fresh.clone())
-            },
+            SynthOptions { layout: SynthLayout::Mlx4Bit { group_size: 48 }, ..opts(Preset::Qwen35_0_8B, SynthLayout::default(), 1, fresh.clone()) },
+            SynthOptions { num_hidden_layers: Some(0), ..opts(Preset::Qwen35_0_8B, SynthLayout::default(), 1, fresh.clone()) },
+            SynthOptions { tokenizer: Some(scratch.join("a-file")), ..opts(Preset::Qwen35_0_8B, SynthLayout::HfBf16, 1, fresh.clone()) },
         ];
         for o in &bad {
             let err = write_checkpoint(o, &mut |_, _| {}).unwrap_err();
-            assert!(
-                matches!(
-                    err,
-                    SynthError::InvalidOption { .. } | SynthError::Tokenizer { .. }
-                ),
-                "{err}"
-            );
+            assert!(matches!(err, SynthError::InvalidOption { .. } | SynthError::Tokenizer { .. }), "{err}");
         }
         assert!(!fresh.exists());
         // No temporary directory survives any of the above.
-        let names: BTreeSet<String> = fs::read_dir(&scratch.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(
-            names,
-            BTreeSet::from(["a-file".into(), "empty".into(), "taken".into()])
-        );
+        let names: BTreeSet<String> = fs::read_dir(&scratch.0).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, BTreeSet::from(["a-file".into(), "empty".into(), "taken".into()]));
     }
 
     #[test]
     fn shards_follow_the_size_limit() {
         // The real 9B sizes: one MLX file (about 5.0 GB < 5 GiB), four HF files.
         let logical = logical_tensors(&Preset::Qwen35_9B.dims());
-        for (layout, limit, n) in [
-            (SynthLayout::default(), MLX_SHARD_BYTES, 1),
-            (SynthLayout::HfBf16, HF_SHARD_BYTES, 4),
-        ] {
+        for (layout, limit, n) in [(SynthLayout::default(), MLX_SHARD_BYTES, 1), (SynthLayout::HfBf16, HF_SHARD_BYTES, 4)] {
             let mut st = stored_tensors(&logical, layout);
             st.sort_by(|a, b| a.name.cmp(&b.name));
             let sizes: Vec<u64> = st.iter().map(|t| t.bytes() as u64).collect();

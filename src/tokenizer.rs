@@ -50,11 +50,7 @@ pub enum TokenizerError {
     Load { path: PathBuf, message: String },
     /// A field of a config file has the wrong type or an impossible value.
     #[error("{}: field `{field}`: {message}", path.display())]
-    Config {
-        path: PathBuf,
-        field: String,
-        message: String,
-    },
+    Config { path: PathBuf, field: String, message: String },
     /// The `tokenizers` crate failed to encode a text.
     #[error("cannot encode text: {message}")]
     Encode { message: String },
@@ -91,8 +87,7 @@ type Result<T, E = TokenizerError> = std::result::Result<T, E>;
 /// - `<|end|>`: Phi-3 end of turn.
 /// - `<|return|>`: gpt-oss (harmony) end of the final answer.
 /// - `<end_of_turn>`: Gemma end of turn.
-pub const END_OF_GENERATION_TOKENS: &[&str] =
-    &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "<|return|>", "<end_of_turn>"];
+pub const END_OF_GENERATION_TOKENS: &[&str] = &["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>", "<|return|>", "<end_of_turn>"];
 
 /// One chat message as chat templates see it (`{"role": ..., "content": ...}`).
 ///
@@ -109,10 +104,7 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message with the given role and content.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
+        Self { role: role.into(), content: content.into() }
     }
 }
 
@@ -126,11 +118,7 @@ pub struct Tokenizer {
 
 impl std::fmt::Debug for Tokenizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tokenizer")
-            .field("vocab_size", &self.vocab_size)
-            .field("eos_ids", &self.eos_ids)
-            .field("chat_template", &self.chat_template)
-            .finish_non_exhaustive()
+        f.debug_struct("Tokenizer").field("vocab_size", &self.vocab_size).field("eos_ids", &self.eos_ids).field("chat_template", &self.chat_template).finish_non_exhaustive()
     }
 }
 
@@ -139,10 +127,7 @@ fn read_optional(path: &Path) -> Result<Option<String>> {
     match std::fs::read_to_string(path) {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TokenizerError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
+        Err(source) => Err(TokenizerError::Io { path: path.to_path_buf(), source }),
     }
 }
 
@@ -150,32 +135,17 @@ fn read_optional(path: &Path) -> Result<Option<String>> {
 fn read_optional_json(path: &Path) -> Result<Option<Json>> {
     match read_optional(path)? {
         None => Ok(None),
-        Some(text) => {
-            serde_json::from_str(&text)
-                .map(Some)
-                .map_err(|source| TokenizerError::Json {
-                    path: path.to_path_buf(),
-                    source,
-                })
-        }
+        Some(text) => serde_json::from_str(&text).map(Some).map_err(|source| TokenizerError::Json { path: path.to_path_buf(), source }),
     }
 }
 
 fn config_error(path: &Path, field: &str, message: impl Into<String>) -> TokenizerError {
-    TokenizerError::Config {
-        path: path.to_path_buf(),
-        field: field.to_string(),
-        message: message.into(),
-    }
+    TokenizerError::Config { path: path.to_path_buf(), field: field.to_string(), message: message.into() }
 }
 
 /// `eos_token_id` as Hugging Face configs write it: absent/null, one integer, or a list of them.
 fn parse_id_list(value: Option<&Json>, path: &Path, field: &str) -> Result<Vec<u32>> {
-    let as_id = |v: &Json| -> Result<u32> {
-        v.as_u64()
-            .and_then(|n| u32::try_from(n).ok())
-            .ok_or_else(|| config_error(path, field, format!("expected a token id, found {v}")))
-    };
+    let as_id = |v: &Json| -> Result<u32> { v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| config_error(path, field, format!("expected a token id, found {v}"))) };
     match value {
         None | Some(Json::Null) => Ok(Vec::new()),
         Some(Json::Array(items)) => items.iter().map(as_id).collect(),
@@ -191,17 +161,9 @@ fn parse_token_string(value: Option<&Json>, path: &Path, field: &str) -> Result<
         Some(Json::String(s)) => Ok(Some(s.clone())),
         Some(Json::Object(o)) => match o.get("content") {
             Some(Json::String(s)) => Ok(Some(s.clone())),
-            _ => Err(config_error(
-                path,
-                field,
-                "object without a string `content`",
-            )),
+            _ => Err(config_error(path, field, "object without a string `content`")),
         },
-        Some(v) => Err(config_error(
-            path,
-            field,
-            format!("expected a token string, found {v}"),
-        )),
+        Some(v) => Err(config_error(path, field, format!("expected a token string, found {v}"))),
     }
 }
 
@@ -237,34 +199,17 @@ impl Tokenizer {
         let tokenizer_path = dir.join("tokenizer.json");
         let bytes = match std::fs::read(&tokenizer_path) {
             Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(TokenizerError::MissingFile {
-                    path: tokenizer_path,
-                })
-            }
-            Err(source) => {
-                return Err(TokenizerError::Io {
-                    path: tokenizer_path,
-                    source,
-                })
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(TokenizerError::MissingFile { path: tokenizer_path }),
+            Err(source) => return Err(TokenizerError::Io { path: tokenizer_path, source }),
         };
-        let mut inner =
-            tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Load {
-                path: tokenizer_path.clone(),
-                message: e.to_string(),
-            })?;
+        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| TokenizerError::Load { path: tokenizer_path.clone(), message: e.to_string() })?;
 
         let config_path = dir.join("tokenizer_config.json");
         let tokenizer_config = read_optional_json(&config_path)?;
         let tcfg = |key: &str| tokenizer_config.as_ref().and_then(|c| c.get(key));
         if let Some(c) = &tokenizer_config {
             if !c.is_object() {
-                return Err(config_error(
-                    &config_path,
-                    "(root)",
-                    "expected a JSON object",
-                ));
+                return Err(config_error(&config_path, "(root)", "expected a JSON object"));
             }
         }
 
@@ -285,57 +230,27 @@ impl Tokenizer {
         let mut eos_ids = Vec::new();
         let gen_path = dir.join("generation_config.json");
         if let Some(gen) = read_optional_json(&gen_path)? {
-            eos_ids.extend(parse_id_list(
-                gen.get("eos_token_id"),
-                &gen_path,
-                "eos_token_id",
-            )?);
+            eos_ids.extend(parse_id_list(gen.get("eos_token_id"), &gen_path, "eos_token_id")?);
         }
         if let Some(Json::String(eos)) = special_tokens.get("eos_token") {
-            let id = inner.token_to_id(eos).ok_or_else(|| {
-                config_error(
-                    &config_path,
-                    "eos_token",
-                    format!("{eos:?} is not a token of tokenizer.json"),
-                )
-            })?;
+            let id = inner.token_to_id(eos).ok_or_else(|| config_error(&config_path, "eos_token", format!("{eos:?} is not a token of tokenizer.json")))?;
             eos_ids.push(id);
         }
         let model_config_path = dir.join("config.json");
         if let Some(cfg) = read_optional_json(&model_config_path)? {
-            eos_ids.extend(parse_id_list(
-                cfg.get("eos_token_id"),
-                &model_config_path,
-                "eos_token_id",
-            )?);
-            eos_ids.extend(parse_id_list(
-                cfg.get("text_config").and_then(|t| t.get("eos_token_id")),
-                &model_config_path,
-                "text_config.eos_token_id",
-            )?);
+            eos_ids.extend(parse_id_list(cfg.get("eos_token_id"), &model_config_path, "eos_token_id")?);
+            eos_ids.extend(parse_id_list(cfg.get("text_config").and_then(|t| t.get("eos_token_id")), &model_config_path, "text_config.eos_token_id")?);
         }
         // Checkpoints whose configs name no EOS id (some mlx-community conversions) still
         // end turns and documents with these markers: llama.cpp stops on them by their text.
-        eos_ids.extend(
-            inner
-                .get_added_tokens_decoder()
-                .into_iter()
-                .filter(|(_, t)| t.special && END_OF_GENERATION_TOKENS.contains(&t.content.as_str()))
-                .map(|(id, _)| id),
-        );
+        eos_ids.extend(inner.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special && END_OF_GENERATION_TOKENS.contains(&t.content.as_str())).map(|(id, _)| id));
         eos_ids.sort_unstable();
         eos_ids.dedup();
 
-        let chat_template = load_chat_templates(dir, tcfg("chat_template"), &config_path)?
-            .map(|t| t.with_special_tokens(special_tokens));
+        let chat_template = load_chat_templates(dir, tcfg("chat_template"), &config_path)?.map(|t| t.with_special_tokens(special_tokens));
 
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Self {
-            inner,
-            vocab_size,
-            eos_ids,
-            chat_template,
-        })
+        Ok(Self { inner, vocab_size, eos_ids, chat_template })
     }
 
     /// Token ids of `text`, as `transformers`' `tokenizer.encode(text)` (add_special_tokens =
@@ -352,12 +267,7 @@ impl Tokenizer {
     /// template and then encodes it with `add_special_tokens = false`, since templates write
     /// their own BOS; use `false` for rendered chat prompts.
     pub fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let encoding = self
-            .inner
-            .encode_fast(text, add_special_tokens)
-            .map_err(|e| TokenizerError::Encode {
-                message: e.to_string(),
-            })?;
+        let encoding = self.inner.encode_fast(text, add_special_tokens).map_err(|e| TokenizerError::Encode { message: e.to_string() })?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -374,21 +284,14 @@ impl Tokenizer {
     }
 
     fn decode_unchecked(&self, ids: &[u32]) -> Result<String> {
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| TokenizerError::Decode {
-                message: e.to_string(),
-            })
+        self.inner.decode(ids, false).map_err(|e| TokenizerError::Decode { message: e.to_string() })
     }
 
     fn check_id(&self, id: u32) -> Result<()> {
         if self.inner.id_to_token(id).is_some() {
             Ok(())
         } else {
-            Err(TokenizerError::UnknownTokenId {
-                id,
-                vocab_size: self.vocab_size,
-            })
+            Err(TokenizerError::UnknownTokenId { id, vocab_size: self.vocab_size })
         }
     }
 
@@ -430,23 +333,13 @@ impl Tokenizer {
 
     /// An incremental detokenizer for generated ids (see [`TokenStream`]).
     pub fn stream(&self) -> TokenStream<'_> {
-        TokenStream {
-            tokenizer: TokenizerRef::Borrowed(self),
-            ids: Vec::new(),
-            read_offset: 0,
-            prefix: String::new(),
-        }
+        TokenStream { tokenizer: TokenizerRef::Borrowed(self), ids: Vec::new(), read_offset: 0, prefix: String::new() }
     }
 
     /// [`Tokenizer::stream`] holding a shared handle, so the stream can live apart from any
     /// borrow (one per running sequence of the batched runtime).
     pub fn stream_shared(self: &std::sync::Arc<Self>) -> TokenStream<'static> {
-        TokenStream {
-            tokenizer: TokenizerRef::Shared(self.clone()),
-            ids: Vec::new(),
-            read_offset: 0,
-            prefix: String::new(),
-        }
+        TokenStream { tokenizer: TokenizerRef::Shared(self.clone()), ids: Vec::new(), read_offset: 0, prefix: String::new() }
     }
 }
 
@@ -454,19 +347,12 @@ impl Tokenizer {
 /// lacks, at their declared ids, as `transformers` does when it loads both files.
 fn add_config_tokens(inner: &mut tokenizers::Tokenizer, decoder: &Json, path: &Path) -> Result<()> {
     const FIELD: &str = "added_tokens_decoder";
-    let map = decoder
-        .as_object()
-        .ok_or_else(|| config_error(path, FIELD, "expected an object of id -> token"))?;
+    let map = decoder.as_object().ok_or_else(|| config_error(path, FIELD, "expected an object of id -> token"))?;
     let mut entries = Vec::with_capacity(map.len());
     for (key, value) in map {
-        let id: u32 = key
-            .parse()
-            .map_err(|_| config_error(path, FIELD, format!("key {key:?} is not a token id")))?;
-        let content = value.get("content").and_then(Json::as_str).ok_or_else(|| {
-            config_error(path, FIELD, format!("entry {id} has no string `content`"))
-        })?;
-        let flag =
-            |name: &str, default: bool| value.get(name).and_then(Json::as_bool).unwrap_or(default);
+        let id: u32 = key.parse().map_err(|_| config_error(path, FIELD, format!("key {key:?} is not a token id")))?;
+        let content = value.get("content").and_then(Json::as_str).ok_or_else(|| config_error(path, FIELD, format!("entry {id} has no string `content`")))?;
+        let flag = |name: &str, default: bool| value.get(name).and_then(Json::as_bool).unwrap_or(default);
         let special = flag("special", false);
         let token = tokenizers::AddedToken::from(content.to_string(), special)
             .single_word(flag("single_word", false))
@@ -479,52 +365,21 @@ fn add_config_tokens(inner: &mut tokenizers::Tokenizer, decoder: &Json, path: &P
     for (id, token) in entries {
         match inner.token_to_id(&token.content) {
             Some(existing) if existing == id => continue,
-            Some(existing) => {
-                return Err(config_error(
-                    path,
-                    FIELD,
-                    format!(
-                        "{:?} has id {id} here but {existing} in tokenizer.json",
-                        token.content
-                    ),
-                ))
-            }
+            Some(existing) => return Err(config_error(path, FIELD, format!("{:?} has id {id} here but {existing} in tokenizer.json", token.content))),
             None => {}
         }
         if let Some(other) = inner.id_to_token(id) {
-            return Err(config_error(
-                path,
-                FIELD,
-                format!(
-                    "id {id} is {:?} here but {other:?} in tokenizer.json",
-                    token.content
-                ),
-            ));
+            return Err(config_error(path, FIELD, format!("id {id} is {:?} here but {other:?} in tokenizer.json", token.content)));
         }
         let next = inner.get_vocab_size(true) as u32;
         if id != next {
-            return Err(config_error(
-                path,
-                FIELD,
-                format!(
-                    "cannot add {:?} at id {id}: the next free id is {next}",
-                    token.content
-                ),
-            ));
+            return Err(config_error(path, FIELD, format!("cannot add {:?} at id {id}: the next free id is {next}", token.content)));
         }
         let content = token.content.clone();
-        let added = if token.special {
-            inner.add_special_tokens([token])
-        } else {
-            inner.add_tokens([token])
-        };
+        let added = if token.special { inner.add_special_tokens([token]) } else { inner.add_tokens([token]) };
         added.map_err(|e| config_error(path, FIELD, format!("cannot add {content:?}: {e}")))?;
         if inner.token_to_id(&content) != Some(id) {
-            return Err(config_error(
-                path,
-                FIELD,
-                format!("adding {content:?} did not give it id {id}"),
-            ));
+            return Err(config_error(path, FIELD, format!("adding {content:?} did not give it id {id}")));
         }
     }
     Ok(())
@@ -532,45 +387,23 @@ fn add_config_tokens(inner: &mut tokenizers::Tokenizer, decoder: &Json, path: &P
 
 /// Collects the chat templates of a model directory (see [`Tokenizer::from_dir`] for the
 /// precedence) and compiles them.
-fn load_chat_templates(
-    dir: &Path,
-    config_template: Option<&Json>,
-    config_path: &Path,
-) -> Result<Option<ChatTemplate>> {
+fn load_chat_templates(dir: &Path, config_template: Option<&Json>, config_path: &Path) -> Result<Option<ChatTemplate>> {
     // (name, source, origin); name "default" is the one used unless another is asked for.
     let mut sources: Vec<(String, String, String)> = Vec::new();
     match config_template {
         None | Some(Json::Null) => {}
-        Some(Json::String(s)) => sources.push((
-            DEFAULT_TEMPLATE.to_string(),
-            s.clone(),
-            format!("{} (chat_template)", config_path.display()),
-        )),
+        Some(Json::String(s)) => sources.push((DEFAULT_TEMPLATE.to_string(), s.clone(), format!("{} (chat_template)", config_path.display()))),
         Some(Json::Array(items)) => {
             for item in items {
                 let name = item.get("name").and_then(Json::as_str);
                 let template = item.get("template").and_then(Json::as_str);
                 let (Some(name), Some(template)) = (name, template) else {
-                    return Err(config_error(
-                        config_path,
-                        "chat_template",
-                        "list entries need string `name` and `template`",
-                    ));
+                    return Err(config_error(config_path, "chat_template", "list entries need string `name` and `template`"));
                 };
-                sources.push((
-                    name.to_string(),
-                    template.to_string(),
-                    format!("{} (chat_template {name:?})", config_path.display()),
-                ));
+                sources.push((name.to_string(), template.to_string(), format!("{} (chat_template {name:?})", config_path.display())));
             }
         }
-        Some(v) => {
-            return Err(config_error(
-                config_path,
-                "chat_template",
-                format!("expected a string or a list, found {v}"),
-            ))
-        }
+        Some(v) => return Err(config_error(config_path, "chat_template", format!("expected a string or a list, found {v}"))),
     }
 
     let mut set = |name: &str, source: String, origin: String| {
@@ -592,10 +425,7 @@ fn load_chat_templates(
             let Some(name) = path.file_stem().and_then(|s| s.to_str()) else {
                 continue;
             };
-            let source = std::fs::read_to_string(&path).map_err(|source| TokenizerError::Io {
-                path: path.clone(),
-                source,
-            })?;
+            let source = std::fs::read_to_string(&path).map_err(|source| TokenizerError::Io { path: path.clone(), source })?;
             let name = name.to_string();
             set(&name, source, path.display().to_string());
         }
@@ -605,20 +435,10 @@ fn load_chat_templates(
         if let Some(v) = read_optional_json(&json_path)? {
             match v.get("chat_template") {
                 Some(Json::String(s)) => {
-                    sources.push((
-                        DEFAULT_TEMPLATE.to_string(),
-                        s.clone(),
-                        format!("{} (chat_template)", json_path.display()),
-                    ));
+                    sources.push((DEFAULT_TEMPLATE.to_string(), s.clone(), format!("{} (chat_template)", json_path.display())));
                 }
                 None | Some(Json::Null) => {}
-                Some(_) => {
-                    return Err(config_error(
-                        &json_path,
-                        "chat_template",
-                        "expected a string",
-                    ))
-                }
+                Some(_) => return Err(config_error(&json_path, "chat_template", "expected a string")),
             }
         }
     }
@@ -646,15 +466,8 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let names: Vec<(&str, &str)> = self
-            .templates
-            .iter()
-            .map(|(n, o, _)| (n.as_str(), o.as_str()))
-            .collect();
-        f.debug_struct("ChatTemplate")
-            .field("templates", &names)
-            .field("special_tokens", &self.special_tokens)
-            .finish()
+        let names: Vec<(&str, &str)> = self.templates.iter().map(|(n, o, _)| (n.as_str(), o.as_str())).collect();
+        f.debug_struct("ChatTemplate").field("templates", &names).field("special_tokens", &self.special_tokens).finish()
     }
 }
 
@@ -675,11 +488,7 @@ impl ChatTemplate {
     ///
     /// Errors: [`TokenizerError::TemplateSyntax`] with the origin and line.
     pub fn new(source: impl Into<String>, origin: impl Into<String>) -> Result<Self> {
-        Self::from_named(vec![(
-            DEFAULT_TEMPLATE.to_string(),
-            source.into(),
-            origin.into(),
-        )])
+        Self::from_named(vec![(DEFAULT_TEMPLATE.to_string(), source.into(), origin.into())])
     }
 
     /// Compiles named templates: `(name, source, origin)`.
@@ -690,10 +499,7 @@ impl ChatTemplate {
                 .trim_blocks(true)
                 .lstrip_blocks(true)
                 .build()
-                .map_err(|e| TokenizerError::TemplateSyntax {
-                    origin: "(syntax configuration)".to_string(),
-                    message: describe_error(&e),
-                })?,
+                .map_err(|e| TokenizerError::TemplateSyntax { origin: "(syntax configuration)".to_string(), message: describe_error(&e) })?,
         );
         // Jinja2 as transformers uses it never auto-escapes; minijinja would pick HTML or JSON
         // escaping from a template name ending in .html or .json.
@@ -707,18 +513,10 @@ impl ChatTemplate {
 
         let mut templates = Vec::with_capacity(sources.len());
         for (name, source, origin) in sources {
-            env.add_template_owned(name.clone(), source.clone())
-                .map_err(|e| TokenizerError::TemplateSyntax {
-                    origin: origin.clone(),
-                    message: describe_error(&e),
-                })?;
+            env.add_template_owned(name.clone(), source.clone()).map_err(|e| TokenizerError::TemplateSyntax { origin: origin.clone(), message: describe_error(&e) })?;
             templates.push((name, origin, source));
         }
-        Ok(Self {
-            env,
-            templates,
-            special_tokens: serde_json::Map::new(),
-        })
+        Ok(Self { env, templates, special_tokens: serde_json::Map::new() })
     }
 
     /// Sets the variables `bos_token`, `eos_token`, ... that templates read (strings), as
@@ -766,12 +564,7 @@ impl ChatTemplate {
     ///
     /// Errors: [`TokenizerError::TemplateException`] with the template's own message when it
     /// calls `raise_exception`, [`TokenizerError::TemplateRender`] otherwise.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-        kwargs: &serde_json::Map<String, Json>,
-    ) -> Result<String> {
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool, kwargs: &serde_json::Map<String, Json>) -> Result<String> {
         let messages: Vec<Json> = messages
             .iter()
             .map(|m| {
@@ -787,21 +580,12 @@ impl ChatTemplate {
     /// [`render`](Self::render) for messages given as JSON objects, so they can carry
     /// `tool_calls`, `reasoning_content`, `name`, list-valued `content`, ... as OpenAI-style
     /// requests do.
-    pub fn render_json(
-        &self,
-        messages: &[Json],
-        add_generation_prompt: bool,
-        kwargs: &serde_json::Map<String, Json>,
-    ) -> Result<String> {
+    pub fn render_json(&self, messages: &[Json], add_generation_prompt: bool, kwargs: &serde_json::Map<String, Json>) -> Result<String> {
         let with_tools = kwargs.get("tools").is_some_and(|t| !t.is_null());
         let Some((name, origin, _)) = self.pick(with_tools) else {
             let names: Vec<&str> = self.names().collect();
             return Err(TokenizerError::TemplateRender {
-                origin: self
-                    .templates
-                    .first()
-                    .map(|(_, o, _)| o.clone())
-                    .unwrap_or_default(),
+                origin: self.templates.first().map(|(_, o, _)| o.clone()).unwrap_or_default(),
                 message: format!("several chat templates ({names:?}) and none named \"default\""),
             });
         };
@@ -817,30 +601,13 @@ impl ChatTemplate {
             ctx.insert(k.clone(), v.clone());
         }
         ctx.insert("messages".into(), Json::Array(messages.to_vec()));
-        ctx.insert(
-            "add_generation_prompt".into(),
-            Json::Bool(add_generation_prompt),
-        );
+        ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
 
-        let template = self
-            .env
-            .get_template(name)
-            .map_err(|e| TokenizerError::TemplateRender {
-                origin: origin.clone(),
-                message: describe_error(&e),
-            })?;
-        template
-            .render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| match raised_message(&e) {
-                Some(message) => TokenizerError::TemplateException {
-                    origin: origin.clone(),
-                    message,
-                },
-                None => TokenizerError::TemplateRender {
-                    origin: origin.clone(),
-                    message: describe_error(&e),
-                },
-            })
+        let template = self.env.get_template(name).map_err(|e| TokenizerError::TemplateRender { origin: origin.clone(), message: describe_error(&e) })?;
+        template.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| match raised_message(&e) {
+            Some(message) => TokenizerError::TemplateException { origin: origin.clone(), message },
+            None => TokenizerError::TemplateRender { origin: origin.clone(), message: describe_error(&e) },
+        })
     }
 }
 
@@ -874,16 +641,10 @@ fn describe_error(err: &minijinja::Error) -> String {
 }
 
 /// Prints values as Jinja2 in Python does where minijinja differs: `None`, `True`, `False`.
-fn python_formatter(
-    out: &mut minijinja::Output,
-    state: &mut minijinja::State,
-    value: &Value,
-) -> std::result::Result<(), minijinja::Error> {
+fn python_formatter(out: &mut minijinja::Output, state: &mut minijinja::State, value: &Value) -> std::result::Result<(), minijinja::Error> {
     match value.kind() {
         ValueKind::None => out.write_str("None").map_err(minijinja::Error::from),
-        ValueKind::Bool => out
-            .write_str(if value.is_true() { "True" } else { "False" })
-            .map_err(minijinja::Error::from),
+        ValueKind::Bool => out.write_str(if value.is_true() { "True" } else { "False" }).map_err(minijinja::Error::from),
         _ => match python_float(value) {
             Some(f) => out.write_str(&python_str_float(f)).map_err(minijinja::Error::from),
             None => minijinja::escape_formatter(out, state, value),
@@ -925,22 +686,14 @@ fn string_filter(state: &minijinja::State, value: &Value) -> std::result::Result
 /// `raise_exception(message)`: aborts rendering with the template's message
 /// (transformers raises `jinja2.exceptions.TemplateError(message)`).
 fn raise_exception(message: String) -> std::result::Result<Value, minijinja::Error> {
-    Err(
-        minijinja::Error::new(ErrorKind::InvalidOperation, message.clone())
-            .with_source(RaisedException(message)),
-    )
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, message.clone()).with_source(RaisedException(message)))
 }
 
 /// `strftime_now(format)`: the local time formatted as Python's
 /// `datetime.now().strftime(format)` (strftime directives via jiff).
 fn strftime_now(format: String) -> std::result::Result<String, minijinja::Error> {
     let now = jiff::ZonedDateTime::now();
-    jiff::fmt::strtime::format(&format, &now).map_err(|e| {
-        minijinja::Error::new(
-            ErrorKind::InvalidOperation,
-            format!("strftime_now({format:?}): {e}"),
-        )
-    })
+    jiff::fmt::strtime::format(&format, &now).map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("strftime_now({format:?}): {e}")))
 }
 
 /// Options of Python's `json.dumps` that transformers' `tojson` exposes.
@@ -958,23 +711,15 @@ struct JsonOptions {
 /// `json.dumps(...)` with the same arguments, positional or keyword. Unlike minijinja's and
 /// Jinja2's built-in filter it does not HTML-escape `<`, `>`, `&`, `'`, and it uses Python's
 /// separators (`", "`, `": "`), number formatting (`1e-06`, `1.0`) and string escaping.
-fn tojson(
-    value: &Value,
-    args: Rest<ValueOrKwargs>,
-) -> std::result::Result<Value, minijinja::Error> {
+fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> std::result::Result<Value, minijinja::Error> {
     let mut positional: Vec<Value> = args.into_values();
     let kwargs = match positional.last() {
-        Some(last) if last.is_kwargs() => {
-            Some(Kwargs::try_from(positional.pop().unwrap_or_default())?)
-        }
+        Some(last) if last.is_kwargs() => Some(Kwargs::try_from(positional.pop().unwrap_or_default())?),
         _ => None,
     };
     const NAMES: [&str; 4] = ["ensure_ascii", "indent", "separators", "sort_keys"];
     if positional.len() > NAMES.len() {
-        return Err(minijinja::Error::new(
-            ErrorKind::TooManyArguments,
-            "tojson takes at most 4 arguments (ensure_ascii, indent, separators, sort_keys)",
-        ));
+        return Err(minijinja::Error::new(ErrorKind::TooManyArguments, "tojson takes at most 4 arguments (ensure_ascii, indent, separators, sort_keys)"));
     }
     let arg = |i: usize| -> std::result::Result<Option<Value>, minijinja::Error> {
         let from_kw = match &kwargs {
@@ -982,10 +727,7 @@ fn tojson(
             _ => None,
         };
         match (positional.get(i).cloned(), from_kw) {
-            (Some(_), Some(_)) => Err(minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                format!("tojson got multiple values for argument '{}'", NAMES[i]),
-            )),
+            (Some(_), Some(_)) => Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson got multiple values for argument '{}'", NAMES[i]))),
             (a, b) => Ok(a.or(b)),
         }
     };
@@ -998,82 +740,43 @@ fn tojson(
             let n = v.as_i64().unwrap_or(0).max(0) as usize;
             Some(" ".repeat(n))
         }
-        Some(v) => {
-            return Err(minijinja::Error::new(
-                ErrorKind::InvalidOperation,
-                format!(
-                    "tojson indent must be an integer or a string, not {}",
-                    v.kind()
-                ),
-            ))
-        }
+        Some(v) => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson indent must be an integer or a string, not {}", v.kind()))),
     };
     let (item_separator, key_separator) = match arg(2)? {
         Some(v) if !v.is_none() && !v.is_undefined() => {
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
-                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
-                    a.as_str().unwrap_or_default().to_string(),
-                    b.as_str().unwrap_or_default().to_string(),
-                ),
-                _ => {
-                    return Err(minijinja::Error::new(
-                        ErrorKind::InvalidOperation,
-                        "tojson separators must be a pair of strings",
-                    ))
-                }
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (a.as_str().unwrap_or_default().to_string(), b.as_str().unwrap_or_default().to_string()),
+                _ => return Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson separators must be a pair of strings")),
             }
         }
         // Python: (', ', ': ') without indent, (',', ': ') with it.
-        _ => (
-            if indent.is_some() { "," } else { ", " }.to_string(),
-            ": ".to_string(),
-        ),
+        _ => (if indent.is_some() { "," } else { ", " }.to_string(), ": ".to_string()),
     };
     let sort_keys = arg(3)?.is_some_and(|v| v.is_true());
     if let Some(kw) = &kwargs {
         kw.assert_all_used()?;
     }
-    let options = JsonOptions {
-        ensure_ascii,
-        indent,
-        item_separator,
-        key_separator,
-        sort_keys,
-    };
+    let options = JsonOptions { ensure_ascii, indent, item_separator, key_separator, sort_keys };
     let mut out = String::new();
     write_python_json(value, &options, 0, &mut out)?;
     Ok(Value::from_safe_string(out))
 }
 
 fn not_serializable(kind: impl std::fmt::Display) -> minijinja::Error {
-    minijinja::Error::new(
-        ErrorKind::InvalidOperation,
-        format!("tojson: object of type {kind} is not JSON serializable"),
-    )
+    minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: object of type {kind} is not JSON serializable"))
 }
 
 /// Writes `value` as Python's `json.dumps` does (json/encoder.py), with `options`.
-fn write_python_json(
-    value: &Value,
-    options: &JsonOptions,
-    level: usize,
-    out: &mut String,
-) -> std::result::Result<(), minijinja::Error> {
+fn write_python_json(value: &Value, options: &JsonOptions, level: usize, out: &mut String) -> std::result::Result<(), minijinja::Error> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&python_number(value)?),
-        ValueKind::String => write_python_string(
-            value.as_str().unwrap_or_default(),
-            options.ensure_ascii,
-            out,
-        ),
+        ValueKind::String => write_python_string(value.as_str().unwrap_or_default(), options.ensure_ascii, out),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
-            write_container(out, options, level, '[', ']', items.len(), |i, out| {
-                write_python_json(&items[i], options, level + 1, out)
-            })?;
+            write_container(out, options, level, '[', ']', items.len(), |i, out| write_python_json(&items[i], options, level + 1, out))?;
         }
         ValueKind::Map => {
             let mut entries = Vec::new();
@@ -1139,10 +842,7 @@ fn python_key(key: &Value) -> std::result::Result<String, minijinja::Error> {
         ValueKind::Number => python_number(key),
         ValueKind::Bool => Ok(if key.is_true() { "true" } else { "false" }.to_string()),
         ValueKind::None => Ok("null".to_string()),
-        other => Err(minijinja::Error::new(
-            ErrorKind::InvalidOperation,
-            format!("tojson: keys must be str, int, float, bool or None, not {other}"),
-        )),
+        other => Err(minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: keys must be str, int, float, bool or None, not {other}"))),
     }
 }
 
@@ -1154,19 +854,12 @@ fn sort_python_keys(entries: &mut [(Value, Value)]) -> std::result::Result<(), m
         // Rust orders str by UTF-8 bytes, which is code-point order, as Python compares str.
         entries.sort_by(|a, b| a.0.as_str().cmp(&b.0.as_str()));
         Ok(())
-    } else if entries
-        .iter()
-        .all(|(k, _)| matches!(k.kind(), ValueKind::Number | ValueKind::Bool))
-    {
-        let num =
-            |v: &Value| f64::try_from(v.clone()).unwrap_or(if v.is_true() { 1.0 } else { 0.0 });
+    } else if entries.iter().all(|(k, _)| matches!(k.kind(), ValueKind::Number | ValueKind::Bool)) {
+        let num = |v: &Value| f64::try_from(v.clone()).unwrap_or(if v.is_true() { 1.0 } else { 0.0 });
         entries.sort_by(|a, b| num(&a.0).total_cmp(&num(&b.0)));
         Ok(())
     } else {
-        Err(minijinja::Error::new(
-            ErrorKind::InvalidOperation,
-            "tojson: sort_keys needs keys of one type",
-        ))
+        Err(minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: sort_keys needs keys of one type"))
     }
 }
 
@@ -1294,11 +987,7 @@ impl std::ops::Deref for TokenizerRef<'_> {
 
 impl std::fmt::Debug for TokenStream<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TokenStream")
-            .field("ids", &self.ids)
-            .field("read_offset", &self.read_offset)
-            .field("prefix", &self.prefix)
-            .finish()
+        f.debug_struct("TokenStream").field("ids", &self.ids).field("read_offset", &self.read_offset).field("prefix", &self.prefix).finish()
     }
 }
 
@@ -1341,12 +1030,7 @@ impl TokenStream<'_> {
             Some(rest) => rest.to_string(),
             None => {
                 // Emit from the first character where the texts differ.
-                let common = text
-                    .char_indices()
-                    .zip(self.prefix.chars())
-                    .take_while(|((_, a), b)| a == b)
-                    .last()
-                    .map_or(0, |((i, a), _)| i + a.len_utf8());
+                let common = text.char_indices().zip(self.prefix.chars()).take_while(|((_, a), b)| a == b).last().map_or(0, |((i, a), _)| i + a.len_utf8());
                 text[common..].to_string()
             }
         }
@@ -1372,27 +1056,15 @@ mod tests {
     }
 
     fn check_encode_cases(tok: &Tokenizer, file: &Path) {
-        let cases: Vec<Case> =
-            serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
+        let cases: Vec<Case> = serde_json::from_str(&std::fs::read_to_string(file).unwrap()).unwrap();
         assert!(cases.len() >= 20, "{}: too few cases", file.display());
         for case in &cases {
             let ids = tok.encode(&case.text).unwrap();
-            assert_eq!(
-                ids,
-                case.ids,
-                "encode({:?}) in {}",
-                case.text,
-                file.display()
-            );
+            assert_eq!(ids, case.ids, "encode({:?}) in {}", case.text, file.display());
             // The tokenizer NFC-normalizes; the only case that NFC changes is a combining
             // acute accent, which composes to U+00E9.
             let nfc = case.text.replace("e\u{301}", "\u{e9}");
-            assert_eq!(
-                tok.decode(&ids).unwrap(),
-                nfc,
-                "decode(encode({:?}))",
-                case.text
-            );
+            assert_eq!(tok.decode(&ids).unwrap(), nfc, "decode(encode({:?}))", case.text);
         }
     }
 
@@ -1407,10 +1079,7 @@ mod tests {
     fn qwen35_v2048_encode_cases() {
         let tok = Tokenizer::from_dir(&shared("tokenizers/qwen3.5-v2048")).unwrap();
         assert_eq!(tok.vocab_size(), 2048);
-        check_encode_cases(
-            &tok,
-            &shared("tokenizers/qwen3.5-v2048/encode_cases.json"),
-        );
+        check_encode_cases(&tok, &shared("tokenizers/qwen3.5-v2048/encode_cases.json"));
     }
 
     #[test]
@@ -1428,10 +1097,7 @@ mod tests {
         // Ids from the added_tokens list of tokenizer.json (shared/fixtures/README.md).
         let ids = tok.encode("<think></think><|im_end|>").unwrap();
         assert_eq!(ids, vec![248_068, 248_069, 248_046]);
-        assert_eq!(
-            tok.encode_with("<|im_start|>", false).unwrap(),
-            vec![248_045]
-        );
+        assert_eq!(tok.encode_with("<|im_start|>", false).unwrap(), vec![248_045]);
         assert_eq!(tok.decode(&ids).unwrap(), "<think></think><|im_end|>");
     }
 
@@ -1439,16 +1105,7 @@ mod tests {
     fn unknown_ids_are_errors() {
         let tok = qwen();
         let err = tok.decode(&[9419, 248_077]).unwrap_err();
-        assert!(
-            matches!(
-                err,
-                TokenizerError::UnknownTokenId {
-                    id: 248_077,
-                    vocab_size: 248_077
-                }
-            ),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::UnknownTokenId { id: 248_077, vocab_size: 248_077 }), "{err}");
         let mut stream = tok.stream();
         assert!(stream.push(300_000).is_err());
         assert_eq!(stream.push(9419).unwrap().as_deref(), Some("Hello"));
@@ -1460,30 +1117,16 @@ mod tests {
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let view = st.tensor("ids").unwrap();
         assert_eq!(view.dtype(), safetensors::Dtype::I32);
-        view.data()
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32)
-            .collect()
+        view.data().chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u32).collect()
     }
 
     #[test]
     fn vocab_fixture_chat_prompt_matches_reference_ids() {
         let fixture = shared("fixtures/vocab");
         let tok = Tokenizer::from_dir(&fixture.join("mlx-q4")).unwrap();
-        let template = tok
-            .chat_template()
-            .expect("the fixture ships chat_template.jinja");
+        let template = tok.chat_template().expect("the fixture ships chat_template.jinja");
         assert!(template.origin().ends_with("chat_template.jinja"));
-        let prompt = template
-            .render(
-                &[ChatMessage::new(
-                    "user",
-                    "Write a haiku about the sea, please.",
-                )],
-                true,
-                &serde_json::Map::new(),
-            )
-            .unwrap();
+        let prompt = template.render(&[ChatMessage::new("user", "Write a haiku about the sea, please.")], true, &serde_json::Map::new()).unwrap();
         let ids = tok.encode_with(&prompt, false).unwrap();
         let reference = reference_ids(&fixture.join("reference.safetensors"));
         assert_eq!(ids.len(), 18);
@@ -1497,8 +1140,7 @@ mod tests {
         let vocab = Tokenizer::from_dir(&shared("fixtures/vocab/mlx-q4")).unwrap();
         assert_eq!(vocab.eos_ids(), &[248_044, 248_046]);
         assert!(vocab.is_eos(248_046) && !vocab.is_eos(248_045));
-        let demo =
-            Tokenizer::from_dir(&shared("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
+        let demo = Tokenizer::from_dir(&shared("models/tensorfold-demo-py28m/mlx-q4")).unwrap();
         // <|endoftext|> from the configs, <|im_end|> (8191) as an end-of-generation marker.
         assert_eq!(demo.eos_ids(), &[8189, 8191]);
         assert!(demo.chat_template().is_none());
@@ -1510,22 +1152,12 @@ mod tests {
         assert_eq!(hf.eos_ids(), &[2015, 2017]);
         assert_eq!(mlx.eos_ids(), &[2015, 2017]);
         let (hf_t, mlx_t) = (hf.chat_template().unwrap(), mlx.chat_template().unwrap());
-        assert!(
-            hf_t.origin().contains("tokenizer_config.json"),
-            "{}",
-            hf_t.origin()
-        );
-        let msgs = [
-            ChatMessage::new("system", "s"),
-            ChatMessage::new("user", "u"),
-        ];
+        assert!(hf_t.origin().contains("tokenizer_config.json"), "{}", hf_t.origin());
+        let msgs = [ChatMessage::new("system", "s"), ChatMessage::new("user", "u")];
         let none = serde_json::Map::new();
         let rendered = hf_t.render(&msgs, true, &none).unwrap();
         assert_eq!(rendered, mlx_t.render(&msgs, true, &none).unwrap());
-        assert_eq!(
-            rendered,
-            "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
-        );
+        assert_eq!(rendered, "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n");
     }
 
     #[test]
@@ -1581,15 +1213,10 @@ mod tests {
 
     /// A scratch model directory holding the 2,048-id tokenizer plus the given files.
     fn scratch_dir(tag: &str, files: &[(&str, &str)]) -> PathBuf {
-        let dir =
-            std::env::temp_dir().join(format!("tensorfold-tokenizer-{tag}-{}", std::process::id()));
+        let dir = std::env::temp_dir().join(format!("tensorfold-tokenizer-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        std::fs::copy(
-            shared("tokenizers/qwen3.5-v2048/tokenizer.json"),
-            dir.join("tokenizer.json"),
-        )
-        .unwrap();
+        std::fs::copy(shared("tokenizers/qwen3.5-v2048/tokenizer.json"), dir.join("tokenizer.json")).unwrap();
         for (name, text) in files {
             let path = dir.join(name);
             std::fs::create_dir_all(path.parent().unwrap()).unwrap();
@@ -1611,32 +1238,16 @@ mod tests {
                         "bos_token": "<|im_start|>",
                         "chat_template": "from config"}"#,
                 ),
-                (
-                    "config.json",
-                    r#"{"eos_token_id": 7, "text_config": {"eos_token_id": [2017, 9]}}"#,
-                ),
-                (
-                    "chat_template.jinja",
-                    "{{ bos_token }}|{{ eos_token }}|{{ messages[0].content }}\n",
-                ),
+                ("config.json", r#"{"eos_token_id": 7, "text_config": {"eos_token_id": [2017, 9]}}"#),
+                ("chat_template.jinja", "{{ bos_token }}|{{ eos_token }}|{{ messages[0].content }}\n"),
             ],
         );
         let tok = Tokenizer::from_dir(&dir).unwrap();
         // <|endoftext|> is id 2015 in the 2,048-id vocabulary (2,015 ranks, then the specials).
         assert_eq!(tok.eos_ids(), &[7, 9, 2015, 2017]);
         let t = tok.chat_template().unwrap();
-        assert!(
-            t.origin().ends_with("chat_template.jinja"),
-            "{}",
-            t.origin()
-        );
-        let out = t
-            .render(
-                &[ChatMessage::new("user", "hi")],
-                false,
-                &serde_json::Map::new(),
-            )
-            .unwrap();
+        assert!(t.origin().ends_with("chat_template.jinja"), "{}", t.origin());
+        let out = t.render(&[ChatMessage::new("user", "hi")], false, &serde_json::Map::new()).unwrap();
         // minijinja, like Jinja2 by default, drops one trailing newline.
         assert_eq!(out, "<|im_start|>|<|endoftext|>|hi");
         std::fs::remove_dir_all(&dir).unwrap();
@@ -1644,18 +1255,14 @@ mod tests {
 
     #[test]
     fn load_errors_name_the_file() {
-        let empty =
-            std::env::temp_dir().join(format!("tensorfold-tokenizer-empty-{}", std::process::id()));
+        let empty = std::env::temp_dir().join(format!("tensorfold-tokenizer-empty-{}", std::process::id()));
         std::fs::create_dir_all(&empty).unwrap();
         let err = Tokenizer::from_dir(&empty).unwrap_err();
         assert!(matches!(err, TokenizerError::MissingFile { .. }));
         assert!(err.to_string().contains("tokenizer.json"), "{err}");
         std::fs::remove_dir_all(&empty).unwrap();
 
-        let dir = scratch_dir(
-            "badjson",
-            &[("generation_config.json", "{\"eos_token_id\": [1,")],
-        );
+        let dir = scratch_dir("badjson", &[("generation_config.json", "{\"eos_token_id\": [1,")]);
         let err = Tokenizer::from_dir(&dir).unwrap_err();
         assert!(matches!(err, TokenizerError::Json { .. }), "{err}");
         assert!(err.to_string().contains("generation_config.json"), "{err}");
@@ -1663,34 +1270,19 @@ mod tests {
 
         let dir = scratch_dir("badfield", &[("config.json", r#"{"eos_token_id": "x"}"#)]);
         let err = Tokenizer::from_dir(&dir).unwrap_err();
-        assert!(
-            err.to_string().contains("config.json") && err.to_string().contains("eos_token_id"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("config.json") && err.to_string().contains("eos_token_id"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
 
-        let dir = scratch_dir(
-            "badeos",
-            &[("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#)],
-        );
+        let dir = scratch_dir("badeos", &[("tokenizer_config.json", r#"{"eos_token": "<nope>"}"#)]);
         let err = Tokenizer::from_dir(&dir).unwrap_err();
         assert!(err.to_string().contains("<nope>"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
 
-        let dir = scratch_dir(
-            "badtemplate",
-            &[("chat_template.jinja", "line one\n{% if x %}unclosed")],
-        );
+        let dir = scratch_dir("badtemplate", &[("chat_template.jinja", "line one\n{% if x %}unclosed")]);
         let err = Tokenizer::from_dir(&dir).unwrap_err();
-        assert!(
-            matches!(err, TokenizerError::TemplateSyntax { .. }),
-            "{err}"
-        );
+        assert!(matches!(err, TokenizerError::TemplateSyntax { .. }), "{err}");
         let msg = err.to_string();
-        assert!(
-            msg.contains("chat_template.jinja") && msg.contains("line 2"),
-            "{msg}"
-        );
+        assert!(msg.contains("chat_template.jinja") && msg.contains("line 2"), "{msg}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -1711,13 +1303,7 @@ mod tests {
         assert_eq!(tok.encode("a<|extra|>").unwrap().last(), Some(&2048));
         std::fs::remove_dir_all(&dir).unwrap();
         // A conflicting id is an error naming the field.
-        let dir = scratch_dir(
-            "added-bad",
-            &[(
-                "tokenizer_config.json",
-                r#"{"added_tokens_decoder": {"2016": {"content": "<|im_end|>", "special": true}}}"#,
-            )],
-        );
+        let dir = scratch_dir("added-bad", &[("tokenizer_config.json", r#"{"added_tokens_decoder": {"2016": {"content": "<|im_end|>", "special": true}}}"#)]);
         let err = Tokenizer::from_dir(&dir).unwrap_err();
         assert!(err.to_string().contains("added_tokens_decoder"), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
@@ -1729,10 +1315,7 @@ mod tests {
         let text = "emoji 😀👍🏽 family 👨‍👩‍👧‍👦, 中文测试 Tōkyō 🇯🇵 done";
         let ids = tok.encode(text).unwrap();
         // The test only means something if some token is part of a character.
-        let split = ids
-            .iter()
-            .filter(|&&id| tok.decode(&[id]).unwrap().contains('\u{FFFD}'))
-            .count();
+        let split = ids.iter().filter(|&&id| tok.decode(&[id]).unwrap().contains('\u{FFFD}')).count();
         assert!(split >= 2, "no token of the test text splits a character");
 
         let mut stream = tok.stream();
@@ -1762,8 +1345,7 @@ mod tests {
             .iter()
             .find_map(|text| {
                 let ids = tok.encode(text).unwrap();
-                let cut = (1..ids.len())
-                    .find(|&k| tok.decode(&ids[..k]).unwrap().ends_with('\u{FFFD}'))?;
+                let cut = (1..ids.len()).find(|&k| tok.decode(&ids[..k]).unwrap().ends_with('\u{FFFD}'))?;
                 Some((ids, cut))
             })
             .expect("one of the characters spans several tokens");
@@ -1774,10 +1356,7 @@ mod tests {
         }
         out.push_str(&stream.finish());
         assert_eq!(out, tok.decode(&ids[..cut]).unwrap());
-        assert!(
-            out.starts_with("ok ") && out.ends_with('\u{FFFD}'),
-            "{out:?}"
-        );
+        assert!(out.starts_with("ok ") && out.ends_with('\u{FFFD}'), "{out:?}");
 
         // A real U+FFFD in the text is held only until the next token or the end.
         let ids = tok.encode("a\u{FFFD}").unwrap();
@@ -1936,9 +1515,7 @@ mod tests {
                 "arguments": {"city": "Oslo", "days": [1, 2.5]}}}]},
             {"role": "tool", "content": "rain"}
         ]));
-        let out = t
-            .render_json(&step, false, &serde_json::Map::new())
-            .unwrap();
+        let out = t.render_json(&step, false, &serde_json::Map::new()).unwrap();
         assert_eq!(out, "<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n<think>\nCall the tool.\n</think>\n\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n[1, 2.5]\n</parameter>\n</function>\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nrain\n</tool_response><|im_end|>\n");
 
         // The rendered prompt tokenizes with the template's special tokens as single ids.
@@ -1958,39 +1535,19 @@ mod tests {
             }
             other => panic!("expected a template exception, got {other}"),
         }
-        let late_system = [
-            ChatMessage::new("user", "a"),
-            ChatMessage::new("system", "b"),
-        ];
-        let err = t
-            .render(&late_system, true, &serde_json::Map::new())
-            .unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("System message must be at the beginning."),
-            "{err}"
-        );
+        let late_system = [ChatMessage::new("user", "a"), ChatMessage::new("system", "b")];
+        let err = t.render(&late_system, true, &serde_json::Map::new()).unwrap_err();
+        assert!(err.to_string().contains("System message must be at the beginning."), "{err}");
 
         let t = ChatTemplate::new("{{ raise_exception('x') }}", "inline").unwrap();
         let err = t.render(&[], false, &serde_json::Map::new()).unwrap_err();
-        assert!(
-            matches!(&err, TokenizerError::TemplateException { message, .. } if message == "x")
-        );
+        assert!(matches!(&err, TokenizerError::TemplateException { message, .. } if message == "x"));
         assert!(err.to_string().contains('x'));
 
         // Other failures are render errors naming the template.
         let t = ChatTemplate::new("{{ messages[0].content.nope.deeper }}", "inline2").unwrap();
-        let err = t
-            .render(
-                &[ChatMessage::new("user", "u")],
-                false,
-                &serde_json::Map::new(),
-            )
-            .unwrap_err();
-        assert!(
-            matches!(err, TokenizerError::TemplateRender { .. }),
-            "{err}"
-        );
+        let err = t.render(&[ChatMessage::new("user", "u")], false, &serde_json::Map::new()).unwrap_err();
+        assert!(matches!(err, TokenizerError::TemplateRender { .. }), "{err}");
         assert!(err.to_string().contains("inline2"), "{err}");
     }
 
@@ -2000,22 +1557,15 @@ mod tests {
         )
         .unwrap();
         let t = ChatTemplate::new(src, "tojson-test").unwrap();
-        t.render(&[], false, &json_map(serde_json::json!({ "data": data })))
-            .unwrap()
+        t.render(&[], false, &json_map(serde_json::json!({ "data": data }))).unwrap()
     }
 
     #[test]
     fn tojson_matches_python_json_dumps() {
         // Expected values: Python 3 json.dumps through transformers' tojson (see above).
         let a = "[1, 2.5, null, true, 1e-06, 1e+16, 0.0001, 1.0, 1.2345678901234568e+17, -0.0, 5e-324, 18446744073709551615]";
-        assert_eq!(
-            render_with_data("{{ data | tojson }}"),
-            format!("{{\"b\": \"<x> & ü\\n\\\"q\\\"\\u0001\u{7f}😀\", \"a\": {a}, \"e\": {{}}, \"l\": []}}")
-        );
-        assert_eq!(
-            render_with_data("{{ data | tojson(sort_keys=true) }}"),
-            format!("{{\"a\": {a}, \"b\": \"<x> & ü\\n\\\"q\\\"\\u0001\u{7f}😀\", \"e\": {{}}, \"l\": []}}")
-        );
+        assert_eq!(render_with_data("{{ data | tojson }}"), format!("{{\"b\": \"<x> & ü\\n\\\"q\\\"\\u0001\u{7f}😀\", \"a\": {a}, \"e\": {{}}, \"l\": []}}"));
+        assert_eq!(render_with_data("{{ data | tojson(sort_keys=true) }}"), format!("{{\"a\": {a}, \"b\": \"<x> & ü\\n\\\"q\\\"\\u0001\u{7f}😀\", \"e\": {{}}, \"l\": []}}"));
         assert_eq!(
             render_with_data("{{ data | tojson(ensure_ascii=true) }}"),
             format!("{{\"b\": \"<x> & \\u00fc\\n\\\"q\\\"\\u0001\\u007f\\ud83d\\ude00\", \"a\": {a}, \"e\": {{}}, \"l\": []}}")
@@ -2029,19 +1579,10 @@ mod tests {
             "{\n  \"b\": \"<x> & ü\\n\\\"q\\\"\\u0001\u{7f}😀\",\n  \"a\": [\n    1,\n    2.5,\n    null,\n    true,\n    1e-06,\n    1e+16,\n    0.0001,\n    1.0,\n    1.2345678901234568e+17,\n    -0.0,\n    5e-324,\n    18446744073709551615\n  ],\n  \"e\": {},\n  \"l\": []\n}"
         );
         // Positional arguments are (ensure_ascii, indent, ...), as in transformers.
-        assert_eq!(
-            render_with_data("{{ data.a[:3] | tojson(true, '\t') }}"),
-            "[\n\t1,\n\t2.5,\n\tnull\n]"
-        );
-        assert_eq!(
-            render_with_data("{{ {'k': 'v', 2: 'two'} | tojson }}"),
-            "{\"k\": \"v\", \"2\": \"two\"}"
-        );
+        assert_eq!(render_with_data("{{ data.a[:3] | tojson(true, '\t') }}"), "[\n\t1,\n\t2.5,\n\tnull\n]");
+        assert_eq!(render_with_data("{{ {'k': 'v', 2: 'two'} | tojson }}"), "{\"k\": \"v\", \"2\": \"two\"}");
         // Jinja2 prints Python's None/True/False; undefined prints nothing.
-        assert_eq!(
-            render_with_data("{{ none }}|{{ true }}|{{ false }}|{{ undefined_thing }}|{{ 1.0 }}"),
-            "None|True|False||1.0"
-        );
+        assert_eq!(render_with_data("{{ none }}|{{ true }}|{{ false }}|{{ undefined_thing }}|{{ 1.0 }}"), "None|True|False||1.0");
     }
 
     #[test]
@@ -2065,11 +1606,7 @@ mod tests {
     #[test]
     fn floats_print_and_stringify_as_python_str() {
         // Jinja2 3.1.6 renders this to the expected string, with data from json.loads.
-        let t = ChatTemplate::new(
-            "{% for x in data %}{{ x }}|{{ x | string }}|{{ (x | string) ~ '!' }} {% endfor %}",
-            "inline",
-        )
-        .unwrap();
+        let t = ChatTemplate::new("{% for x in data %}{{ x }}|{{ x | string }}|{{ (x | string) ~ '!' }} {% endfor %}", "inline").unwrap();
         let data = serde_json::json!({"data": [1e16, 0.00001, 2.0, -0.0, 0.25, 7, true, null, "s"]});
         assert_eq!(
             t.render(&[], false, &json_map(data)).unwrap(),
@@ -2091,9 +1628,7 @@ mod tests {
         .unwrap()
         .with_special_tokens(tokens);
         let kwargs = json_map(serde_json::json!({"custom": "c", "eos_token": "<E>"}));
-        let out = t
-            .render(&[ChatMessage::new("user", " a,b ")], true, &kwargs)
-            .unwrap();
+        let out = t.render(&[ChatMessage::new("user", " a,b ")], true, &kwargs).unwrap();
         // kwargs override the special tokens; tools defaults to None.
         assert_eq!(out, "<s>USER:a+b<E>[c|None]");
     }
@@ -2101,27 +1636,14 @@ mod tests {
     #[test]
     fn strftime_now_is_the_current_time() {
         let t = ChatTemplate::new("{{ strftime_now('%s') }}", "inline").unwrap();
-        let rendered: i64 = t
-            .render(&[], false, &serde_json::Map::new())
-            .unwrap()
-            .parse()
-            .unwrap();
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_secs() as i64;
+        let rendered: i64 = t.render(&[], false, &serde_json::Map::new()).unwrap().parse().unwrap();
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
         assert!((rendered - now).abs() < 600, "{rendered} vs {now}");
     }
 
     #[test]
     fn named_templates_pick_tool_use_with_tools() {
-        let dir = scratch_dir(
-            "named",
-            &[(
-                "tokenizer_config.json",
-                r#"{"chat_template": [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]}"#,
-            )],
-        );
+        let dir = scratch_dir("named", &[("tokenizer_config.json", r#"{"chat_template": [{"name": "default", "template": "D"}, {"name": "tool_use", "template": "T"}]}"#)]);
         let tok = Tokenizer::from_dir(&dir).unwrap();
         let t = tok.chat_template().unwrap();
         let none = serde_json::Map::new();

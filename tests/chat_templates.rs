@@ -26,9 +26,7 @@ fn resolve(path: &str) -> PathBuf {
 
 #[test]
 fn chat_templates_render_as_transformers() {
-    let cases_path = std::env::var_os("TENSORFOLD_CHAT_TEMPLATE_CASES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| resolve("tests/data/chat_templates.json"));
+    let cases_path = std::env::var_os("TENSORFOLD_CHAT_TEMPLATE_CASES").map(PathBuf::from).unwrap_or_else(|| resolve("tests/data/chat_templates.json"));
     let data: Json = serde_json::from_str(&std::fs::read_to_string(&cases_path).unwrap()).unwrap();
     let tok = Tokenizer::from_dir(&resolve(data["tokenizer"].as_str().unwrap())).unwrap();
 
@@ -61,33 +59,19 @@ fn chat_templates_render_as_transformers() {
                     }
                 }
                 (Some(_), Err(e)) => failures.push(format!("{name}: failed here: {e}")),
-                (None, Ok(text)) => failures.push(format!(
-                    "{name}: transformers failed ({}), rendered here: {text:?}",
-                    case["error"]["message"]
-                )),
+                (None, Ok(text)) => failures.push(format!("{name}: transformers failed ({}), rendered here: {text:?}", case["error"]["message"])),
                 (None, Err(e)) => {
                     let want = case["error"]["message"].as_str().unwrap();
                     if case["error"]["raised"].as_bool().unwrap() {
                         match e {
-                            TokenizerError::TemplateException { message, .. }
-                                if message == want => {}
-                            other => failures
-                                .push(format!("{name}: want exception {want:?}, got {other}")),
+                            TokenizerError::TemplateException { message, .. } if message == want => {}
+                            other => failures.push(format!("{name}: want exception {want:?}, got {other}")),
                         }
                     }
                 }
             }
         }
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {checked} cases differ:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
-    assert!(
-        checked >= 60,
-        "only {checked} cases in {}",
-        cases_path.display()
-    );
+    assert!(failures.is_empty(), "{} of {checked} cases differ:\n{}", failures.len(), failures.join("\n"));
+    assert!(checked >= 60, "only {checked} cases in {}", cases_path.display());
 }

@@ -7,11 +7,7 @@ use tensorfold::testutil::{shared, Reference, TempDir};
 use tensorfold::tokenizer::Tokenizer;
 
 fn tensorfold(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_tensorfold"))
-        .args(args)
-        .env("TENSORFOLD_SHARED", shared(""))
-        .output()
-        .expect("run tensorfold")
+    Command::new(env!("CARGO_BIN_EXE_tensorfold")).args(args).env("TENSORFOLD_SHARED", shared("")).output().expect("run tensorfold")
 }
 
 fn ok(args: &[&str]) -> String {
@@ -51,7 +47,30 @@ fn vocab_fixture_text_in_text_out_through_the_chat_template() {
 fn a_seed_reproduces_sampled_tokens_and_another_seed_does_not() {
     let d = shared("fixtures/tiny/mlx-q4");
     let d = d.to_str().unwrap();
-    let run = |seed: &str| ids(&ok(&["run", "-m", d, "--device", "cpu", "--prompt-ids", "5,6,7", "--print-ids", "--temp", "1.0", "--top-k", "0", "--top-p", "1", "--min-p", "0", "-n", "30", "--seed", seed]));
+    let run = |seed: &str| {
+        ids(&ok(&[
+            "run",
+            "-m",
+            d,
+            "--device",
+            "cpu",
+            "--prompt-ids",
+            "5,6,7",
+            "--print-ids",
+            "--temp",
+            "1.0",
+            "--top-k",
+            "0",
+            "--top-p",
+            "1",
+            "--min-p",
+            "0",
+            "-n",
+            "30",
+            "--seed",
+            seed,
+        ]))
+    };
     let a = run("5");
     assert_eq!(a.len(), 30);
     assert_eq!(a, run("5"));
@@ -87,7 +106,24 @@ fn dump_logits_never_leaves_or_replaces_a_temporary_file() {
     // the target was a directory and replacing a user's own file of that name.
     let tmp = TempDir::new("dump-tmp");
     let d = shared("fixtures/tiny/mlx-q4");
-    let run = |target: &Path| tensorfold(&["run", "-m", d.to_str().unwrap(), "--device", "cpu", "--prompt-ids", "1,2,3", "--temp", "0", "-n", "2", "--print-ids", "--dump-logits", target.to_str().unwrap()]);
+    let run = |target: &Path| {
+        tensorfold(&[
+            "run",
+            "-m",
+            d.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--prompt-ids",
+            "1,2,3",
+            "--temp",
+            "0",
+            "-n",
+            "2",
+            "--print-ids",
+            "--dump-logits",
+            target.to_str().unwrap(),
+        ])
+    };
     let names = || -> Vec<String> {
         let mut n: Vec<String> = std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         n.sort();
@@ -389,14 +425,7 @@ fn the_prompt_is_echoed_alike_from_p_f_and_stdin() {
     let from_f = ok(&[&args[..], &["-f", file.to_str().unwrap()]].concat());
     assert_eq!(from_f, from_p);
     for extra in [&["-f", "-"][..], &[][..]] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
-            .args(args)
-            .args(extra)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold")).args(args).args(extra).stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         child.stdin.take().unwrap().write_all(b"def add(a, b):").unwrap();
         let o = child.wait_with_output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));

@@ -273,7 +273,12 @@ fn the_program_takes_models_by_name_from_the_hub_cache() {
     let o = tensorfold(&["info", "-m", "mlx-community/Qwen3.5-0.8B-4bit"], tmp.path(), &offline);
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success());
-    assert!(e.contains("mlx-community/Qwen3.5-0.8B-4bit@main") && e.contains(&cache.join("models--mlx-community--Qwen3.5-0.8B-4bit").display().to_string()) && e.contains("HF_HUB_OFFLINE"), "{e}");
+    assert!(
+        e.contains("mlx-community/Qwen3.5-0.8B-4bit@main")
+            && e.contains(&cache.join("models--mlx-community--Qwen3.5-0.8B-4bit").display().to_string())
+            && e.contains("HF_HUB_OFFLINE"),
+        "{e}"
+    );
 
     // convert takes the name too, and records it in the model card.
     let out = tmp.path().join("converted");

@@ -151,13 +151,7 @@ fn copy_then_continue<B: Backend>(m: &Model<B>, what: &str) {
     assert!(matches!(b.copy_slot(&mut states, fresh, s0), Err(BackendError::Slot { slot, .. }) if slot == fresh as usize));
     let fresh = b.alloc_slot(&mut states).unwrap();
     b.copy_slot(&mut states, l0, fresh).unwrap();
-    let mut seqs = vec![
-        a.clone(),
-        la.clone(),
-        Seq { slot: s1, ..a.clone() },
-        Seq { slot: l1, ..la.clone() },
-        Seq { slot: fresh, ..la.clone() },
-    ];
+    let mut seqs = vec![a.clone(), la.clone(), Seq { slot: s1, ..a.clone() }, Seq { slot: l1, ..la.clone() }, Seq { slot: fresh, ..la.clone() }];
     decode_together(m, &mut states, &mut seqs, &mut m.scratch(8, 8).unwrap(), false);
     for (i, s) in seqs.iter().enumerate() {
         let want = if i % 2 == 0 && i != 4 { &want_short } else { &want_long };
@@ -264,11 +258,8 @@ fn gpu_samples_more_than_64_rows() {
             })
             .collect();
         let params: Vec<SamplingParams> = (0..n).map(|i| SamplingParams { seed: i as u64, repetition_penalty: 1.1, repeat_last_n: 8, ..SamplingParams::default() }).collect();
-        let rows: Vec<RowSampling> = seqs
-            .iter()
-            .zip(&params)
-            .map(|(s, p)| RowSampling { params: *p, window: s.ids[s.ids.len().saturating_sub(8)..].to_vec(), position: s.ids.len() as u64 })
-            .collect();
+        let rows: Vec<RowSampling> =
+            seqs.iter().zip(&params).map(|(s, p)| RowSampling { params: *p, window: s.ids[s.ids.len().saturating_sub(8)..].to_vec(), position: s.ids.len() as u64 }).collect();
         assert!(gpu.backend.set_sampling(&rows).unwrap(), "{n} rows sample on the device");
         let batch = Batch {
             ids: seqs.iter().map(|s| *s.ids.last().unwrap()).collect(),
@@ -284,11 +275,7 @@ fn gpu_samples_more_than_64_rows() {
             assert_eq!(got[r], want, "N = {n}, row {r}");
         }
         // More rows than set_sampling prepared: an error, and the backend goes on.
-        let batch2 = Batch {
-            ids: got.clone(),
-            seqs: batch.seqs.iter().map(|s| SeqRows { pos: s.pos + 1, ..*s }).collect(),
-            logit_rows: batch.logit_rows.clone(),
-        };
+        let batch2 = Batch { ids: got.clone(), seqs: batch.seqs.iter().map(|s| SeqRows { pos: s.pos + 1, ..*s }).collect(), logit_rows: batch.logit_rows.clone() };
         assert!(gpu.backend.set_sampling(&rows[..1]).unwrap());
         assert!(matches!(gpu.step_sample(&batch2, &mut states, &mut scratch, v), Err(BackendError::Batch(_))));
     }

@@ -7,10 +7,7 @@ use tensorfold::backend::cuda::compile;
 #[test]
 fn every_kernel_compiles_for_hopper_and_ampere() {
     if !compile::nvrtc_available() {
-        assert!(
-            std::env::var("TENSORFOLD_REQUIRE_NVRTC").is_err(),
-            "TENSORFOLD_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)"
-        );
+        assert!(std::env::var("TENSORFOLD_REQUIRE_NVRTC").is_err(), "TENSORFOLD_REQUIRE_NVRTC is set but libnvrtc cannot be loaded (LD_LIBRARY_PATH?)");
         eprintln!("skipped: libnvrtc not found (pip install nvidia-cuda-nvrtc and add its lib dir to LD_LIBRARY_PATH)");
         return;
     }

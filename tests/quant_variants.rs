@@ -47,10 +47,7 @@ struct Variant {
 
 const VARIANTS: &[Variant] = &[
     Variant { dir: "q8-g64", expect: &[("embed_tokens", embed, 8, 64), ("layers.0.mlp.down_proj", down_proj_0, 8, 64)] },
-    Variant {
-        dir: "q4-g32",
-        expect: &[("embed_tokens", embed, 4, 32), ("layers.1.linear_attn.out_proj", gdn_out_proj_1, 4, 32)],
-    },
+    Variant { dir: "q4-g32", expect: &[("embed_tokens", embed, 4, 32), ("layers.1.linear_attn.out_proj", gdn_out_proj_1, 4, 32)] },
     Variant { dir: "q4-g128", expect: &[("embed_tokens", embed, 4, 128), ("layers.3.self_attn.o_proj", attn_o_proj_3, 4, 128)] },
     // config.json: default bits 4 group 64; every mlp.down_proj bits 8 group 32; layer 3's
     // self_attn.o_proj bits 8 group 128.

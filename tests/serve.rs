@@ -77,10 +77,7 @@ impl Server {
             .expect("run python3 (the serve tests need python3 and `pip install openai==3.51.0`, as .ci/run does)");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         println!("{text}");
-        assert!(
-            !text.contains("No module named 'openai'"),
-            "the serve tests need the openai package: python3 -m pip install openai==3.51.0 (as .ci/run does)"
-        );
+        assert!(!text.contains("No module named 'openai'"), "the serve tests need the openai package: python3 -m pip install openai==3.51.0 (as .ci/run does)");
         assert!(out.status.success(), "python suite {class} failed:\n{text}\nserver log:\n{}", self.log());
         assert!(text.contains("\nOK"), "python suite {class} did not report OK:\n{text}");
     }
@@ -128,7 +125,12 @@ fn queue_limit_api_key_context_limit_and_draining_shutdown() {
     // A streaming request in flight when SIGTERM comes finishes before the process exits.
     let mut s = TcpStream::connect(&server.addr).expect("connect");
     let body = r#"{"prompt": "Go", "max_tokens": 12, "stream": true, "ignore_eos": true}"#;
-    write!(s, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len()).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
     let mut first = [0u8; 64];
     let n = s.read(&mut first).expect("read the response head");
     assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&first[..n]));

@@ -432,7 +432,9 @@ fn session_files_with_ids_outside_the_vocabulary_or_non_finite_state_are_refused
 
     // NaN or infinity in each kind of state array. The fixture's layers are GDN 0-2 and attention 3.
     let nan = f32::NAN;
-    for (array, i, layer, element, value) in [("conv window", 1, 1, 5, nan), ("recurrent state", 2, 2, 100, f32::INFINITY), ("key cache", 0, 3, 7, f32::NEG_INFINITY), ("value cache", 0, 3, 9, nan)] {
+    for (array, i, layer, element, value) in
+        [("conv window", 1, 1, 5, nan), ("recurrent state", 2, 2, 100, f32::INFINITY), ("key cache", 0, 3, 7, f32::NEG_INFINITY), ("value cache", 0, 3, 9, nan)]
+    {
         let mut st = state.clone();
         let arrays = match array {
             "conv window" => &mut st.conv,

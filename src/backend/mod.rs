@@ -58,11 +58,7 @@ impl Batch {
     /// or for every row when `all_logits`.
     pub fn single(slot: u32, pos: u32, ids: &[u32], all_logits: bool) -> Self {
         let n = ids.len() as u32;
-        Self {
-            ids: ids.to_vec(),
-            seqs: vec![SeqRows { slot, first_row: 0, len: n, pos }],
-            logit_rows: if all_logits { (0..n).collect() } else { vec![n.saturating_sub(1)] },
-        }
+        Self { ids: ids.to_vec(), seqs: vec![SeqRows { slot, first_row: 0, len: n, pos }], logit_rows: if all_logits { (0..n).collect() } else { vec![n.saturating_sub(1)] } }
     }
 
     /// Number of rows (tokens) in the step.

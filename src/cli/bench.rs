@@ -238,9 +238,7 @@ pub fn bench(mut a: BenchArgs) -> Result<()> {
             let launches = (b.launches() - l0) as f64 / 64.0;
             let waits = (b.host_waits() - w0) as f64 / 64.0;
             let nodes = b.decode_graph_nodes().unwrap_or(0);
-            let mut notes = vec![
-                format!("a decode token: 1 CUDA graph launch of {nodes} kernels + {launches:.1} other kernel launches, {waits:.1} host wait(s)"),
-            ];
+            let mut notes = vec![format!("a decode token: 1 CUDA graph launch of {nodes} kernels + {launches:.1} other kernel launches, {waits:.1} host wait(s)")];
             // What limits decode: the chain of dependent kernels (timed empty) and the bytes
             // (at the copy bandwidth) are the two floors; the rest is work inside the kernels.
             // (A failure to time the empty graph only drops the line.)
@@ -322,7 +320,18 @@ fn phase_report(p: Phase, m: &MachineFigures) -> PhaseReport {
             gfs = Some(g);
         }
     }
-    PhaseReport { name: p.name(), phase: p, tokens_per_second: tps, ms_per_token: ms, bytes_per_token: bpt, gb_per_second: gbs, percent_of_bandwidth: pbw, percent_of_read_bandwidth: prd, gflop_per_second: gfs, percent_of_fma_peak: ppk }
+    PhaseReport {
+        name: p.name(),
+        phase: p,
+        tokens_per_second: tps,
+        ms_per_token: ms,
+        bytes_per_token: bpt,
+        gb_per_second: gbs,
+        percent_of_bandwidth: pbw,
+        percent_of_read_bandwidth: prd,
+        gflop_per_second: gfs,
+        percent_of_fma_peak: ppk,
+    }
 }
 
 /// The lines before the table, and its header: printed before the phases run, so each row can
@@ -336,7 +345,13 @@ fn print_header(a: &Resolved, dir: &std::path::Path, model_summary: &str, backen
     println!("machine  copy bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {})", bw.median / 1e9, bw.min / 1e9, bw.max / 1e9, m.copy_bandwidth_method);
     if !m.read_bandwidth.is_empty() {
         let g = Spread::of(&m.read_bandwidth);
-        println!("         read bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {}): the ceiling of decode, which mostly reads", g.median / 1e9, g.min / 1e9, g.max / 1e9, m.read_bandwidth_method);
+        println!(
+            "         read bandwidth {:.2} GB/s (median; {:.2}-{:.2}; {}): the ceiling of decode, which mostly reads",
+            g.median / 1e9,
+            g.min / 1e9,
+            g.max / 1e9,
+            m.read_bandwidth_method
+        );
     }
     println!("         f32 FMA peak {:.1} GFLOP/s ({})", m.fma_peak / 1e9, m.fma_peak_method);
     println!("{} repetitions per phase; median (min-max)", a.repeats);
@@ -367,7 +382,16 @@ fn print_row(p: &PhaseReport) {
 /// After the phases: notes, definitions and the JSON file. `pre` are the machine figures the
 /// rows were computed against (measured before the phases); `m` adds any measured after.
 #[allow(clippy::too_many_arguments)]
-fn report(a: &Resolved, dir: &std::path::Path, model_summary: String, backend: String, pre: &MachineFigures, m: MachineFigures, phases: Vec<Phase>, notes: Vec<String>) -> Result<()> {
+fn report(
+    a: &Resolved,
+    dir: &std::path::Path,
+    model_summary: String,
+    backend: String,
+    pre: &MachineFigures,
+    m: MachineFigures,
+    phases: Vec<Phase>,
+    notes: Vec<String>,
+) -> Result<()> {
     let bw = Spread::of(&m.copy_bandwidth);
     let rbw = (!m.read_bandwidth.is_empty()).then(|| Spread::of(&m.read_bandwidth));
     let date = jiff::fmt::strtime::format("%Y-%m-%d %H:%M:%S %Z", &jiff::ZonedDateTime::now()).unwrap_or_default();
@@ -393,7 +417,11 @@ fn report(a: &Resolved, dir: &std::path::Path, model_summary: String, backend: S
     };
     println!();
     if r.machine.copy_bandwidth.len() > pre.copy_bandwidth.len() {
-        println!("machine  after the phases, with the samples taken then: copy bandwidth {:.2} GB/s (median){}", r.copy_bandwidth_gb_s.median, r.read_bandwidth_gb_s.map_or(String::new(), |g| format!(", read bandwidth {:.2} GB/s", g.median)));
+        println!(
+            "machine  after the phases, with the samples taken then: copy bandwidth {:.2} GB/s (median){}",
+            r.copy_bandwidth_gb_s.median,
+            r.read_bandwidth_gb_s.map_or(String::new(), |g| format!(", read bandwidth {:.2} GB/s", g.median))
+        );
     }
     for n in &r.notes {
         println!("         {n}");
@@ -465,7 +493,10 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
         }),
     }?;
     println!("model: {} ({}), commit {}", dir.display(), rt.info().backend, commit());
-    println!("{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}", "conc", "prompt", "gen", "decode t/s", "direct t/s", "total t/s", "ttft med", "ttft p99", "itl med", "itl p99", "host %");
+    println!(
+        "{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}",
+        "conc", "prompt", "gen", "decode t/s", "direct t/s", "total t/s", "ttft med", "ttft p99", "itl med", "itl p99", "host %"
+    );
     let mut rows = Vec::new();
     for (&c, &direct_tps) in levels.iter().zip(&direct) {
         // Warm-up at this size (a device records its graphs for this batch shape).
@@ -488,7 +519,8 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
         rows.push(serde_json::json!({ "runtime": r, "direct_decode_tokens_per_second": direct_tps }));
     }
     if let Some(p) = &a.json {
-        let j = serde_json::json!({ "tool": "tensorfold bench --concurrency", "commit": commit(), "model": dir.display().to_string(), "backend": rt.info().backend, "levels": rows });
+        let j =
+            serde_json::json!({ "tool": "tensorfold bench --concurrency", "commit": commit(), "model": dir.display().to_string(), "backend": rt.info().backend, "levels": rows });
         std::fs::write(p, serde_json::to_string_pretty(&j)?).with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())

@@ -156,7 +156,9 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let runtime = match a.device {
         super::Device::Cpu => {
             let threads = a.threads;
-            Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads))?, chunk)?.with_model_dir(model_dir)) })
+            Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
+                Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads))?, chunk)?.with_model_dir(model_dir))
+            })
         }
         super::Device::Cuda(n) => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
             let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
@@ -173,11 +175,8 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     let system: Vec<ChatMessage> = a.system.iter().map(|t| ChatMessage::new("system", t.clone())).collect();
     let mut messages = system.clone();
     let max_new = if a.n_predict < 0 { None } else { Some(a.n_predict as usize) };
-    let mut input = if interactive {
-        Input::Tty(rustyline::DefaultEditor::new().context("opening the terminal for line editing")?)
-    } else {
-        Input::Pipe(std::io::stdin().lock().lines())
-    };
+    let mut input =
+        if interactive { Input::Tty(rustyline::DefaultEditor::new().context("opening the terminal for line editing")?) } else { Input::Pipe(std::io::stdin().lock().lines()) };
     loop {
         let Some(line) = input.message()? else { break };
         let line = line.as_str();
@@ -239,7 +238,16 @@ pub fn chat(a: ChatArgs) -> Result<()> {
 /// snapshot lacks), streams the reply to stdout and returns its text; `last` becomes the state
 /// after the reply.
 #[allow(clippy::too_many_arguments)]
-fn turn(runtime: &Runtime, tokenizer: &Tokenizer, template: &tensorfold::tokenizer::ChatTemplate, kwargs: &serde_json::Map<String, serde_json::Value>, messages: &[ChatMessage], params: SamplingParams, max_new: Option<usize>, last: &mut Option<Saved>) -> Result<String> {
+fn turn(
+    runtime: &Runtime,
+    tokenizer: &Tokenizer,
+    template: &tensorfold::tokenizer::ChatTemplate,
+    kwargs: &serde_json::Map<String, serde_json::Value>,
+    messages: &[ChatMessage],
+    params: SamplingParams,
+    max_new: Option<usize>,
+    last: &mut Option<Saved>,
+) -> Result<String> {
     // Templates write their own special tokens, so none are added (as transformers).
     let ids = tokenizer.encode_with(&template.render(messages, true, kwargs)?, false)?;
     let mut req = Request::new(ids.clone(), params, StopRules { eos_ids: tokenizer.eos_ids().to_vec(), strings: Vec::new(), max_tokens: max_new });

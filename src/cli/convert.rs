@@ -28,13 +28,7 @@ pub struct ConvertArgs {
 
 pub fn convert(a: ConvertArgs) -> Result<()> {
     let (src_dir, base_model) = super::resolve_model(&a.src)?;
-    let opts = ConvertOptions {
-        src_dir,
-        out_dir: a.out_dir.clone(),
-        quant: QuantParams { group_size: a.q_group_size, bits: a.q_bits },
-        overrides: a.q_override,
-        base_model,
-    };
+    let opts = ConvertOptions { src_dir, out_dir: a.out_dir.clone(), quant: QuantParams { group_size: a.q_group_size, bits: a.q_bits }, overrides: a.q_override, base_model };
     let bar = if std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(indicatif::ProgressStyle::with_template("converting {bar:40} {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})").unwrap());

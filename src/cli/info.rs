@@ -55,18 +55,22 @@ pub fn info(a: InfoArgs) -> Result<()> {
     println!("lm_head          {}", if c.tie_word_embeddings { "tied to embed_tokens" } else { "separate" });
     println!("max positions    {}", c.max_position_embeddings);
     let quant = match &w.embed_tokens.data {
-        MatrixData::Affine { bits, group_size, .. } => format!("MLX affine {bits}-bit, group_size {group_size}{}", if c.quantization.overrides.is_empty() { "" } else { " (with per-module overrides)" }),
+        MatrixData::Affine { bits, group_size, .. } => {
+            format!("MLX affine {bits}-bit, group_size {group_size}{}", if c.quantization.overrides.is_empty() { "" } else { " (with per-module overrides)" })
+        }
         MatrixData::Float { dtype, .. } => format!("none ({dtype:?} weights)"),
     };
     println!("quantization     {quant}");
     println!("parameters       {} ({:.3} B)", costs.parameters, costs.parameters as f64 / 1e9);
     println!("checkpoint files {}", mib(host.checkpoint.file_bytes()));
-    println!("decode token     {} at context 0 ({} weights incl. LM head {}, state r+w {}), + {} per context token (KV read)",
+    println!(
+        "decode token     {} at context 0 ({} weights incl. LM head {}, state r+w {}), + {} per context token (KV read)",
         mib(costs.decode_bytes(0)),
         mib(costs.matrix_bytes + costs.embedding_row_bytes + costs.vector_bytes),
         mib(costs.lm_head_bytes),
         mib(2 * (costs.conv_state_bytes + costs.recurrent_state_bytes)),
-        mib(costs.kv_bytes_per_token));
+        mib(costs.kv_bytes_per_token)
+    );
     println!(
         "session state    {} conv + {} recurrent (f32) + {:.1} KiB KV cache per token (f32) = {} at 4096 tokens",
         mib(costs.conv_state_bytes),
@@ -74,10 +78,7 @@ pub fn info(a: InfoArgs) -> Result<()> {
         costs.kv_bytes_per_token as f64 / 1024.0,
         mib(costs.state_bytes(4096))
     );
-    println!(
-        "state bytes      {} + {} + {}·tokens (exact, f32 conv + recurrent + KV per token)",
-        costs.conv_state_bytes, costs.recurrent_state_bytes, costs.kv_bytes_per_token
-    );
+    println!("state bytes      {} + {} + {}·tokens (exact, f32 conv + recurrent + KV per token)", costs.conv_state_bytes, costs.recurrent_state_bytes, costs.kv_bytes_per_token);
     let every = tensorfold::session::DEFAULT_SNAPSHOT_EVERY;
     println!(
         "snapshot         the session state + 4 B of ids per token: {} at {every} tokens ({} bytes), {} at 4096; chat takes one every {every} tokens within 1 GiB by default",

@@ -407,11 +407,12 @@ fn generate(
     let bar = if prompt.len() - start > a.chunk.max(1).saturating_mul(4) && std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new((prompt.len() - start) as u64);
         // indicatif's own {per_sec} prints `1,081.5814/s`: one decimal, in tokens.
-        let style = indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({rate} tok/s, eta {eta})")
-            .expect("a valid template")
-            .with_key("rate", |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
+        let style = indicatif::ProgressStyle::with_template("prompt {bar:40} {pos}/{len} tokens ({rate} tok/s, eta {eta})").expect("a valid template").with_key(
+            "rate",
+            |s: &indicatif::ProgressState, w: &mut dyn std::fmt::Write| {
                 let _ = std::fmt::Write::write_fmt(w, format_args!("{:.1}", s.per_sec()));
-            });
+            },
+        );
         b.set_style(style);
         Some(b)
     } else {
@@ -539,10 +540,7 @@ fn write_logits(path: &std::path::Path, logits: &[f32], ids: &[u32], vocab: usiz
     let lb: Vec<u8> = logits.iter().flat_map(|x| x.to_le_bytes()).collect();
     let ib: Vec<u8> = ids.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect();
     let t = ids.len();
-    let views = vec![
-        ("logits".to_string(), TensorView::new(Dtype::F32, vec![t, vocab], &lb)?),
-        ("ids".to_string(), TensorView::new(Dtype::I32, vec![t], &ib)?),
-    ];
+    let views = vec![("logits".to_string(), TensorView::new(Dtype::F32, vec![t, vocab], &lb)?), ("ids".to_string(), TensorView::new(Dtype::I32, vec![t], &ib)?)];
     let bytes = safetensors::serialize(views, None)?;
     tensorfold::fsutil::write_atomic(path, |f| f.write_all(&bytes))?;
     Ok(())

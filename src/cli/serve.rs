@@ -114,7 +114,16 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         None => max_pos,
     };
     tracing::info!(target: "tensorfold::serve", "model {} ({}) loaded in {:.2} s; system_fingerprint {fingerprint}", dir.display(), runtime.info().backend, t0.elapsed().as_secs_f64());
-    let cfg = ServeConfig { model_id, api_key: a.api_key.filter(|k| !k.is_empty()), max_model_len, defaults, max_n: a.max_n, max_body_bytes: a.max_body_bytes, fingerprint, keep_alive: Duration::from_secs(5) };
+    let cfg = ServeConfig {
+        model_id,
+        api_key: a.api_key.filter(|k| !k.is_empty()),
+        max_model_len,
+        defaults,
+        max_n: a.max_n,
+        max_body_bytes: a.max_body_bytes,
+        fingerprint,
+        keep_alive: Duration::from_secs(5),
+    };
     let state = Arc::new(AppState::new(runtime, tokenizer, cfg));
 
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("tensorfold-http").build().context("starting the async runtime")?;

@@ -6,15 +6,15 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use std::sync::Arc;
 use tensorfold::backend::cpu::Cpu;
 use tensorfold::backend::cuda::Cuda;
-use std::sync::Arc;
 use tensorfold::engine::Engine;
+use tensorfold::model::{HostModel, Model};
 use tensorfold::runtime::{Event, FinishReason, Handle, Request, Runtime, RuntimeConfig, StopRules};
+use tensorfold::sampling::argmax;
 use tensorfold::sampling::SamplingParams;
 use tensorfold::session::Session;
-use tensorfold::model::{HostModel, Model};
-use tensorfold::sampling::argmax;
 use tensorfold::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
@@ -97,7 +97,8 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     let dev = eg.model.backend.numerics_check(&xs)?;
     let mut bad = 0;
     for (i, &x) in xs.iter().enumerate() {
-        let host_v = [tensorfold::numerics::exp(x), tensorfold::numerics::log(x), tensorfold::numerics::softplus(x), tensorfold::numerics::sigmoid(x), tensorfold::numerics::silu(x)];
+        let host_v =
+            [tensorfold::numerics::exp(x), tensorfold::numerics::log(x), tensorfold::numerics::softplus(x), tensorfold::numerics::sigmoid(x), tensorfold::numerics::silu(x)];
         for (k, h) in host_v.iter().enumerate() {
             let d = dev[5 * i + k];
             if d.to_bits() != h.to_bits() && !(d.is_nan() && h.is_nan()) {
@@ -187,7 +188,10 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         }
         pending = vec![next_c];
     }
-    println!("sampling: {sample_steps} steps (temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {}): device ids == host ids", params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty);
+    println!(
+        "sampling: {sample_steps} steps (temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {}): device ids == host ids",
+        params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty
+    );
     println!("verify: OK on {device}");
     Ok(())
 }
@@ -270,7 +274,9 @@ fn concurrent(a: &VerifyArgs, n: usize) -> Result<()> {
         let cfg = RuntimeConfig { max_seqs, max_waiting: n.max(1), max_batch_tokens: chunk.max(max_seqs), chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
         Ok(match device {
             super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?) })?,
-            super::Device::Cuda(o) => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cuda::new(o).with_context(|| format!("opening CUDA device {o}"))?)?, chunk)?) })?,
+            super::Device::Cuda(o) => {
+                Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cuda::new(o).with_context(|| format!("opening CUDA device {o}"))?)?, chunk)?) })?
+            }
         })
     };
     let t0 = Instant::now();
@@ -306,7 +312,11 @@ fn concurrent(a: &VerifyArgs, n: usize) -> Result<()> {
     }
     let mut bad = 0;
     for (i, h) in handles.iter_mut().enumerate() {
-        let mut got = if i == 0 && lead.reason.is_some() { std::mem::replace(&mut lead, Outcome { ids: Vec::new(), logits: Vec::new(), reason: None }) } else { drain(h, (i == cancelled && n > 1).then_some(steps / 2)) };
+        let mut got = if i == 0 && lead.reason.is_some() {
+            std::mem::replace(&mut lead, Outcome { ids: Vec::new(), logits: Vec::new(), reason: None })
+        } else {
+            drain(h, (i == cancelled && n > 1).then_some(steps / 2))
+        };
         if i == 0 && !lead.ids.is_empty() {
             let mut ids = std::mem::take(&mut lead.ids);
             ids.extend(got.ids);
@@ -319,11 +329,18 @@ fn concurrent(a: &VerifyArgs, n: usize) -> Result<()> {
         let expect_cancel = i == cancelled && n > 1;
         // A cancelled request is compared over the tokens its solo run has.
         let k = got.ids.len().min(steps);
-        let ok = got.ids[..k] == want.ids[..k] && got.logits[..k] == want.logits[..k] && if expect_cancel { got.reason == Some(FinishReason::Cancelled) && got.ids.len() >= steps / 2 } else { got.ids.len() == steps };
+        let ok = got.ids[..k] == want.ids[..k]
+            && got.logits[..k] == want.logits[..k]
+            && if expect_cancel { got.reason == Some(FinishReason::Cancelled) && got.ids.len() >= steps / 2 } else { got.ids.len() == steps };
         if !ok {
             bad += 1;
             let at = got.ids.iter().zip(&want.ids).zip(got.logits.iter().zip(&want.logits)).position(|((a, b), (x, y))| a != b || x != y);
-            println!("sequence {i} (prompt {} tokens, {}): {k} tokens, {:?}; first difference at token {at:?}", cases[i].0.len(), if i % 2 == 0 { "greedy" } else { "sampled" }, got.reason);
+            println!(
+                "sequence {i} (prompt {} tokens, {}): {k} tokens, {:?}; first difference at token {at:?}",
+                cases[i].0.len(),
+                if i % 2 == 0 { "greedy" } else { "sampled" },
+                got.reason
+            );
         }
     }
     let st = rt.stats();

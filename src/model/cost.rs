@@ -111,11 +111,7 @@ impl Costs {
     /// vectors), the conv and recurrent state read and written, the KV cache read (`context`
     /// rows) and the new KV row written.
     pub fn decode_bytes(&self, context: usize) -> u64 {
-        self.matrix_bytes
-            + self.embedding_row_bytes
-            + self.vector_bytes
-            + 2 * (self.conv_state_bytes + self.recurrent_state_bytes)
-            + self.kv_bytes_per_token * (context as u64 + 1)
+        self.matrix_bytes + self.embedding_row_bytes + self.vector_bytes + 2 * (self.conv_state_bytes + self.recurrent_state_bytes) + self.kv_bytes_per_token * (context as u64 + 1)
     }
 
     /// State bytes of one sequence holding `tokens` tokens of context.

@@ -202,7 +202,14 @@ pub fn forward_probed<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::S
         match &layer.mixer {
             Mixer::GatedDeltaNet(g) => {
                 // (G1) m = W_qkv·u, z = W_z·u, b = W_b·u, a = W_a·u
-                b.rms_norm_matmul(&s.x, &layer.input_layernorm, eps, n, &mut s.u, &mut [(&g.in_proj_qkv, &mut s.qkv), (&g.in_proj_z, &mut s.z), (&g.in_proj_b, &mut s.beta), (&g.in_proj_a, &mut s.alpha)]);
+                b.rms_norm_matmul(
+                    &s.x,
+                    &layer.input_layernorm,
+                    eps,
+                    n,
+                    &mut s.u,
+                    &mut [(&g.in_proj_qkv, &mut s.qkv), (&g.in_proj_z, &mut s.z), (&g.in_proj_b, &mut s.beta), (&g.in_proj_a, &mut s.alpha)],
+                );
                 probe(l, "input_layernorm", &s.u);
                 probe(l, "linear_attn.in_proj_qkv", &s.qkv);
                 probe(l, "linear_attn.in_proj_z", &s.z);

@@ -243,11 +243,7 @@ impl<M, V> Weights<M, V> {
     }
 
     /// The same weights with every matrix and vector converted (e.g. uploaded to a device).
-    pub fn map<M2, V2, E>(
-        &self,
-        fm: &mut impl FnMut(&M) -> Result<M2, E>,
-        fv: &mut impl FnMut(&V) -> Result<V2, E>,
-    ) -> Result<Weights<M2, V2>, E> {
+    pub fn map<M2, V2, E>(&self, fm: &mut impl FnMut(&M) -> Result<M2, E>, fv: &mut impl FnMut(&V) -> Result<V2, E>) -> Result<Weights<M2, V2>, E> {
         let mut layers = Vec::with_capacity(self.layers.len());
         for l in &self.layers {
             let mixer = match &l.mixer {
@@ -334,7 +330,8 @@ impl Layout {
 }
 
 /// Prefixes of tensors a text engine skips (vision tower, multi-token-prediction head).
-pub(crate) const SKIPPED: &[&str] = &["model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "language_model.vision_tower.", "mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp."];
+pub(crate) const SKIPPED: &[&str] =
+    &["model.visual.", "visual.", "vision_tower.", "model.vision_tower.", "language_model.vision_tower.", "mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp."];
 
 struct Loader<'a> {
     ck: &'a Checkpoint,
@@ -351,13 +348,7 @@ impl<'a> Loader<'a> {
 
     fn check_shape(&self, e: &TensorEntry, expected: &[usize], why: &str) -> Result<(), WeightsError> {
         if e.shape != expected {
-            return Err(WeightsError::Shape {
-                file: self.ck.path_of(e).to_path_buf(),
-                name: e.name.clone(),
-                found: e.shape.clone(),
-                expected: expected.to_vec(),
-                why: why.into(),
-            });
+            return Err(WeightsError::Shape { file: self.ck.path_of(e).to_path_buf(), name: e.name.clone(), found: e.shape.clone(), expected: expected.to_vec(), why: why.into() });
         }
         Ok(())
     }
@@ -390,19 +381,11 @@ impl<'a> Loader<'a> {
             let q: QuantParams = self.cfg.quantization.for_module(module).ok_or_else(|| WeightsError::Quantization {
                 file: file.clone(),
                 name: wname.clone(),
-                problem: if self.cfg.quantization.default.is_none() {
-                    "has no `quantization` block".into()
-                } else {
-                    "marks this module as not quantized".into()
-                },
+                problem: if self.cfg.quantization.default.is_none() { "has no `quantization` block".into() } else { "marks this module as not quantized".into() },
             })?;
             let per_word = 32 / q.bits as usize;
             if !cols.is_multiple_of(q.group_size) {
-                return Err(WeightsError::Quantization {
-                    file,
-                    name: wname,
-                    problem: format!("gives group_size {} that does not divide the {cols} input columns", q.group_size),
-                });
+                return Err(WeightsError::Quantization { file, name: wname, problem: format!("gives group_size {} that does not divide the {cols} input columns", q.group_size) });
             }
             let qwhy = format!("{why}; {} bits, group_size {}", q.bits, q.group_size);
             self.check_shape(e, &[rows, cols / per_word], &qwhy)?;
@@ -416,25 +399,13 @@ impl<'a> Loader<'a> {
             let st = self.float_type(se)?;
             let bt = self.float_type(be)?;
             if st != bt {
-                return Err(WeightsError::Dtype {
-                    file: self.ck.path_of(be).to_path_buf(),
-                    name: bname,
-                    found: be.dtype,
-                    expected: format!("{st:?} like `{sname}`"),
-                });
+                return Err(WeightsError::Dtype { file: self.ck.path_of(be).to_path_buf(), name: bname, found: be.dtype, expected: format!("{st:?} like `{sname}`") });
             }
             Ok(Matrix {
                 name: wname,
                 rows,
                 cols,
-                data: MatrixData::Affine {
-                    bits: q.bits,
-                    group_size: q.group_size,
-                    weight,
-                    scales: self.ck.bytes(se),
-                    biases: self.ck.bytes(be),
-                    scale_dtype: st,
-                },
+                data: MatrixData::Affine { bits: q.bits, group_size: q.group_size, weight, scales: self.ck.bytes(se), biases: self.ck.bytes(be), scale_dtype: st },
             })
         } else {
             let ft = self.float_type(e)?;
@@ -486,9 +457,7 @@ pub fn load(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Loaded, WeightsError> 
                 };
                 match &norm_offset {
                     None => norm_offset = Some((hf_conv, conv_name.clone())),
-                    Some((prev, first)) if *prev != hf_conv => {
-                        return Err(WeightsError::MixedLayout { dir: ck.dir.clone(), first: first.clone(), second: conv_name })
-                    }
+                    Some((prev, first)) if *prev != hf_conv => return Err(WeightsError::MixedLayout { dir: ck.dir.clone(), first: first.clone(), second: conv_name }),
                     _ => {}
                 }
                 let cft = ld.float_type(ce)?;
@@ -562,11 +531,7 @@ pub fn load(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Loaded, WeightsError> 
         }
     }
 
-    let ignored: Vec<String> = ck
-        .tensors()
-        .map(|t| t.name.clone())
-        .filter(|n| !ld.used.contains(n) && !SKIPPED.iter().any(|s| n.starts_with(s)))
-        .collect();
+    let ignored: Vec<String> = ck.tensors().map(|t| t.name.clone()).filter(|n| !ld.used.contains(n) && !SKIPPED.iter().any(|s| n.starts_with(s))).collect();
     Ok(Loaded { weights: Weights { embed_tokens, layers, norm, lm_head }, layout, norm_offsets: offsets, ignored })
 }
 

@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, BackendError, RowSampling, SequenceState};
 use crate::config::ModelConfig;
 use crate::engine::{Choose, Chosen, Engine, StepRows};
-use crate::sampling::{SamplingParams, Sampler};
+use crate::sampling::{Sampler, SamplingParams};
 use crate::session::{self, PrefixStats, Session, SnapshotConfig};
 use crate::tokenizer::Tokenizer;
 
@@ -107,18 +107,7 @@ pub struct Request {
 impl Request {
     /// Greedy decoding of `prompt`, ending on `stop`.
     pub fn new(prompt: Vec<u32>, params: SamplingParams, stop: StopRules) -> Self {
-        Self {
-            prompt,
-            params,
-            stop,
-            logit_bias: Vec::new(),
-            logprobs: None,
-            return_logits: false,
-            prompt_logits: false,
-            resume: None,
-            return_state: false,
-            progress: false,
-        }
+        Self { prompt, params, stop, logit_bias: Vec::new(), logprobs: None, return_logits: false, prompt_logits: false, resume: None, return_state: false, progress: false }
     }
 }
 
@@ -167,9 +156,14 @@ pub struct Finished {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// Admitted: this many prompt tokens are reused, the rest will be fed.
-    Started { cached_tokens: usize },
+    Started {
+        cached_tokens: usize,
+    },
     /// Prompt tokens fed so far (of the prompt's length).
-    Progress { done: usize, total: usize },
+    Progress {
+        done: usize,
+        total: usize,
+    },
     /// `[rows, V]` logits of the prompt positions one step fed (with
     /// [`Request::prompt_logits`]).
     PromptLogits(Vec<f32>),
@@ -714,7 +708,11 @@ impl<B: Backend> Worker<B> {
             .map(|s| {
                 let se = s.session();
                 let pos = se.position();
-                let stride = if self.cfg.snapshots.enabled() && self.cfg.snapshots.every > 0 && !s.req.prompt_logits { Some(self.cfg.snapshots.every - pos % self.cfg.snapshots.every) } else { None };
+                let stride = if self.cfg.snapshots.enabled() && self.cfg.snapshots.every > 0 && !s.req.prompt_logits {
+                    Some(self.cfg.snapshots.every - pos % self.cfg.snapshots.every)
+                } else {
+                    None
+                };
                 let boundary = s.boundaries.iter().find(|&&b| b > pos).map(|b| b - pos);
                 let until = match (stride, boundary) {
                     (Some(a), Some(b)) => Some(a.min(b)),

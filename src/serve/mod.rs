@@ -193,7 +193,15 @@ async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> 
             let given = req.headers().contains_key(header::AUTHORIZATION) || req.headers().contains_key("x-api-key");
             let message = if given { "the API key is not valid" } else { "an API key is required: send `Authorization: Bearer KEY` or `x-api-key: KEY`" };
             tracing::info!(target: "tensorfold::serve", path = %req.uri().path(), status = 401, "refused: {message}");
-            return ApiError { status: StatusCode::UNAUTHORIZED, message: message.into(), kind: "authentication_error", param: None, code: Some("invalid_api_key"), retry_after: None }.into_response();
+            return ApiError {
+                status: StatusCode::UNAUTHORIZED,
+                message: message.into(),
+                kind: "authentication_error",
+                param: None,
+                code: Some("invalid_api_key"),
+                retry_after: None,
+            }
+            .into_response();
         }
     }
     next.run(req).await
@@ -227,7 +235,14 @@ async fn metrics_text(State(st): State<Arc<AppState>>) -> Response {
 }
 
 async fn not_found(req: HttpRequest) -> ApiError {
-    ApiError { status: StatusCode::NOT_FOUND, message: format!("no route for {} {}", req.method(), req.uri().path()), kind: "invalid_request_error", param: None, code: Some("not_found"), retry_after: None }
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        message: format!("no route for {} {}", req.method(), req.uri().path()),
+        kind: "invalid_request_error",
+        param: None,
+        code: Some("not_found"),
+        retry_after: None,
+    }
 }
 
 /// Serves `state` on `listener` until Ctrl-C or SIGTERM; then stops accepting, lets running

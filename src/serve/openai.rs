@@ -182,7 +182,10 @@ struct Plan {
 
 fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
-        Some(m) if m != st.config.model_id => Err(ApiError::invalid(format!("the model `{m}` is not served here; this server serves `{}` (GET /v1/models)", st.config.model_id), Some("model")).with_code("model_not_found")),
+        Some(m) if m != st.config.model_id => {
+            Err(ApiError::invalid(format!("the model `{m}` is not served here; this server serves `{}` (GET /v1/models)", st.config.model_id), Some("model"))
+                .with_code("model_not_found"))
+        }
         _ => Ok(()),
     }
 }
@@ -210,7 +213,9 @@ fn render_chat(st: &AppState, messages: Option<&[Value]>, add_generation_prompt:
         return Err(ApiError::invalid("the model has no chat template; use /v1/completions", Some("messages")));
     };
     let empty = Map::new();
-    let text = template.render_json(messages, add_generation_prompt, kwargs.unwrap_or(&empty)).map_err(|e| ApiError::invalid(format!("the chat template could not render `messages`: {e}"), Some("messages")))?;
+    let text = template
+        .render_json(messages, add_generation_prompt, kwargs.unwrap_or(&empty))
+        .map_err(|e| ApiError::invalid(format!("the chat template could not render `messages`: {e}"), Some("messages")))?;
     // Templates write their own special tokens, so none are added (as transformers does).
     st.tokenizer.encode_with(&text, false).map_err(|e| ApiError::internal(format!("encoding the rendered prompt: {e}")))
 }
@@ -263,7 +268,9 @@ fn plan(st: &AppState, b: &GenerateBody, kind: Kind) -> Result<Plan, ApiError> {
         None => {}
     }
     match b.repeat_last_n {
-        Some(n) if n < -1 => return Err(ApiError::invalid(format!("`repeat_last_n` = {n} is invalid: it must be -1 (everything), 0 (off) or a positive count"), Some("repeat_last_n"))),
+        Some(n) if n < -1 => {
+            return Err(ApiError::invalid(format!("`repeat_last_n` = {n} is invalid: it must be -1 (everything), 0 (off) or a positive count"), Some("repeat_last_n")))
+        }
         Some(n) => p.repeat_last_n = n,
         None => {}
     }
@@ -306,10 +313,16 @@ fn plan(st: &AppState, b: &GenerateBody, kind: Kind) -> Result<Plan, ApiError> {
         (Kind::Chat, Some(LogprobsInput::Bool(true)), k) => Some(k.unwrap_or(0) as usize),
         (Kind::Chat, None | Some(LogprobsInput::Bool(false)), Some(_)) => return Err(ApiError::invalid("`top_logprobs` needs `logprobs: true`", Some("top_logprobs"))),
         (Kind::Chat, None | Some(LogprobsInput::Bool(false)), None) => None,
-        (Kind::Chat, Some(LogprobsInput::Count(_)), _) => return Err(ApiError::invalid("`logprobs` must be a boolean for chat completions (the count goes in `top_logprobs`)", Some("logprobs"))),
-        (Kind::Completion, Some(LogprobsInput::Count(k)), _) if k > MAX_TOP_LOGPROBS => return Err(ApiError::invalid(format!("`logprobs` = {k} is invalid: at most {MAX_TOP_LOGPROBS}"), Some("logprobs"))),
+        (Kind::Chat, Some(LogprobsInput::Count(_)), _) => {
+            return Err(ApiError::invalid("`logprobs` must be a boolean for chat completions (the count goes in `top_logprobs`)", Some("logprobs")))
+        }
+        (Kind::Completion, Some(LogprobsInput::Count(k)), _) if k > MAX_TOP_LOGPROBS => {
+            return Err(ApiError::invalid(format!("`logprobs` = {k} is invalid: at most {MAX_TOP_LOGPROBS}"), Some("logprobs")))
+        }
         (Kind::Completion, Some(LogprobsInput::Count(k)), _) => Some(k as usize),
-        (Kind::Completion, Some(LogprobsInput::Bool(_)), _) => return Err(ApiError::invalid("`logprobs` must be an integer for completions (how many top entries)", Some("logprobs"))),
+        (Kind::Completion, Some(LogprobsInput::Bool(_)), _) => {
+            return Err(ApiError::invalid("`logprobs` must be an integer for completions (how many top entries)", Some("logprobs")))
+        }
         (Kind::Completion, None, _) => None,
     };
 
@@ -345,7 +358,10 @@ fn plan(st: &AppState, b: &GenerateBody, kind: Kind) -> Result<Plan, ApiError> {
         return Err(ApiError::invalid("`prompt` holds no prompt", Some("prompt")));
     }
     if prompts.len() * n as usize > cfg.max_n {
-        return Err(ApiError::invalid(format!("{} prompts times n = {n} make {} sequences; the server's limit is {}", prompts.len(), prompts.len() * n as usize, cfg.max_n), Some("prompt")));
+        return Err(ApiError::invalid(
+            format!("{} prompts times n = {n} make {} sequences; the server's limit is {}", prompts.len(), prompts.len() * n as usize, cfg.max_n),
+            Some("prompt"),
+        ));
     }
     let max_len = cfg.max_model_len;
     for p in &prompts {
@@ -356,12 +372,20 @@ fn plan(st: &AppState, b: &GenerateBody, kind: Kind) -> Result<Plan, ApiError> {
             return Err(ApiError::invalid(format!("`prompt` token id {id} is outside the vocabulary ({v_eff} ids)"), Some("prompt")));
         }
         if p.len() >= max_len {
-            return Err(ApiError::invalid(format!("this model's maximum context length is {max_len} tokens, and the prompt holds {} tokens, which leaves no room to generate", p.len()), Some(prompt_field)).with_code("context_length_exceeded"));
+            return Err(ApiError::invalid(
+                format!("this model's maximum context length is {max_len} tokens, and the prompt holds {} tokens, which leaves no room to generate", p.len()),
+                Some(prompt_field),
+            )
+            .with_code("context_length_exceeded"));
         }
         if let Some(m) = max_tokens {
             if p.len().saturating_add(m) > max_len {
                 return Err(ApiError::invalid(
-                    format!("this model's maximum context length is {max_len} tokens, but the request asks for {} ({} in the prompt, {m} in the completion: `{max_field}`)", p.len().saturating_add(m), p.len()),
+                    format!(
+                        "this model's maximum context length is {max_len} tokens, but the request asks for {} ({} in the prompt, {m} in the completion: `{max_field}`)",
+                        p.len().saturating_add(m),
+                        p.len()
+                    ),
                     Some(max_field),
                 )
                 .with_code("context_length_exceeded"));
@@ -670,7 +694,16 @@ async fn generate(st: Arc<AppState>, kind: Kind, body: Result<Bytes, BytesReject
         Ok(c) => c,
         Err(e) => return log.fail(&st, e),
     };
-    let ctx = Ctx { kind, id, created: unix_now(), model: st.config.model_id.clone(), fingerprint: st.config.fingerprint.clone(), include_usage: plan.include_usage, logprobs: plan.logprobs.is_some(), st: st.clone() };
+    let ctx = Ctx {
+        kind,
+        id,
+        created: unix_now(),
+        model: st.config.model_id.clone(),
+        fingerprint: st.config.fingerprint.clone(),
+        include_usage: plan.include_usage,
+        logprobs: plan.logprobs.is_some(),
+        st: st.clone(),
+    };
     if plan.stream {
         stream_response(ctx, choices, log)
     } else {

@@ -10,10 +10,7 @@ use serde_json::{Map, Value as Json};
 
 use super::error::RequestError;
 use super::parse::{Delta, ParsedOutput};
-use super::{
-    push_message, set_thinking, stop_strings, ChatPrompt, ChatRequest, OutputFormat,
-    SamplingOptions, ToolChoice, ToolSet,
-};
+use super::{push_message, set_thinking, stop_strings, ChatPrompt, ChatRequest, OutputFormat, SamplingOptions, ToolChoice, ToolSet};
 
 /// A message's content, or `system`: a string or content blocks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -198,19 +195,14 @@ pub struct CountTokensResponse {
 impl MessagesRequest {
     /// Checks the request and converts it.
     pub fn validate(&self) -> Result<ChatRequest, RequestError> {
-        let max_tokens = self
-            .max_tokens
-            .ok_or_else(|| RequestError::missing("max_tokens"))?;
+        let max_tokens = self.max_tokens.ok_or_else(|| RequestError::missing("max_tokens"))?;
         if max_tokens == 0 {
             return Err(RequestError::invalid("max_tokens", "must be at least 1"));
         }
         super::check_range("temperature", self.temperature, 0.0, 1.0)?;
         if let Some(p) = self.top_p {
             if !(p > 0.0 && p <= 1.0) {
-                return Err(RequestError::invalid(
-                    "top_p",
-                    format!("must be in (0, 1], got {p}"),
-                ));
+                return Err(RequestError::invalid("top_p", format!("must be in (0, 1], got {p}")));
             }
         }
         let sampling = SamplingOptions {
@@ -218,43 +210,19 @@ impl MessagesRequest {
             temperature: self.temperature,
             top_p: self.top_p,
             top_k: self.top_k.filter(|&k| k > 0),
-            stop: stop_strings(
-                "stop_sequences",
-                self.stop_sequences.clone().unwrap_or_default(),
-            )?,
+            stop: stop_strings("stop_sequences", self.stop_sequences.clone().unwrap_or_default())?,
             n: 1,
             ..SamplingOptions::default()
         };
-        let prompt = prompt(
-            &self.messages,
-            self.system.as_ref(),
-            self.tools.as_deref(),
-            self.tool_choice.as_ref(),
-            self.thinking.as_ref(),
-            self.chat_template_kwargs.as_ref(),
-        )?;
-        Ok(ChatRequest {
-            model: self.model.clone(),
-            prompt,
-            sampling,
-            stream: self.stream.unwrap_or(false),
-            include_usage: true,
-            output_format: OutputFormat::Text,
-        })
+        let prompt = prompt(&self.messages, self.system.as_ref(), self.tools.as_deref(), self.tool_choice.as_ref(), self.thinking.as_ref(), self.chat_template_kwargs.as_ref())?;
+        Ok(ChatRequest { model: self.model.clone(), prompt, sampling, stream: self.stream.unwrap_or(false), include_usage: true, output_format: OutputFormat::Text })
     }
 }
 
 impl CountTokensRequest {
     /// Checks the request and converts it into the prompt to render and count.
     pub fn validate(&self) -> Result<ChatPrompt, RequestError> {
-        prompt(
-            &self.messages,
-            self.system.as_ref(),
-            self.tools.as_deref(),
-            self.tool_choice.as_ref(),
-            self.thinking.as_ref(),
-            self.chat_template_kwargs.as_ref(),
-        )
+        prompt(&self.messages, self.system.as_ref(), self.tools.as_deref(), self.tool_choice.as_ref(), self.thinking.as_ref(), self.chat_template_kwargs.as_ref())
     }
 }
 
@@ -273,19 +241,9 @@ fn text_of(field: &str, content: &Content) -> Result<String, RequestError> {
             let mut parts = Vec::with_capacity(blocks.len());
             for (j, b) in blocks.iter().enumerate() {
                 if b.kind != "text" {
-                    return Err(RequestError::unsupported(
-                        format!("{field}[{j}].type"),
-                        format!(
-                            "{:?} blocks are not supported here: the model reads text only",
-                            b.kind
-                        ),
-                    ));
+                    return Err(RequestError::unsupported(format!("{field}[{j}].type"), format!("{:?} blocks are not supported here: the model reads text only", b.kind)));
                 }
-                parts.push(
-                    b.text
-                        .clone()
-                        .ok_or_else(|| RequestError::missing(format!("{field}[{j}].text")))?,
-                );
+                parts.push(b.text.clone().ok_or_else(|| RequestError::missing(format!("{field}[{j}].text")))?);
             }
             Ok(parts.join("\n"))
         }
@@ -327,58 +285,28 @@ fn prompt(
     let mut kwargs = chat_template_kwargs.cloned().unwrap_or_default();
     for reserved in ["messages", "tools", "add_generation_prompt"] {
         if kwargs.contains_key(reserved) {
-            return Err(RequestError::invalid(
-                format!("chat_template_kwargs.{reserved}"),
-                "is set by the server",
-            ));
+            return Err(RequestError::invalid(format!("chat_template_kwargs.{reserved}"), "is set by the server"));
         }
     }
     set_thinking(&mut kwargs, thinking.map(|t| t.kind != "disabled"));
-    let mut prompt = ChatPrompt {
-        messages: out,
-        kwargs,
-        parallel_tool_calls: !tool_choice
-            .and_then(|c| c.disable_parallel_tool_use)
-            .unwrap_or(false),
-        ..ChatPrompt::default()
-    };
+    let mut prompt = ChatPrompt { messages: out, kwargs, parallel_tool_calls: !tool_choice.and_then(|c| c.disable_parallel_tool_use).unwrap_or(false), ..ChatPrompt::default() };
     let mut set = ToolSet::default();
     for (i, tool) in tools.unwrap_or_default().iter().enumerate() {
         // Server tools run on Anthropic's side: nothing here can serve them.
         if tool.kind.as_deref().is_some_and(|k| k != "custom") {
             continue;
         }
-        set.add(
-            &format!("tools[{i}]"),
-            "input_schema",
-            &tool.name,
-            tool.description.as_deref(),
-            tool.input_schema.as_ref(),
-        )?;
+        set.add(&format!("tools[{i}]"), "input_schema", &tool.name, tool.description.as_deref(), tool.input_schema.as_ref())?;
     }
     if let Some(choice) = tool_choice {
         prompt.tool_choice = match choice.kind.as_str() {
             "auto" => ToolChoice::Auto,
             "any" => ToolChoice::Required,
             "none" => ToolChoice::None,
-            "tool" => ToolChoice::Function(
-                choice
-                    .name
-                    .clone()
-                    .ok_or_else(|| RequestError::missing("tool_choice.name"))?,
-            ),
-            other => {
-                return Err(RequestError::invalid(
-                    "tool_choice.type",
-                    format!("must be \"auto\", \"any\", \"tool\" or \"none\", got {other:?}"),
-                ))
-            }
+            "tool" => ToolChoice::Function(choice.name.clone().ok_or_else(|| RequestError::missing("tool_choice.name"))?),
+            other => return Err(RequestError::invalid("tool_choice.type", format!("must be \"auto\", \"any\", \"tool\" or \"none\", got {other:?}"))),
         };
-        let field = if choice.kind == "tool" {
-            "tool_choice.name"
-        } else {
-            "tool_choice.type"
-        };
+        let field = if choice.kind == "tool" { "tool_choice.name" } else { "tool_choice.type" };
         set.check_choice(&prompt.tool_choice, field)?;
     }
     set.into_prompt(&mut prompt);
@@ -405,17 +333,10 @@ fn user_turn(field: &str, content: &Content, out: &mut Vec<Json>) -> Result<(), 
     for (j, b) in blocks.iter().enumerate() {
         let bfield = format!("{field}.content[{j}]");
         match b.kind.as_str() {
-            "text" => text.push(
-                b.text
-                    .clone()
-                    .ok_or_else(|| RequestError::missing(format!("{bfield}.text")))?,
-            ),
+            "text" => text.push(b.text.clone().ok_or_else(|| RequestError::missing(format!("{bfield}.text")))?),
             "tool_result" => {
                 flush(&mut text, out);
-                let id = b
-                    .tool_use_id
-                    .clone()
-                    .ok_or_else(|| RequestError::missing(format!("{bfield}.tool_use_id")))?;
+                let id = b.tool_use_id.clone().ok_or_else(|| RequestError::missing(format!("{bfield}.tool_use_id")))?;
                 let result = match &b.content {
                     None => String::new(),
                     Some(c) => text_of(&format!("{bfield}.content"), c)?,
@@ -424,14 +345,7 @@ fn user_turn(field: &str, content: &Content, out: &mut Vec<Json>) -> Result<(), 
                 m.insert("tool_call_id".into(), Json::String(id));
                 out.push(Json::Object(m));
             }
-            other => {
-                return Err(RequestError::unsupported(
-                    format!("{bfield}.type"),
-                    format!(
-                    "{other:?} blocks are not supported in user turns: the model reads text only"
-                ),
-                ))
-            }
+            other => return Err(RequestError::unsupported(format!("{bfield}.type"), format!("{other:?} blocks are not supported in user turns: the model reads text only"))),
         }
     }
     flush(&mut text, out);
@@ -451,51 +365,30 @@ fn assistant_turn(field: &str, content: &Content) -> Result<Map<String, Json>, R
     for (j, b) in blocks.iter().enumerate() {
         let bfield = format!("{field}.content[{j}]");
         match b.kind.as_str() {
-            "text" => text.push(
-                b.text
-                    .clone()
-                    .ok_or_else(|| RequestError::missing(format!("{bfield}.text")))?,
-            ),
+            "text" => text.push(b.text.clone().ok_or_else(|| RequestError::missing(format!("{bfield}.text")))?),
             "thinking" => reasoning.push(b.thinking.clone().unwrap_or_default()),
             // Encrypted reasoning of another model: nothing to render.
             "redacted_thinking" => {}
             "tool_use" => {
-                let name = b
-                    .name
-                    .clone()
-                    .ok_or_else(|| RequestError::missing(format!("{bfield}.name")))?;
+                let name = b.name.clone().ok_or_else(|| RequestError::missing(format!("{bfield}.name")))?;
                 let input = b.input.clone().unwrap_or_else(|| Json::Object(Map::new()));
                 if !input.is_object() {
-                    return Err(RequestError::invalid(
-                        format!("{bfield}.input"),
-                        "must be an object",
-                    ));
+                    return Err(RequestError::invalid(format!("{bfield}.input"), "must be an object"));
                 }
                 let mut call = Map::new();
                 if let Some(id) = &b.id {
                     call.insert("id".into(), Json::String(id.clone()));
                 }
                 call.insert("type".into(), Json::String("function".into()));
-                call.insert(
-                    "function".into(),
-                    serde_json::json!({"name": name, "arguments": input}),
-                );
+                call.insert("function".into(), serde_json::json!({"name": name, "arguments": input}));
                 calls.push(Json::Object(call));
             }
-            other => {
-                return Err(RequestError::unsupported(
-                    format!("{bfield}.type"),
-                    format!("{other:?} blocks are not supported in assistant turns"),
-                ))
-            }
+            other => return Err(RequestError::unsupported(format!("{bfield}.type"), format!("{other:?} blocks are not supported in assistant turns"))),
         }
     }
     let mut m = template_message("assistant", text.join("\n"));
     if !reasoning.is_empty() {
-        m.insert(
-            "reasoning_content".into(),
-            Json::String(reasoning.join("\n")),
-        );
+        m.insert("reasoning_content".into(), Json::String(reasoning.join("\n")));
     }
     if !calls.is_empty() {
         m.insert("tool_calls".into(), Json::Array(calls));
@@ -535,12 +428,7 @@ pub struct Usage {
 impl Usage {
     /// Anthropic counts cached prompt tokens apart from `input_tokens`.
     pub fn new(prompt_tokens: u32, output_tokens: u32, cached_tokens: u32) -> Self {
-        Self {
-            input_tokens: prompt_tokens.saturating_sub(cached_tokens),
-            output_tokens,
-            cache_creation_input_tokens: Some(0),
-            cache_read_input_tokens: Some(cached_tokens),
-        }
+        Self { input_tokens: prompt_tokens.saturating_sub(cached_tokens), output_tokens, cache_creation_input_tokens: Some(0), cache_read_input_tokens: Some(cached_tokens) }
     }
 }
 
@@ -576,21 +464,12 @@ impl ResponseBlock {
     pub fn from_parsed(parsed: &ParsedOutput) -> Vec<Self> {
         let mut blocks = Vec::new();
         if !parsed.reasoning.is_empty() {
-            blocks.push(Self::Thinking {
-                thinking: parsed.reasoning.clone(),
-                signature: String::new(),
-            });
+            blocks.push(Self::Thinking { thinking: parsed.reasoning.clone(), signature: String::new() });
         }
         if !parsed.content.is_empty() {
-            blocks.push(Self::Text {
-                text: parsed.content.clone(),
-            });
+            blocks.push(Self::Text { text: parsed.content.clone() });
         }
-        blocks.extend(parsed.tool_calls.iter().map(|c| Self::ToolUse {
-            id: c.id.clone(),
-            name: c.name.clone(),
-            input: c.input(),
-        }));
+        blocks.extend(parsed.tool_calls.iter().map(|c| Self::ToolUse { id: c.id.clone(), name: c.name.clone(), input: c.input() }));
         blocks
     }
 }
@@ -619,23 +498,8 @@ pub struct MessageResponse {
 
 impl MessageResponse {
     /// A message with `type` and `role` set.
-    pub fn new(
-        id: String,
-        model: String,
-        content: Vec<ResponseBlock>,
-        stop_reason: Option<StopReason>,
-        usage: Usage,
-    ) -> Self {
-        Self {
-            id,
-            kind: "message".into(),
-            role: "assistant".into(),
-            model,
-            content,
-            stop_reason,
-            stop_sequence: None,
-            usage,
-        }
+    pub fn new(id: String, model: String, content: Vec<ResponseBlock>, stop_reason: Option<StopReason>, usage: Usage) -> Self {
+        Self { id, kind: "message".into(), role: "assistant".into(), model, content, stop_reason, stop_sequence: None, usage }
     }
 }
 
@@ -670,13 +534,9 @@ impl BlockDelta {
     /// `content_block_start` instead.
     pub fn from_delta(d: &Delta) -> Option<Self> {
         match d {
-            Delta::Reasoning(t) => Some(Self::ThinkingDelta {
-                thinking: t.clone(),
-            }),
+            Delta::Reasoning(t) => Some(Self::ThinkingDelta { thinking: t.clone() }),
             Delta::Content(t) => Some(Self::TextDelta { text: t.clone() }),
-            Delta::ToolCallArguments { arguments, .. } => Some(Self::InputJsonDelta {
-                partial_json: arguments.clone(),
-            }),
+            Delta::ToolCallArguments { arguments, .. } => Some(Self::InputJsonDelta { partial_json: arguments.clone() }),
             Delta::ToolCallStart { .. } => None,
         }
     }
@@ -805,10 +665,7 @@ mod tests {
             ])
         );
         let s = &req.sampling;
-        assert_eq!(
-            (s.max_tokens, s.temperature, s.top_k),
-            (Some(100), Some(0.5), Some(20))
-        );
+        assert_eq!((s.max_tokens, s.temperature, s.top_k), (Some(100), Some(0.5), Some(20)));
         assert_eq!(s.stop, ["###"]);
         let p = &req.prompt;
         assert_eq!(p.kwargs["enable_thinking"], json!(false));
@@ -821,35 +678,17 @@ mod tests {
         assert!(!p.parallel_tool_calls);
         assert!(req.stream && req.include_usage);
 
-        let count = from_json::<CountTokensRequest>(
-            br#"{"messages": [{"role": "user", "content": "hi"}], "system": "S"}"#,
-        )
-        .unwrap()
-        .validate()
-        .unwrap();
-        assert_eq!(
-            Json::Array(count.messages),
-            json!([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}])
-        );
+        let count = from_json::<CountTokensRequest>(br#"{"messages": [{"role": "user", "content": "hi"}], "system": "S"}"#).unwrap().validate().unwrap();
+        assert_eq!(Json::Array(count.messages), json!([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]));
     }
 
     #[test]
     fn validation_names_the_field() {
         let field = |b: Json| messages(b).unwrap_err().field().map(str::to_string);
         let user = json!([{"role": "user", "content": "hi"}]);
-        assert_eq!(
-            messages(json!({"messages": user})).unwrap_err().to_string(),
-            "`max_tokens` is required"
-        );
-        assert_eq!(
-            field(json!({"messages": user, "max_tokens": 5, "temperature": 1.5})).as_deref(),
-            Some("temperature")
-        );
-        assert_eq!(
-            field(json!({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5}))
-                .as_deref(),
-            Some("messages[0].role")
-        );
+        assert_eq!(messages(json!({"messages": user})).unwrap_err().to_string(), "`max_tokens` is required");
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "temperature": 1.5})).as_deref(), Some("temperature"));
+        assert_eq!(field(json!({"messages": [{"role": "system", "content": "x"}], "max_tokens": 5})).as_deref(), Some("messages[0].role"));
         assert_eq!(
             field(json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image", "source": {}}]}], "max_tokens": 5})).as_deref(),
             Some("messages[0].content[1].type")
@@ -858,31 +697,11 @@ mod tests {
             field(json!({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}], "max_tokens": 5})).as_deref(),
             Some("messages[0].content[0].tool_use_id")
         );
-        assert_eq!(
-            field(json!({"messages": user, "max_tokens": 5, "tool_choice": {"type": "tool"}}))
-                .as_deref(),
-            Some("tool_choice.name")
-        );
-        assert_eq!(
-            field(json!({"messages": user, "max_tokens": 5, "tools": [{"name": "a"}], "tool_choice": {"type": "tool", "name": "b"}})).as_deref(),
-            Some("tool_choice.name")
-        );
-        assert_eq!(
-            field(
-                json!({"messages": user, "max_tokens": 5, "tools": [{"name": "a"}, {"name": "a"}]})
-            )
-            .as_deref(),
-            Some("tools[1].name")
-        );
-        assert_eq!(
-            field(json!({"messages": user, "max_tokens": 5, "stop_sequences": [""]})).as_deref(),
-            Some("stop_sequences[0]")
-        );
-        assert_eq!(
-            field(json!({"messages": [{"role": "user", "content": 3}], "max_tokens": 5}))
-                .as_deref(),
-            Some("messages[0].content")
-        );
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "tool_choice": {"type": "tool"}})).as_deref(), Some("tool_choice.name"));
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "tools": [{"name": "a"}], "tool_choice": {"type": "tool", "name": "b"}})).as_deref(), Some("tool_choice.name"));
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "tools": [{"name": "a"}, {"name": "a"}]})).as_deref(), Some("tools[1].name"));
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "stop_sequences": [""]})).as_deref(), Some("stop_sequences[0]"));
+        assert_eq!(field(json!({"messages": [{"role": "user", "content": 3}], "max_tokens": 5})).as_deref(), Some("messages[0].content"));
     }
 
     #[test]
@@ -890,19 +709,9 @@ mod tests {
         let parsed = ParsedOutput {
             reasoning: "think".into(),
             content: "Hi".into(),
-            tool_calls: vec![ParsedToolCall {
-                id: "toolu_0".into(),
-                name: "f".into(),
-                arguments: "{\"a\":[1]}".into(),
-            }],
+            tool_calls: vec![ParsedToolCall { id: "toolu_0".into(), name: "f".into(), arguments: "{\"a\":[1]}".into() }],
         };
-        let msg = MessageResponse::new(
-            "msg_1".into(),
-            "m".into(),
-            ResponseBlock::from_parsed(&parsed),
-            Some(StopReason::ToolUse),
-            Usage::new(10, 4, 6),
-        );
+        let msg = MessageResponse::new("msg_1".into(), "m".into(), ResponseBlock::from_parsed(&parsed), Some(StopReason::ToolUse), Usage::new(10, 4, 6));
         assert_eq!(
             serde_json::to_value(&msg).unwrap(),
             json!({"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
@@ -911,37 +720,19 @@ mod tests {
                 "stop_reason": "tool_use", "stop_sequence": null,
                 "usage": {"input_tokens": 4, "output_tokens": 4, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 6}})
         );
-        let delta = BlockDelta::from_delta(&Delta::ToolCallArguments {
-            index: 0,
-            arguments: "{\"a\"".into(),
-        })
-        .unwrap();
+        let delta = BlockDelta::from_delta(&Delta::ToolCallArguments { index: 0, arguments: "{\"a\"".into() }).unwrap();
         let event = StreamEvent::ContentBlockDelta { index: 2, delta };
-        assert_eq!(
-            serde_json::to_value(&event).unwrap(),
-            json!({"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{\"a\""}})
-        );
+        assert_eq!(serde_json::to_value(&event).unwrap(), json!({"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{\"a\""}}));
         assert_eq!(event.event_type(), "content_block_delta");
-        assert_eq!(
-            serde_json::to_value(StreamEvent::MessageStop).unwrap(),
-            json!({"type": "message_stop"})
-        );
+        assert_eq!(serde_json::to_value(StreamEvent::MessageStop).unwrap(), json!({"type": "message_stop"}));
         assert_eq!(
             serde_json::to_value(StreamEvent::MessageDelta {
-                delta: MessageDelta {
-                    stop_reason: Some(StopReason::MaxTokens),
-                    stop_sequence: None
-                },
+                delta: MessageDelta { stop_reason: Some(StopReason::MaxTokens), stop_sequence: None },
                 usage: DeltaUsage { output_tokens: 9 },
             })
             .unwrap(),
             json!({"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": null}, "usage": {"output_tokens": 9}})
         );
-        assert!(BlockDelta::from_delta(&Delta::ToolCallStart {
-            index: 0,
-            id: "x".into(),
-            name: "f".into()
-        })
-        .is_none());
+        assert!(BlockDelta::from_delta(&Delta::ToolCallStart { index: 0, id: "x".into(), name: "f".into() }).is_none());
     }
 }

@@ -47,34 +47,24 @@ fn field_prefix(field: Option<&str>) -> String {
 impl RequestError {
     /// An [`Invalid`](Self::Invalid) error.
     pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Invalid {
-            field: field.into(),
-            message: message.into(),
-        }
+        Self::Invalid { field: field.into(), message: message.into() }
     }
 
     /// An [`Unsupported`](Self::Unsupported) error.
     pub fn unsupported(field: impl Into<String>, message: impl Into<String>) -> Self {
-        Self::Unsupported {
-            field: field.into(),
-            message: message.into(),
-        }
+        Self::Unsupported { field: field.into(), message: message.into() }
     }
 
     /// A [`Missing`](Self::Missing) error.
     pub fn missing(field: impl Into<String>) -> Self {
-        Self::Missing {
-            field: field.into(),
-        }
+        Self::Missing { field: field.into() }
     }
 
     /// The path of the field at fault, if one is.
     pub fn field(&self) -> Option<&str> {
         match self {
             Self::Malformed { field, .. } => field.as_deref(),
-            Self::Missing { field }
-            | Self::Invalid { field, .. }
-            | Self::Unsupported { field, .. } => Some(field),
+            Self::Missing { field } | Self::Invalid { field, .. } | Self::Unsupported { field, .. } => Some(field),
         }
     }
 
@@ -91,12 +81,7 @@ impl RequestError {
     /// The error as OpenAI's error body.
     pub fn to_openai(&self) -> OpenAiErrorBody {
         OpenAiErrorBody {
-            error: OpenAiError {
-                message: self.to_string(),
-                kind: INVALID_REQUEST.to_string(),
-                param: self.field().map(str::to_string),
-                code: Some(self.code().to_string()),
-            },
+            error: OpenAiError { message: self.to_string(), kind: INVALID_REQUEST.to_string(), param: self.field().map(str::to_string), code: Some(self.code().to_string()) },
         }
     }
 
@@ -133,14 +118,7 @@ pub struct OpenAiError {
 impl OpenAiErrorBody {
     /// An error of another kind than a bad request (`server_error`, ...).
     pub fn new(kind: &str, message: impl Into<String>, code: Option<&str>) -> Self {
-        Self {
-            error: OpenAiError {
-                message: message.into(),
-                kind: kind.to_string(),
-                param: None,
-                code: code.map(str::to_string),
-            },
-        }
+        Self { error: OpenAiError { message: message.into(), kind: kind.to_string(), param: None, code: code.map(str::to_string) } }
     }
 }
 
@@ -167,13 +145,7 @@ pub struct AnthropicError {
 impl AnthropicErrorBody {
     /// An error of the given Anthropic type.
     pub fn new(kind: &str, message: impl Into<String>) -> Self {
-        Self {
-            kind: "error".to_string(),
-            error: AnthropicError {
-                kind: kind.to_string(),
-                message: message.into(),
-            },
-        }
+        Self { kind: "error".to_string(), error: AnthropicError { kind: kind.to_string(), message: message.into() } }
     }
 }
 
@@ -188,10 +160,7 @@ pub fn from_json<T: DeserializeOwned>(body: &[u8]) -> Result<T, RequestError> {
             message: e.into_inner().to_string(),
         }
     })?;
-    de.end().map_err(|e| RequestError::Malformed {
-        field: None,
-        message: e.to_string(),
-    })?;
+    de.end().map_err(|e| RequestError::Malformed { field: None, message: e.to_string() })?;
     Ok(value)
 }
 
@@ -213,19 +182,12 @@ mod tests {
 
     #[test]
     fn parse_errors_name_the_field() {
-        let err =
-            from_json::<Body>(br#"{"messages": [{"content": "a"}, {"content": 5}]}"#).unwrap_err();
+        let err = from_json::<Body>(br#"{"messages": [{"content": "a"}, {"content": 5}]}"#).unwrap_err();
         assert_eq!(err.field(), Some("messages[1].content"));
         let body = err.to_openai();
         assert_eq!(body.error.param.as_deref(), Some("messages[1].content"));
         assert_eq!(body.error.kind, "invalid_request_error");
-        assert!(
-            body.error
-                .message
-                .starts_with("`messages[1].content`: invalid type"),
-            "{}",
-            body.error.message
-        );
+        assert!(body.error.message.starts_with("`messages[1].content`: invalid type"), "{}", body.error.message);
 
         // A body cut short names the field it stopped in; one that is not JSON, none.
         let err = from_json::<Body>(b"{\"messages\": [").unwrap_err();
@@ -233,10 +195,7 @@ mod tests {
         let err = from_json::<Body>(b"not json").unwrap_err();
         assert_eq!(err.field(), None);
         let err = from_json::<Body>(b"{\"messages\": []} x").unwrap_err();
-        assert!(
-            matches!(err, RequestError::Malformed { field: None, .. }),
-            "{err}"
-        );
+        assert!(matches!(err, RequestError::Malformed { field: None, .. }), "{err}");
     }
 
     #[test]
@@ -252,9 +211,6 @@ mod tests {
             serde_json::json!({"type": "error", "error": {"type": "invalid_request_error",
                 "message": "`temperature`: must be between 0 and 2, got 3"}})
         );
-        assert_eq!(
-            RequestError::missing("max_tokens").to_string(),
-            "`max_tokens` is required"
-        );
+        assert_eq!(RequestError::missing("max_tokens").to_string(), "`max_tokens` is required");
     }
 }

@@ -144,8 +144,7 @@ impl ChatPrompt {
     pub fn parser_options(&self, prompt: &str, call_id_prefix: impl Into<String>) -> ParserOptions {
         ParserOptions {
             starts_in_reasoning: parse::prompt_ends_in_reasoning(prompt),
-            tools: (self.tool_choice != ToolChoice::None && !self.tools.is_empty())
-                .then(|| self.tools.clone()),
+            tools: (self.tool_choice != ToolChoice::None && !self.tools.is_empty()).then(|| self.tools.clone()),
             call_id_prefix: call_id_prefix.into(),
         }
     }
@@ -194,34 +193,17 @@ struct ToolSet {
 impl ToolSet {
     /// Adds a function; `field` is the path of the tool (`tools[2].function`), `schema_key` the
     /// name of its schema field (`parameters`, `input_schema`).
-    fn add(
-        &mut self,
-        field: &str,
-        schema_key: &str,
-        name: &str,
-        description: Option<&str>,
-        parameters: Option<&Json>,
-    ) -> Result<(), RequestError> {
+    fn add(&mut self, field: &str, schema_key: &str, name: &str, description: Option<&str>, parameters: Option<&Json>) -> Result<(), RequestError> {
         if name.is_empty() {
-            return Err(RequestError::invalid(
-                format!("{field}.name"),
-                "must not be empty",
-            ));
+            return Err(RequestError::invalid(format!("{field}.name"), "must not be empty"));
         }
         if self.names.iter().any(|n| n == name) {
-            return Err(RequestError::invalid(
-                format!("{field}.name"),
-                format!("two tools are named {name:?}"),
-            ));
+            return Err(RequestError::invalid(format!("{field}.name"), format!("two tools are named {name:?}")));
         }
         if parameters.is_some_and(|p| !p.is_object()) {
-            return Err(RequestError::invalid(
-                format!("{field}.{schema_key}"),
-                "must be a JSON schema object",
-            ));
+            return Err(RequestError::invalid(format!("{field}.{schema_key}"), "must be a JSON schema object"));
         }
-        self.template
-            .push(template_tool(name, description, parameters));
+        self.template.push(template_tool(name, description, parameters));
         self.schemas.insert(name, parameters);
         self.names.push(name.to_string());
         Ok(())
@@ -229,12 +211,8 @@ impl ToolSet {
 
     fn check_choice(&self, choice: &ToolChoice, field: &str) -> Result<(), RequestError> {
         match choice {
-            ToolChoice::Function(name) if !self.names.iter().any(|n| n == name) => Err(
-                RequestError::invalid(field, format!("no tool named {name:?} in `tools`")),
-            ),
-            ToolChoice::Required | ToolChoice::Function(_) if self.names.is_empty() => Err(
-                RequestError::invalid(field, "a tool call is required but `tools` is empty"),
-            ),
+            ToolChoice::Function(name) if !self.names.iter().any(|n| n == name) => Err(RequestError::invalid(field, format!("no tool named {name:?} in `tools`"))),
+            ToolChoice::Required | ToolChoice::Function(_) if self.names.is_empty() => Err(RequestError::invalid(field, "a tool call is required but `tools` is empty")),
             _ => Ok(()),
         }
     }
@@ -242,9 +220,7 @@ impl ToolSet {
     /// Puts the tools into the prompt.
     fn into_prompt(self, prompt: &mut ChatPrompt) {
         if !self.template.is_empty() {
-            prompt
-                .kwargs
-                .insert("tools".into(), Json::Array(self.template));
+            prompt.kwargs.insert("tools".into(), Json::Array(self.template));
         }
         prompt.tools = self.schemas;
     }
@@ -253,10 +229,7 @@ impl ToolSet {
 /// Checks that `value` (when given) lies in `[lo, hi]`.
 fn check_range(field: &str, value: Option<f64>, lo: f64, hi: f64) -> Result<(), RequestError> {
     match value {
-        Some(v) if !(lo..=hi).contains(&v) => Err(RequestError::invalid(
-            field,
-            format!("must be between {lo} and {hi}, got {v}"),
-        )),
+        Some(v) if !(lo..=hi).contains(&v) => Err(RequestError::invalid(field, format!("must be between {lo} and {hi}, got {v}"))),
         _ => Ok(()),
     }
 }
@@ -265,22 +238,14 @@ fn check_range(field: &str, value: Option<f64>, lo: f64, hi: f64) -> Result<(), 
 fn top_k(field: &str, value: Option<i64>) -> Result<Option<u32>, RequestError> {
     match value {
         None | Some(-1) | Some(0) => Ok(None),
-        Some(k) => u32::try_from(k).map(Some).map_err(|_| {
-            RequestError::invalid(
-                field,
-                format!("must be -1 or 0 (off) or a positive count, got {k}"),
-            )
-        }),
+        Some(k) => u32::try_from(k).map(Some).map_err(|_| RequestError::invalid(field, format!("must be -1 or 0 (off) or a positive count, got {k}"))),
     }
 }
 
 /// Stop strings: none may be empty.
 fn stop_strings(field: &str, stop: Vec<String>) -> Result<Vec<String>, RequestError> {
     if let Some(i) = stop.iter().position(String::is_empty) {
-        return Err(RequestError::invalid(
-            format!("{field}[{i}]"),
-            "a stop string must not be empty",
-        ));
+        return Err(RequestError::invalid(format!("{field}[{i}]"), "a stop string must not be empty"));
     }
     Ok(stop)
 }
@@ -291,11 +256,7 @@ fn push_message(messages: &mut Vec<Json>, message: Json) {
     let is_system = |m: &Json| m.get("role").and_then(Json::as_str) == Some("system");
     if is_system(&message) && messages.iter().all(is_system) {
         if let Some(last) = messages.last_mut() {
-            let joined = format!(
-                "{}\n\n{}",
-                last["content"].as_str().unwrap_or_default(),
-                message["content"].as_str().unwrap_or_default()
-            );
+            let joined = format!("{}\n\n{}", last["content"].as_str().unwrap_or_default(), message["content"].as_str().unwrap_or_default());
             last["content"] = Json::String(joined);
             return;
         }
@@ -313,7 +274,5 @@ fn set_thinking(kwargs: &mut Map<String, Json>, on: Option<bool>) {
 
 /// The current time in seconds since the Unix epoch (the `created` field of responses).
 pub fn unix_time() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }

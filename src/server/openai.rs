@@ -13,10 +13,7 @@ use serde_json::{Map, Value as Json};
 
 use super::error::RequestError;
 use super::parse::{Delta, ParsedToolCall};
-use super::{
-    check_range, push_message, set_thinking, stop_strings, top_k, ChatPrompt, ChatRequest,
-    OutputFormat, SamplingOptions, ToolChoice, ToolSet,
-};
+use super::{check_range, push_message, set_thinking, stop_strings, top_k, ChatPrompt, ChatRequest, OutputFormat, SamplingOptions, ToolChoice, ToolSet};
 
 // ---------------------------------------------------------------------------------------------
 // Shared request pieces
@@ -110,21 +107,11 @@ impl ToolChoiceParam {
                 "auto" => Ok(ToolChoice::Auto),
                 "none" => Ok(ToolChoice::None),
                 "required" => Ok(ToolChoice::Required),
-                other => Err(RequestError::invalid(
-                    field,
-                    format!("must be \"auto\", \"none\", \"required\" or a named function, got {other:?}"),
-                )),
+                other => Err(RequestError::invalid(field, format!("must be \"auto\", \"none\", \"required\" or a named function, got {other:?}"))),
             },
-            Self::Named {
-                kind,
-                function,
-                name,
-            } => {
+            Self::Named { kind, function, name } => {
                 if kind != "function" {
-                    return Err(RequestError::unsupported(
-                        format!("{field}.type"),
-                        format!("only function tools are served, got {kind:?}"),
-                    ));
+                    return Err(RequestError::unsupported(format!("{field}.type"), format!("only function tools are served, got {kind:?}")));
                 }
                 match (function, name) {
                     (Some(f), _) => Ok(ToolChoice::Function(f.name.clone())),
@@ -172,11 +159,9 @@ impl From<&ResponseFormat> for OutputFormat {
         match f {
             ResponseFormat::Text => Self::Text,
             ResponseFormat::JsonObject => Self::JsonObject,
-            ResponseFormat::JsonSchema { json_schema } => Self::JsonSchema {
-                name: json_schema.name.clone(),
-                schema: json_schema.schema.clone(),
-                strict: json_schema.strict.unwrap_or(false),
-            },
+            ResponseFormat::JsonSchema { json_schema } => {
+                Self::JsonSchema { name: json_schema.name.clone(), schema: json_schema.schema.clone(), strict: json_schema.strict.unwrap_or(false) }
+            }
         }
     }
 }
@@ -200,29 +185,17 @@ fn sampling(
     }
     check_range("temperature", temperature, 0.0, 2.0)?;
     if top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
-        return Err(RequestError::invalid(
-            "top_p",
-            format!("must be in (0, 1], got {}", top_p.unwrap_or_default()),
-        ));
+        return Err(RequestError::invalid("top_p", format!("must be in (0, 1], got {}", top_p.unwrap_or_default())));
     }
     check_range("min_p", min_p, 0.0, 1.0)?;
     check_range("presence_penalty", presence_penalty, -2.0, 2.0)?;
     check_range("frequency_penalty", frequency_penalty, -2.0, 2.0)?;
     if let Some(r) = repetition_penalty {
         if r <= 0.0 {
-            return Err(RequestError::invalid(
-                "repetition_penalty",
-                format!("must be greater than 0, got {r}"),
-            ));
+            return Err(RequestError::invalid("repetition_penalty", format!("must be greater than 0, got {r}")));
         }
     }
-    let seed = seed
-        .map(|s| {
-            u64::try_from(s).map_err(|_| {
-                RequestError::invalid("seed", format!("must not be negative, got {s}"))
-            })
-        })
-        .transpose()?;
+    let seed = seed.map(|s| u64::try_from(s).map_err(|_| RequestError::invalid("seed", format!("must not be negative, got {s}")))).transpose()?;
     if n == Some(0) {
         return Err(RequestError::invalid("n", "must be at least 1"));
     }
@@ -242,24 +215,16 @@ fn sampling(
 }
 
 /// `logit_bias`: token id (a decimal string) → bias in [-100, 100].
-fn logit_bias(
-    bias: Option<&BTreeMap<String, f64>>,
-    vocab_size: usize,
-) -> Result<Vec<(u32, f32)>, RequestError> {
+fn logit_bias(bias: Option<&BTreeMap<String, f64>>, vocab_size: usize) -> Result<Vec<(u32, f32)>, RequestError> {
     let Some(bias) = bias else {
         return Ok(Vec::new());
     };
     let mut out = Vec::with_capacity(bias.len());
     for (key, &value) in bias {
         let field = format!("logit_bias.{key}");
-        let id: u32 = key
-            .parse()
-            .map_err(|_| RequestError::invalid(&field, "keys must be token ids"))?;
+        let id: u32 = key.parse().map_err(|_| RequestError::invalid(&field, "keys must be token ids"))?;
         if id as usize >= vocab_size {
-            return Err(RequestError::invalid(
-                &field,
-                format!("token id {id} is outside the vocabulary ({vocab_size} ids)"),
-            ));
+            return Err(RequestError::invalid(&field, format!("token id {id} is outside the vocabulary ({vocab_size} ids)")));
         }
         check_range(&field, Some(value), -100.0, 100.0)?;
         out.push((id, value as f32));
@@ -272,10 +237,7 @@ fn template_kwargs(kwargs: Option<&Map<String, Json>>) -> Result<Map<String, Jso
     let kwargs = kwargs.cloned().unwrap_or_default();
     for reserved in ["messages", "tools", "add_generation_prompt"] {
         if kwargs.contains_key(reserved) {
-            return Err(RequestError::invalid(
-                format!("chat_template_kwargs.{reserved}"),
-                "is set by the server",
-            ));
+            return Err(RequestError::invalid(format!("chat_template_kwargs.{reserved}"), "is set by the server"));
         }
     }
     Ok(kwargs)
@@ -293,8 +255,7 @@ fn decode_arguments(field: &str, arguments: Option<&Json>) -> Result<Json, Reque
     let object = match arguments {
         None | Some(Json::Null) => return Ok(Json::Object(Map::new())),
         Some(Json::String(s)) if s.trim().is_empty() => return Ok(Json::Object(Map::new())),
-        Some(Json::String(s)) => serde_json::from_str::<Json>(s)
-            .map_err(|e| RequestError::invalid(field, format!("is not valid JSON: {e}")))?,
+        Some(Json::String(s)) => serde_json::from_str::<Json>(s).map_err(|e| RequestError::invalid(field, format!("is not valid JSON: {e}")))?,
         Some(other) => other.clone(),
     };
     if !object.is_object() {
@@ -309,10 +270,7 @@ fn template_tool_call(id: Option<&str>, name: &str, arguments: Json) -> Json {
         call.insert("id".into(), Json::String(id.to_string()));
     }
     call.insert("type".into(), Json::String("function".into()));
-    call.insert(
-        "function".into(),
-        serde_json::json!({"name": name, "arguments": arguments}),
-    );
+    call.insert("function".into(), serde_json::json!({"name": name, "arguments": arguments}));
     Json::Object(call)
 }
 
@@ -349,11 +307,7 @@ pub struct ContentPart {
 
 /// Joins text parts as Qwen3.5's template renders a list of them (no separator); refuses
 /// others.
-fn content_text(
-    field: &str,
-    content: Option<&MessageContent>,
-    text_kinds: &[&str],
-) -> Result<String, RequestError> {
+fn content_text(field: &str, content: Option<&MessageContent>, text_kinds: &[&str]) -> Result<String, RequestError> {
     match content {
         None => Ok(String::new()),
         Some(MessageContent::Text(s)) => Ok(s.clone()),
@@ -361,13 +315,7 @@ fn content_text(
             let mut text = String::new();
             for (j, part) in parts.iter().enumerate() {
                 if !text_kinds.contains(&part.kind.as_str()) {
-                    return Err(RequestError::unsupported(
-                        format!("{field}[{j}].type"),
-                        format!(
-                            "{:?} content is not supported: the model reads text only",
-                            part.kind
-                        ),
-                    ));
+                    return Err(RequestError::unsupported(format!("{field}[{j}].type"), format!("{:?} content is not supported: the model reads text only", part.kind)));
                 }
                 match &part.text {
                     Some(t) => text.push_str(t),
@@ -503,20 +451,14 @@ impl ChatCompletionRequest {
             self.n,
         )
         .map_err(|e| rename_max_tokens(e, self.max_completion_tokens.is_some()))?;
-        sampling.stop = stop_strings(
-            "stop",
-            self.stop.clone().map_or(Vec::new(), StringOrList::into_vec),
-        )?;
+        sampling.stop = stop_strings("stop", self.stop.clone().map_or(Vec::new(), StringOrList::into_vec))?;
         sampling.logit_bias = logit_bias(self.logit_bias.as_ref(), vocab_size)?;
         sampling.ignore_eos = self.ignore_eos.unwrap_or(false);
         sampling.logprobs = chat_logprobs(self.logprobs, self.top_logprobs)?;
 
         let stream = self.stream.unwrap_or(false);
         if self.stream_options.is_some() && !stream {
-            return Err(RequestError::invalid(
-                "stream_options",
-                "is only allowed with `stream: true`",
-            ));
+            return Err(RequestError::invalid("stream_options", "is only allowed with `stream: true`"));
         }
 
         let mut prompt = ChatPrompt {
@@ -525,28 +467,16 @@ impl ChatCompletionRequest {
             parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
             ..ChatPrompt::default()
         };
-        set_thinking(
-            &mut prompt.kwargs,
-            thinking_of_effort(self.reasoning_effort.as_deref()),
-        );
+        set_thinking(&mut prompt.kwargs, thinking_of_effort(self.reasoning_effort.as_deref()));
         let mut tools = ToolSet::default();
         for (i, tool) in self.tools.iter().flatten().enumerate() {
             if tool.kind != "function" {
-                return Err(RequestError::unsupported(
-                    format!("tools[{i}].type"),
-                    format!("only function tools are served, got {:?}", tool.kind),
-                ));
+                return Err(RequestError::unsupported(format!("tools[{i}].type"), format!("only function tools are served, got {:?}", tool.kind)));
             }
             let Some(f) = &tool.function else {
                 return Err(RequestError::missing(format!("tools[{i}].function")));
             };
-            tools.add(
-                &format!("tools[{i}].function"),
-                "parameters",
-                &f.name,
-                f.description.as_deref(),
-                f.parameters.as_ref(),
-            )?;
+            tools.add(&format!("tools[{i}].function"), "parameters", &f.name, f.description.as_deref(), f.parameters.as_ref())?;
         }
         if let Some(choice) = &self.tool_choice {
             prompt.tool_choice = choice.resolve("tool_choice")?;
@@ -559,16 +489,8 @@ impl ChatCompletionRequest {
             prompt,
             sampling,
             stream,
-            include_usage: self
-                .stream_options
-                .as_ref()
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
-            output_format: self
-                .response_format
-                .as_ref()
-                .map(Into::into)
-                .unwrap_or_default(),
+            include_usage: self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
+            output_format: self.response_format.as_ref().map(Into::into).unwrap_or_default(),
         })
     }
 }
@@ -576,29 +498,18 @@ impl ChatCompletionRequest {
 /// A `max_tokens` error names the field the client used.
 fn rename_max_tokens(e: RequestError, completion_field: bool) -> RequestError {
     match e {
-        RequestError::Invalid { field, message } if field == "max_tokens" && completion_field => {
-            RequestError::Invalid {
-                field: "max_completion_tokens".into(),
-                message,
-            }
-        }
+        RequestError::Invalid { field, message } if field == "max_tokens" && completion_field => RequestError::Invalid { field: "max_completion_tokens".into(), message },
         e => e,
     }
 }
 
 fn chat_logprobs(logprobs: Option<bool>, top: Option<u32>) -> Result<Option<u32>, RequestError> {
     if top.is_some_and(|k| k > 20) {
-        return Err(RequestError::invalid(
-            "top_logprobs",
-            format!("must be between 0 and 20, got {}", top.unwrap_or_default()),
-        ));
+        return Err(RequestError::invalid("top_logprobs", format!("must be between 0 and 20, got {}", top.unwrap_or_default())));
     }
     match (logprobs.unwrap_or(false), top) {
         (true, k) => Ok(Some(k.unwrap_or(0))),
-        (false, Some(_)) => Err(RequestError::invalid(
-            "top_logprobs",
-            "requires `logprobs: true`",
-        )),
+        (false, Some(_)) => Err(RequestError::invalid("top_logprobs", "requires `logprobs: true`")),
         (false, None) => Ok(None),
     }
 }
@@ -613,18 +524,12 @@ fn chat_messages(messages: &[ChatMessage]) -> Result<Vec<Json>, RequestError> {
         let field = format!("messages[{i}]");
         let content_field = format!("{field}.content");
         let template_message = match m.role.as_str() {
-            "system" | "developer" => message(
-                "system",
-                content_text(&content_field, m.content.as_ref(), &["text"])?,
-            ),
+            "system" | "developer" => message("system", content_text(&content_field, m.content.as_ref(), &["text"])?),
             "user" => {
                 if m.content.is_none() {
                     return Err(RequestError::missing(content_field));
                 }
-                message(
-                    "user",
-                    content_text(&content_field, m.content.as_ref(), &["text"])?,
-                )
+                message("user", content_text(&content_field, m.content.as_ref(), &["text"])?)
             }
             "assistant" => {
                 let text = content_text(&content_field, m.content.as_ref(), &["text", "refusal"])?;
@@ -637,47 +542,24 @@ fn chat_messages(messages: &[ChatMessage]) -> Result<Vec<Json>, RequestError> {
                     for (j, call) in calls.iter().enumerate() {
                         let call_field = format!("{field}.tool_calls[{j}]");
                         if call.kind.as_deref().is_some_and(|k| k != "function") {
-                            return Err(RequestError::unsupported(
-                                format!("{call_field}.type"),
-                                "only function calls are served",
-                            ));
+                            return Err(RequestError::unsupported(format!("{call_field}.type"), "only function calls are served"));
                         }
-                        let args = decode_arguments(
-                            &format!("{call_field}.function.arguments"),
-                            call.function.arguments.as_ref(),
-                        )?;
-                        list.push(template_tool_call(
-                            call.id.as_deref(),
-                            &call.function.name,
-                            args,
-                        ));
+                        let args = decode_arguments(&format!("{call_field}.function.arguments"), call.function.arguments.as_ref())?;
+                        list.push(template_tool_call(call.id.as_deref(), &call.function.name, args));
                     }
                     a.insert("tool_calls".into(), Json::Array(list));
                 }
                 a
             }
             "tool" => {
-                let mut t = message(
-                    "tool",
-                    content_text(&content_field, m.content.as_ref(), &["text"])?,
-                );
+                let mut t = message("tool", content_text(&content_field, m.content.as_ref(), &["text"])?);
                 if let Some(id) = &m.tool_call_id {
                     t.insert("tool_call_id".into(), Json::String(id.clone()));
                 }
                 t
             }
-            "function" => {
-                return Err(RequestError::unsupported(
-                    format!("{field}.role"),
-                    "the legacy \"function\" role is not supported; use \"tool\"",
-                ))
-            }
-            other => {
-                return Err(RequestError::invalid(
-                    format!("{field}.role"),
-                    format!("unknown role {other:?}"),
-                ))
-            }
+            "function" => return Err(RequestError::unsupported(format!("{field}.role"), "the legacy \"function\" role is not supported; use \"tool\"")),
+            other => return Err(RequestError::invalid(format!("{field}.role"), format!("unknown role {other:?}"))),
         };
         push_message(&mut out, Json::Object(template_message));
     }
@@ -765,14 +647,7 @@ pub struct FunctionCall {
 
 impl From<&ParsedToolCall> for ToolCall {
     fn from(c: &ParsedToolCall) -> Self {
-        Self {
-            id: c.id.clone(),
-            kind: "function".into(),
-            function: FunctionCall {
-                name: c.name.clone(),
-                arguments: c.arguments.clone(),
-            },
-        }
+        Self { id: c.id.clone(), kind: "function".into(), function: FunctionCall { name: c.name.clone(), arguments: c.arguments.clone() } }
     }
 }
 
@@ -801,8 +676,7 @@ impl ResponseMessage {
         let reasoning = (!parsed.reasoning.is_empty()).then(|| parsed.reasoning.clone());
         Self {
             role: "assistant".into(),
-            content: (!parsed.content.is_empty() || parsed.tool_calls.is_empty())
-                .then(|| parsed.content.clone()),
+            content: (!parsed.content.is_empty() || parsed.tool_calls.is_empty()).then(|| parsed.content.clone()),
             reasoning_content: reasoning.clone(),
             reasoning,
             tool_calls: parsed.tool_calls.iter().map(ToolCall::from).collect(),
@@ -842,21 +716,8 @@ pub struct ChatCompletion {
 
 impl ChatCompletion {
     /// A completion with `object` set.
-    pub fn new(
-        id: String,
-        created: u64,
-        model: String,
-        choices: Vec<ChatChoice>,
-        usage: Usage,
-    ) -> Self {
-        Self {
-            id,
-            object: "chat.completion".into(),
-            created,
-            model,
-            choices,
-            usage: Some(usage),
-        }
+    pub fn new(id: String, created: u64, model: String, choices: Vec<ChatChoice>, usage: Usage) -> Self {
+        Self { id, object: "chat.completion".into(), created, model, choices, usage: Some(usage) }
     }
 }
 
@@ -909,24 +770,14 @@ pub struct ChunkDelta {
 impl From<&Delta> for ChunkDelta {
     fn from(d: &Delta) -> Self {
         match d {
-            Delta::Reasoning(t) => Self {
-                reasoning_content: Some(t.clone()),
-                reasoning: Some(t.clone()),
-                ..Self::default()
-            },
-            Delta::Content(t) => Self {
-                content: Some(t.clone()),
-                ..Self::default()
-            },
+            Delta::Reasoning(t) => Self { reasoning_content: Some(t.clone()), reasoning: Some(t.clone()), ..Self::default() },
+            Delta::Content(t) => Self { content: Some(t.clone()), ..Self::default() },
             Delta::ToolCallStart { index, id, name } => Self {
                 tool_calls: Some(vec![ToolCallDelta {
                     index: *index as u32,
                     id: Some(id.clone()),
                     kind: Some("function".into()),
-                    function: FunctionCallDelta {
-                        name: Some(name.clone()),
-                        arguments: Some(String::new()),
-                    },
+                    function: FunctionCallDelta { name: Some(name.clone()), arguments: Some(String::new()) },
                 }]),
                 ..Self::default()
             },
@@ -935,10 +786,7 @@ impl From<&Delta> for ChunkDelta {
                     index: *index as u32,
                     id: None,
                     kind: None,
-                    function: FunctionCallDelta {
-                        name: None,
-                        arguments: Some(arguments.clone()),
-                    },
+                    function: FunctionCallDelta { name: None, arguments: Some(arguments.clone()) },
                 }]),
                 ..Self::default()
             },
@@ -980,14 +828,7 @@ pub struct ChatCompletionChunk {
 impl ChatCompletionChunk {
     /// A chunk with `object` set.
     pub fn new(id: String, created: u64, model: String, choices: Vec<ChunkChoice>) -> Self {
-        Self {
-            id,
-            object: "chat.completion.chunk".into(),
-            created,
-            model,
-            choices,
-            usage: None,
-        }
+        Self { id, object: "chat.completion.chunk".into(), created, model, choices, usage: None }
     }
 }
 
@@ -1119,32 +960,20 @@ impl CompletionRequest {
             self.seed,
             self.n,
         )?;
-        sampling.stop = stop_strings(
-            "stop",
-            self.stop.clone().map_or(Vec::new(), StringOrList::into_vec),
-        )?;
+        sampling.stop = stop_strings("stop", self.stop.clone().map_or(Vec::new(), StringOrList::into_vec))?;
         sampling.logit_bias = logit_bias(self.logit_bias.as_ref(), vocab_size)?;
         sampling.ignore_eos = self.ignore_eos.unwrap_or(false);
         if let Some(k) = self.logprobs {
             if k > 5 {
-                return Err(RequestError::invalid(
-                    "logprobs",
-                    format!("must be between 0 and 5, got {k}"),
-                ));
+                return Err(RequestError::invalid("logprobs", format!("must be between 0 and 5, got {k}")));
             }
             sampling.logprobs = Some(k);
         }
         if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
-            return Err(RequestError::unsupported(
-                "suffix",
-                "insertion after a suffix is not supported",
-            ));
+            return Err(RequestError::unsupported("suffix", "insertion after a suffix is not supported"));
         }
         if self.best_of.is_some_and(|b| b != 1) {
-            return Err(RequestError::unsupported(
-                "best_of",
-                "only best_of = 1 is supported",
-            ));
+            return Err(RequestError::unsupported("best_of", "only best_of = 1 is supported"));
         }
         let prompts = match &self.prompt {
             CompletionPrompt::Text(t) => vec![Prompt::Text(t.clone())],
@@ -1157,24 +986,12 @@ impl CompletionRequest {
         }
         let single = prompts.len() == 1;
         for (i, p) in prompts.iter().enumerate() {
-            let field = if single {
-                "prompt".to_string()
-            } else {
-                format!("prompt[{i}]")
-            };
+            let field = if single { "prompt".to_string() } else { format!("prompt[{i}]") };
             match p {
-                Prompt::Ids(ids) if ids.is_empty() => {
-                    return Err(RequestError::invalid(field, "must not be empty"))
-                }
+                Prompt::Ids(ids) if ids.is_empty() => return Err(RequestError::invalid(field, "must not be empty")),
                 Prompt::Ids(ids) => {
                     if let Some(j) = ids.iter().position(|&id| id as usize >= vocab_size) {
-                        return Err(RequestError::invalid(
-                            format!("{field}[{j}]"),
-                            format!(
-                                "token id {} is outside the vocabulary ({vocab_size} ids)",
-                                ids[j]
-                            ),
-                        ));
+                        return Err(RequestError::invalid(format!("{field}[{j}]"), format!("token id {} is outside the vocabulary ({vocab_size} ids)", ids[j])));
                     }
                 }
                 Prompt::Text(_) => {}
@@ -1182,10 +999,7 @@ impl CompletionRequest {
         }
         let stream = self.stream.unwrap_or(false);
         if self.stream_options.is_some() && !stream {
-            return Err(RequestError::invalid(
-                "stream_options",
-                "is only allowed with `stream: true`",
-            ));
+            return Err(RequestError::invalid("stream_options", "is only allowed with `stream: true`"));
         }
         Ok(TextCompletionJob {
             model: self.model.clone(),
@@ -1193,11 +1007,7 @@ impl CompletionRequest {
             sampling,
             echo: self.echo.unwrap_or(false),
             stream,
-            include_usage: self
-                .stream_options
-                .as_ref()
-                .and_then(|o| o.include_usage)
-                .unwrap_or(false),
+            include_usage: self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
         })
     }
 }
@@ -1235,21 +1045,8 @@ pub struct TextCompletion {
 
 impl TextCompletion {
     /// A completion or chunk with `object` set.
-    pub fn new(
-        id: String,
-        created: u64,
-        model: String,
-        choices: Vec<CompletionChoice>,
-        usage: Option<Usage>,
-    ) -> Self {
-        Self {
-            id,
-            object: "text_completion".into(),
-            created,
-            model,
-            choices,
-            usage,
-        }
+    pub fn new(id: String, created: u64, model: String, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> Self {
+        Self { id, object: "text_completion".into(), created, model, choices, usage }
     }
 }
 
@@ -1429,50 +1226,22 @@ impl ResponsesRequest {
     /// Checks the request and converts its input into template messages.
     pub fn validate(&self) -> Result<ChatRequest, RequestError> {
         if let Some(id) = &self.previous_response_id {
-            return Err(RequestError::unsupported(
-                "previous_response_id",
-                format!("this server stores no responses ({id:?}); send the whole input with `store: false`"),
-            ));
+            return Err(RequestError::unsupported("previous_response_id", format!("this server stores no responses ({id:?}); send the whole input with `store: false`")));
         }
-        let sampling = sampling(
-            self.max_output_tokens,
-            self.temperature,
-            self.top_p,
-            self.top_k,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
-        .map_err(|e| match e {
-            RequestError::Invalid { field, message } if field == "max_tokens" => {
-                RequestError::Invalid {
-                    field: "max_output_tokens".into(),
-                    message,
-                }
-            }
+        let sampling = sampling(self.max_output_tokens, self.temperature, self.top_p, self.top_k, None, None, None, None, None, None).map_err(|e| match e {
+            RequestError::Invalid { field, message } if field == "max_tokens" => RequestError::Invalid { field: "max_output_tokens".into(), message },
             e => e,
         })?;
         let mut messages = Vec::new();
         if let Some(instructions) = &self.instructions {
-            push_message(
-                &mut messages,
-                Json::Object(message("system", instructions.clone())),
-            );
+            push_message(&mut messages, Json::Object(message("system", instructions.clone())));
         }
         match &self.input {
-            ResponsesInput::Text(t) => {
-                push_message(&mut messages, Json::Object(message("user", t.clone())))
-            }
+            ResponsesInput::Text(t) => push_message(&mut messages, Json::Object(message("user", t.clone()))),
             ResponsesInput::Items(items) => responses_messages(items, &mut messages)?,
         }
         if !messages.iter().any(|m| m["role"] != "system") {
-            return Err(RequestError::invalid(
-                "input",
-                "must hold at least one message",
-            ));
+            return Err(RequestError::invalid("input", "must hold at least one message"));
         }
         let mut prompt = ChatPrompt {
             messages,
@@ -1480,10 +1249,7 @@ impl ResponsesRequest {
             parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
             ..ChatPrompt::default()
         };
-        set_thinking(
-            &mut prompt.kwargs,
-            thinking_of_effort(self.reasoning.as_ref().and_then(|r| r.effort.as_deref())),
-        );
+        set_thinking(&mut prompt.kwargs, thinking_of_effort(self.reasoning.as_ref().and_then(|r| r.effort.as_deref())));
         let mut tools = ToolSet::default();
         for (i, tool) in self.tools.iter().flatten().enumerate() {
             if tool.kind != "function" {
@@ -1492,13 +1258,7 @@ impl ResponsesRequest {
             let Some(name) = &tool.name else {
                 return Err(RequestError::missing(format!("tools[{i}].name")));
             };
-            tools.add(
-                &format!("tools[{i}]"),
-                "parameters",
-                name,
-                tool.description.as_deref(),
-                tool.parameters.as_ref(),
-            )?;
+            tools.add(&format!("tools[{i}]"), "parameters", name, tool.description.as_deref(), tool.parameters.as_ref())?;
         }
         if let Some(choice) = &self.tool_choice {
             prompt.tool_choice = choice.resolve("tool_choice")?;
@@ -1508,24 +1268,9 @@ impl ResponsesRequest {
         let output_format = match self.text.as_ref().and_then(|t| t.format.as_ref()) {
             None | Some(TextFormat::Text) => OutputFormat::Text,
             Some(TextFormat::JsonObject) => OutputFormat::JsonObject,
-            Some(TextFormat::JsonSchema {
-                name,
-                schema,
-                strict,
-            }) => OutputFormat::JsonSchema {
-                name: name.clone(),
-                schema: schema.clone(),
-                strict: strict.unwrap_or(false),
-            },
+            Some(TextFormat::JsonSchema { name, schema, strict }) => OutputFormat::JsonSchema { name: name.clone(), schema: schema.clone(), strict: strict.unwrap_or(false) },
         };
-        Ok(ChatRequest {
-            model: self.model.clone(),
-            prompt,
-            sampling,
-            stream: self.stream.unwrap_or(false),
-            include_usage: true,
-            output_format,
-        })
+        Ok(ChatRequest { model: self.model.clone(), prompt, sampling, stream: self.stream.unwrap_or(false), include_usage: true, output_format })
     }
 }
 
@@ -1543,21 +1288,12 @@ fn responses_messages(items: &[InputItem], out: &mut Vec<Json>) -> Result<(), Re
                 let Some(role) = item.role.as_deref() else {
                     return Err(RequestError::missing(format!("{field}.role")));
                 };
-                let text = content_text(
-                    &format!("{field}.content"),
-                    item.content.as_ref(),
-                    &["input_text", "output_text", "text", "refusal"],
-                )?;
+                let text = content_text(&format!("{field}.content"), item.content.as_ref(), &["input_text", "output_text", "text", "refusal"])?;
                 let role = match role {
                     "user" => "user",
                     "assistant" => "assistant",
                     "system" | "developer" => "system",
-                    other => {
-                        return Err(RequestError::invalid(
-                            format!("{field}.role"),
-                            format!("unknown role {other:?}"),
-                        ))
-                    }
+                    other => return Err(RequestError::invalid(format!("{field}.role"), format!("unknown role {other:?}"))),
                 };
                 let mut m = message(role, text);
                 if role == "assistant" {
@@ -1571,10 +1307,8 @@ fn responses_messages(items: &[InputItem], out: &mut Vec<Json>) -> Result<(), Re
                 let Some(name) = &item.name else {
                     return Err(RequestError::missing(format!("{field}.name")));
                 };
-                let args =
-                    decode_arguments(&format!("{field}.arguments"), item.arguments.as_ref())?;
-                let call =
-                    template_tool_call(item.call_id.as_deref().or(item.id.as_deref()), name, args);
+                let args = decode_arguments(&format!("{field}.arguments"), item.arguments.as_ref())?;
+                let call = template_tool_call(item.call_id.as_deref().or(item.id.as_deref()), name, args);
                 // Joins the assistant message just before (its text, or earlier calls).
                 let last_is_assistant = out.last().is_some_and(|m| m["role"] == "assistant");
                 if !last_is_assistant || reasoning.is_some() {
@@ -1594,11 +1328,7 @@ fn responses_messages(items: &[InputItem], out: &mut Vec<Json>) -> Result<(), Re
                 }
             }
             "function_call_output" => {
-                let text = content_text(
-                    &format!("{field}.output"),
-                    item.output.as_ref(),
-                    &["input_text", "output_text", "text"],
-                )?;
+                let text = content_text(&format!("{field}.output"), item.output.as_ref(), &["input_text", "output_text", "text"])?;
                 let mut m = message("tool", text);
                 if let Some(id) = &item.call_id {
                     m.insert("tool_call_id".into(), Json::String(id.clone()));
@@ -1614,10 +1344,7 @@ fn responses_messages(items: &[InputItem], out: &mut Vec<Json>) -> Result<(), Re
                     .flatten()
                     .filter_map(|p| p.text.as_deref())
                     .chain(match &item.content {
-                        Some(MessageContent::Parts(parts)) => parts
-                            .iter()
-                            .filter_map(|p| p.text.as_deref())
-                            .collect::<Vec<_>>(),
+                        Some(MessageContent::Parts(parts)) => parts.iter().filter_map(|p| p.text.as_deref()).collect::<Vec<_>>(),
                         Some(MessageContent::Text(t)) => vec![t.as_str()],
                         None => Vec::new(),
                     })
@@ -1626,12 +1353,7 @@ fn responses_messages(items: &[InputItem], out: &mut Vec<Json>) -> Result<(), Re
                     reasoning = Some(text.join("\n"));
                 }
             }
-            other => {
-                return Err(RequestError::unsupported(
-                    format!("{field}.type"),
-                    format!("input items of type {other:?} are not supported"),
-                ))
-            }
+            other => return Err(RequestError::unsupported(format!("{field}.type"), format!("input items of type {other:?} are not supported"))),
         }
     }
     Ok(())
@@ -1654,12 +1376,7 @@ pub struct ResponseUsage {
 
 impl ResponseUsage {
     /// Usage with the total filled in.
-    pub fn new(
-        input_tokens: u32,
-        output_tokens: u32,
-        cached_tokens: u32,
-        reasoning_tokens: u32,
-    ) -> Self {
+    pub fn new(input_tokens: u32, output_tokens: u32, cached_tokens: u32, reasoning_tokens: u32) -> Self {
         Self {
             input_tokens,
             input_tokens_details: InputTokensDetails { cached_tokens },
@@ -2046,25 +1763,12 @@ mod tests {
         .unwrap();
         let s = &req.sampling;
         assert_eq!(s.max_tokens, Some(20));
-        assert_eq!(
-            (s.temperature, s.top_p, s.top_k, s.min_p),
-            (Some(0.7), Some(0.9), None, Some(0.05))
-        );
-        assert_eq!(
-            (s.seed, s.n, s.logprobs, s.ignore_eos),
-            (Some(7), 2, Some(3), true)
-        );
+        assert_eq!((s.temperature, s.top_p, s.top_k, s.min_p), (Some(0.7), Some(0.9), None, Some(0.05)));
+        assert_eq!((s.seed, s.n, s.logprobs, s.ignore_eos), (Some(7), 2, Some(3), true));
         assert_eq!(s.stop, ["END"]);
         assert_eq!(s.logit_bias, [(17, 2.5), (5, -100.0)]);
         assert!(req.stream && req.include_usage);
-        assert_eq!(
-            req.output_format,
-            OutputFormat::JsonSchema {
-                name: "w".into(),
-                schema: Some(json!({"type": "object"})),
-                strict: false
-            }
-        );
+        assert_eq!(req.output_format, OutputFormat::JsonSchema { name: "w".into(), schema: Some(json!({"type": "object"})), strict: false });
         let p = &req.prompt;
         assert_eq!(
             Json::Array(p.messages.clone()),
@@ -2102,86 +1806,27 @@ mod tests {
     #[test]
     fn chat_validation_names_the_field() {
         let user = json!([{"role": "user", "content": "hi"}]);
+        assert_eq!(chat_err(json!({"messages": user, "temperature": 3})).0.as_deref(), Some("temperature"));
+        assert_eq!(chat_err(json!({"messages": user, "top_p": 0})).0.as_deref(), Some("top_p"));
+        assert_eq!(chat_err(json!({"messages": user, "max_completion_tokens": 0})).0.as_deref(), Some("max_completion_tokens"));
+        assert_eq!(chat_err(json!({"messages": user, "seed": -1})).0.as_deref(), Some("seed"));
+        assert_eq!(chat_err(json!({"messages": user, "top_k": -5})).0.as_deref(), Some("top_k"));
+        assert_eq!(chat_err(json!({"messages": user, "stop": ["a", ""]})).0.as_deref(), Some("stop[1]"));
+        assert_eq!(chat_err(json!({"messages": user, "top_logprobs": 2})).0.as_deref(), Some("top_logprobs"));
+        assert_eq!(chat_err(json!({"messages": user, "logit_bias": {"1000": 1}})).0.as_deref(), Some("logit_bias.1000"));
+        assert_eq!(chat_err(json!({"messages": user, "stream_options": {"include_usage": true}})).0.as_deref(), Some("stream_options"));
+        assert_eq!(chat_err(json!({"messages": []})).0.as_deref(), Some("messages"));
+        assert_eq!(chat_err(json!({"messages": user, "tool_choice": "required"})).0.as_deref(), Some("tool_choice"));
         assert_eq!(
-            chat_err(json!({"messages": user, "temperature": 3}))
-                .0
-                .as_deref(),
-            Some("temperature")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "top_p": 0})).0.as_deref(),
-            Some("top_p")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "max_completion_tokens": 0}))
-                .0
-                .as_deref(),
-            Some("max_completion_tokens")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "seed": -1})).0.as_deref(),
-            Some("seed")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "top_k": -5}))
-                .0
-                .as_deref(),
-            Some("top_k")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "stop": ["a", ""]}))
-                .0
-                .as_deref(),
-            Some("stop[1]")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "top_logprobs": 2}))
-                .0
-                .as_deref(),
-            Some("top_logprobs")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "logit_bias": {"1000": 1}}))
-                .0
-                .as_deref(),
-            Some("logit_bias.1000")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "stream_options": {"include_usage": true}}))
-                .0
-                .as_deref(),
-            Some("stream_options")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": []})).0.as_deref(),
-            Some("messages")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "tool_choice": "required"}))
-                .0
-                .as_deref(),
-            Some("tool_choice")
-        );
-        assert_eq!(
-            chat_err(
-                json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
-                "tool_choice": {"type": "function", "function": {"name": "g"}}})
-            ),
-            (
-                Some("tool_choice".into()),
-                "`tool_choice`: no tool named \"g\" in `tools`".into()
-            )
+            chat_err(json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}}})),
+            (Some("tool_choice".into()), "`tool_choice`: no tool named \"g\" in `tools`".into())
         );
         assert_eq!(
             chat_err(json!({"messages": user, "tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]})).0.as_deref(),
             Some("tools[0].function.parameters")
         );
-        assert_eq!(
-            chat_err(json!({"messages": user, "tools": [{"type": "code_interpreter"}]}))
-                .0
-                .as_deref(),
-            Some("tools[0].type")
-        );
+        assert_eq!(chat_err(json!({"messages": user, "tools": [{"type": "code_interpreter"}]})).0.as_deref(), Some("tools[0].type"));
         assert_eq!(
             chat_err(json!({"messages": [{"role": "user", "content": "a"},
                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}))
@@ -2191,54 +1836,25 @@ mod tests {
         );
         assert_eq!(
             chat_err(json!({"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
-                "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})).0.as_deref(),
+                "tool_calls": [{"id": "x", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}))
+            .0
+            .as_deref(),
             Some("messages[1].tool_calls[0].function.arguments")
         );
-        assert_eq!(
-            chat_err(json!({"messages": [{"role": "robot", "content": "a"}]}))
-                .0
-                .as_deref(),
-            Some("messages[0].role")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": [{"role": "user"}]}))
-                .0
-                .as_deref(),
-            Some("messages[0].content")
-        );
+        assert_eq!(chat_err(json!({"messages": [{"role": "robot", "content": "a"}]})).0.as_deref(), Some("messages[0].role"));
+        assert_eq!(chat_err(json!({"messages": [{"role": "user"}]})).0.as_deref(), Some("messages[0].content"));
         // A type error found while parsing names its path too.
-        assert_eq!(
-            chat_err(json!({"messages": [{"role": "user", "content": 5}]}))
-                .0
-                .as_deref(),
-            Some("messages[0].content")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "temperature": "hot"}))
-                .0
-                .as_deref(),
-            Some("temperature")
-        );
-        assert_eq!(
-            chat_err(json!({"messages": user, "chat_template_kwargs": {"tools": []}}))
-                .0
-                .as_deref(),
-            Some("chat_template_kwargs.tools")
-        );
+        assert_eq!(chat_err(json!({"messages": [{"role": "user", "content": 5}]})).0.as_deref(), Some("messages[0].content"));
+        assert_eq!(chat_err(json!({"messages": user, "temperature": "hot"})).0.as_deref(), Some("temperature"));
+        assert_eq!(chat_err(json!({"messages": user, "chat_template_kwargs": {"tools": []}})).0.as_deref(), Some("chat_template_kwargs.tools"));
     }
 
     #[test]
     fn completions_request_prompts_and_defaults() {
-        let parse = |b: Json| {
-            from_json::<CompletionRequest>(b.to_string().as_bytes()).and_then(|r| r.validate(100))
-        };
-        let job = parse(json!({"prompt": "def f(", "stop": ["\n\n"], "logprobs": 2, "echo": true}))
-            .unwrap();
+        let parse = |b: Json| from_json::<CompletionRequest>(b.to_string().as_bytes()).and_then(|r| r.validate(100));
+        let job = parse(json!({"prompt": "def f(", "stop": ["\n\n"], "logprobs": 2, "echo": true})).unwrap();
         assert_eq!(job.prompts, [Prompt::Text("def f(".into())]);
-        assert_eq!(
-            (job.sampling.max_tokens, job.sampling.logprobs, job.echo),
-            (Some(16), Some(2), true)
-        );
+        assert_eq!((job.sampling.max_tokens, job.sampling.logprobs, job.echo), (Some(16), Some(2), true));
         assert_eq!(job.sampling.n, 1);
         assert_eq!(SamplingOptions::default().n, 1);
         let job = parse(json!({"prompt": [[1, 2], [3]], "max_tokens": 4})).unwrap();
@@ -2246,23 +1862,11 @@ mod tests {
         let job = parse(json!({"prompt": ["a", "b"]})).unwrap();
         assert_eq!(job.prompts.len(), 2);
         let field = |b: Json| parse(b).unwrap_err().field().map(str::to_string);
-        assert_eq!(
-            field(json!({"prompt": [1, 200]})).as_deref(),
-            Some("prompt[1]")
-        );
-        assert_eq!(
-            field(json!({"prompt": [[1], [2, 300]]})).as_deref(),
-            Some("prompt[1][1]")
-        );
+        assert_eq!(field(json!({"prompt": [1, 200]})).as_deref(), Some("prompt[1]"));
+        assert_eq!(field(json!({"prompt": [[1], [2, 300]]})).as_deref(), Some("prompt[1][1]"));
         assert_eq!(field(json!({"prompt": []})).as_deref(), Some("prompt"));
-        assert_eq!(
-            field(json!({"prompt": "x", "suffix": "y"})).as_deref(),
-            Some("suffix")
-        );
-        assert_eq!(
-            field(json!({"prompt": "x", "logprobs": 6})).as_deref(),
-            Some("logprobs")
-        );
+        assert_eq!(field(json!({"prompt": "x", "suffix": "y"})).as_deref(), Some("suffix"));
+        assert_eq!(field(json!({"prompt": "x", "logprobs": 6})).as_deref(), Some("logprobs"));
         assert_eq!(field(json!({"prompt": "x", "n": 0})).as_deref(), Some("n"));
     }
 
@@ -2284,10 +1888,7 @@ mod tests {
                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Done."}]}
             ]
         });
-        let req = from_json::<ResponsesRequest>(body.to_string().as_bytes())
-            .unwrap()
-            .validate()
-            .unwrap();
+        let req = from_json::<ResponsesRequest>(body.to_string().as_bytes()).unwrap().validate().unwrap();
         assert_eq!(
             Json::Array(req.prompt.messages.clone()),
             json!([
@@ -2307,47 +1908,16 @@ mod tests {
         assert_eq!(req.prompt.kwargs["tools"].as_array().map(Vec::len), Some(1));
         assert!(req.stream && req.include_usage);
 
-        let req = from_json::<ResponsesRequest>(br#"{"input": "Hi"}"#)
-            .unwrap()
-            .validate()
-            .unwrap();
-        assert_eq!(
-            Json::Array(req.prompt.messages),
-            json!([{"role": "user", "content": "Hi"}])
-        );
+        let req = from_json::<ResponsesRequest>(br#"{"input": "Hi"}"#).unwrap().validate().unwrap();
+        assert_eq!(Json::Array(req.prompt.messages), json!([{"role": "user", "content": "Hi"}]));
 
-        let field = |b: Json| {
-            from_json::<ResponsesRequest>(b.to_string().as_bytes())
-                .and_then(|r| r.validate())
-                .unwrap_err()
-                .field()
-                .map(str::to_string)
-        };
-        assert_eq!(
-            field(json!({"input": "x", "previous_response_id": "resp_1"})).as_deref(),
-            Some("previous_response_id")
-        );
-        assert_eq!(
-            field(json!({"input": [{"type": "function_call_output", "output": "x"}]})).as_deref(),
-            Some("input[0].call_id")
-        );
-        assert_eq!(
-            field(json!({"input": [{"type": "local_shell_call"}]})).as_deref(),
-            Some("input[0].type")
-        );
-        assert_eq!(
-            field(json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}))
-                .as_deref(),
-            Some("input[0].content[0].type")
-        );
-        assert_eq!(
-            field(json!({"input": "x", "max_output_tokens": 0})).as_deref(),
-            Some("max_output_tokens")
-        );
-        assert_eq!(
-            field(json!({"input": [], "instructions": "only this"})).as_deref(),
-            Some("input")
-        );
+        let field = |b: Json| from_json::<ResponsesRequest>(b.to_string().as_bytes()).and_then(|r| r.validate()).unwrap_err().field().map(str::to_string);
+        assert_eq!(field(json!({"input": "x", "previous_response_id": "resp_1"})).as_deref(), Some("previous_response_id"));
+        assert_eq!(field(json!({"input": [{"type": "function_call_output", "output": "x"}]})).as_deref(), Some("input[0].call_id"));
+        assert_eq!(field(json!({"input": [{"type": "local_shell_call"}]})).as_deref(), Some("input[0].type"));
+        assert_eq!(field(json!({"input": [{"role": "user", "content": [{"type": "input_image"}]}]})).as_deref(), Some("input[0].content[0].type"));
+        assert_eq!(field(json!({"input": "x", "max_output_tokens": 0})).as_deref(), Some("max_output_tokens"));
+        assert_eq!(field(json!({"input": [], "instructions": "only this"})).as_deref(), Some("input"));
     }
 
     #[test]
@@ -2355,22 +1925,13 @@ mod tests {
         let parsed = ParsedOutput {
             reasoning: "r".into(),
             content: String::new(),
-            tool_calls: vec![ParsedToolCall {
-                id: "call_0".into(),
-                name: "f".into(),
-                arguments: "{\"a\":1}".into(),
-            }],
+            tool_calls: vec![ParsedToolCall { id: "call_0".into(), name: "f".into(), arguments: "{\"a\":1}".into() }],
         };
         let completion = ChatCompletion::new(
             "chatcmpl-1".into(),
             5,
             "qwen".into(),
-            vec![ChatChoice {
-                index: 0,
-                message: ResponseMessage::from_parsed(&parsed),
-                logprobs: None,
-                finish_reason: Some(FinishReason::ToolCalls),
-            }],
+            vec![ChatChoice { index: 0, message: ResponseMessage::from_parsed(&parsed), logprobs: None, finish_reason: Some(FinishReason::ToolCalls) }],
             Usage::new(10, 3, 8),
         );
         assert_eq!(
@@ -2388,16 +1949,7 @@ mod tests {
             "chatcmpl-1".into(),
             5,
             "qwen".into(),
-            vec![ChunkChoice {
-                index: 0,
-                delta: ChunkDelta::from(&Delta::ToolCallStart {
-                    index: 1,
-                    id: "call_1".into(),
-                    name: "g".into(),
-                }),
-                logprobs: None,
-                finish_reason: None,
-            }],
+            vec![ChunkChoice { index: 0, delta: ChunkDelta::from(&Delta::ToolCallStart { index: 1, id: "call_1".into(), name: "g".into() }), logprobs: None, finish_reason: None }],
         );
         chunk.usage = Some(None);
         assert_eq!(
@@ -2407,21 +1959,13 @@ mod tests {
                     "function": {"name": "g", "arguments": ""}}]}, "logprobs": null, "finish_reason": null}],
                 "usage": null})
         );
-        assert_eq!(
-            serde_json::to_value(ChunkDelta::from(&Delta::Reasoning("x".into()))).unwrap(),
-            json!({"reasoning_content": "x", "reasoning": "x"})
-        );
+        assert_eq!(serde_json::to_value(ChunkDelta::from(&Delta::Reasoning("x".into()))).unwrap(), json!({"reasoning_content": "x", "reasoning": "x"}));
 
         let text = TextCompletion::new(
             "cmpl-1".into(),
             1,
             "m".into(),
-            vec![CompletionChoice {
-                text: "ok".into(),
-                index: 0,
-                logprobs: None,
-                finish_reason: Some(FinishReason::Length),
-            }],
+            vec![CompletionChoice { text: "ok".into(), index: 0, logprobs: None, finish_reason: Some(FinishReason::Length) }],
             None,
         );
         assert_eq!(
@@ -2431,30 +1975,13 @@ mod tests {
         );
 
         let events = [
-            ResponseStreamEvent::OutputTextDelta {
-                sequence_number: 3,
-                item_id: "msg_1".into(),
-                output_index: 1,
-                content_index: 0,
-                delta: "Hi".into(),
-            },
+            ResponseStreamEvent::OutputTextDelta { sequence_number: 3, item_id: "msg_1".into(), output_index: 1, content_index: 0, delta: "Hi".into() },
             ResponseStreamEvent::OutputItemAdded {
                 sequence_number: 4,
                 output_index: 2,
-                item: OutputItem::FunctionCall {
-                    id: "fc_1".into(),
-                    call_id: "call_0".into(),
-                    name: "f".into(),
-                    arguments: String::new(),
-                    status: "in_progress".into(),
-                },
+                item: OutputItem::FunctionCall { id: "fc_1".into(), call_id: "call_0".into(), name: "f".into(), arguments: String::new(), status: "in_progress".into() },
             },
-            ResponseStreamEvent::FunctionCallArgumentsDone {
-                sequence_number: 5,
-                item_id: "fc_1".into(),
-                output_index: 2,
-                arguments: "{}".into(),
-            },
+            ResponseStreamEvent::FunctionCallArgumentsDone { sequence_number: 5, item_id: "fc_1".into(), output_index: 2, arguments: "{}".into() },
         ];
         for e in &events {
             assert_eq!(serde_json::to_value(e).unwrap()["type"], e.event_type());

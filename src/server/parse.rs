@@ -99,11 +99,7 @@ impl ParsedOutput {
         match delta {
             Delta::Reasoning(t) => self.reasoning.push_str(t),
             Delta::Content(t) => self.content.push_str(t),
-            Delta::ToolCallStart { id, name, .. } => self.tool_calls.push(ParsedToolCall {
-                id: id.clone(),
-                name: name.clone(),
-                arguments: String::new(),
-            }),
+            Delta::ToolCallStart { id, name, .. } => self.tool_calls.push(ParsedToolCall { id: id.clone(), name: name.clone(), arguments: String::new() }),
             Delta::ToolCallArguments { index, arguments } => {
                 if let Some(call) = self.tool_calls.get_mut(*index) {
                     call.arguments.push_str(arguments);
@@ -140,12 +136,7 @@ impl ToolSchemas {
         let types = parameters
             .and_then(|p| p.get("properties"))
             .and_then(Json::as_object)
-            .map(|props| {
-                props
-                    .iter()
-                    .map(|(k, v)| (k.clone(), ParamType::of(v)))
-                    .collect()
-            })
+            .map(|props| props.iter().map(|(k, v)| (k.clone(), ParamType::of(v))).collect())
             .unwrap_or_default();
         self.functions.insert(name.to_string(), types);
     }
@@ -161,11 +152,7 @@ impl ToolSchemas {
     }
 
     fn param_type(&self, function: &str, param: &str) -> ParamType {
-        self.functions
-            .get(function)
-            .and_then(|f| f.get(param))
-            .copied()
-            .unwrap_or(ParamType::STRING)
+        self.functions.get(function).and_then(|f| f.get(param)).copied().unwrap_or(ParamType::STRING)
     }
 }
 
@@ -188,10 +175,7 @@ enum Kind {
 }
 
 impl ParamType {
-    const STRING: Self = Self {
-        kind: Kind::String,
-        nullable: false,
-    };
+    const STRING: Self = Self { kind: Kind::String, nullable: false };
 
     /// Reads a property schema. Type names are matched as vLLM matches them (`int…`, `num…`,
     /// `float…`, `bool`, `dict…`, `list…`, ...); unknown names, and schemas without a type,
@@ -208,8 +192,7 @@ impl ParamType {
                 Kind::Boolean
             } else if t == "null" {
                 Kind::Null
-            } else if matches!(t.as_str(), "object" | "array" | "arr") || starts(&["dict", "list"])
-            {
+            } else if matches!(t.as_str(), "object" | "array" | "arr") || starts(&["dict", "list"]) {
                 Kind::Container
             } else {
                 Kind::String
@@ -226,30 +209,19 @@ impl ParamType {
                     kind = Some(k);
                 }
             }
-            ParamType {
-                kind: kind.unwrap_or(if nullable { Kind::Null } else { Kind::String }),
-                nullable,
-            }
+            ParamType { kind: kind.unwrap_or(if nullable { Kind::Null } else { Kind::String }), nullable }
         }
         match schema.get("type") {
             Some(Json::String(t)) => {
                 let kind = kind_of(t);
-                return Self {
-                    kind,
-                    nullable: kind == Kind::Null,
-                };
+                return Self { kind, nullable: kind == Kind::Null };
             }
             Some(Json::Array(ts)) => return pick(ts.iter().filter_map(Json::as_str).map(kind_of)),
             _ => {}
         }
         for key in ["anyOf", "oneOf"] {
             if let Some(Json::Array(options)) = schema.get(key) {
-                return pick(
-                    options
-                        .iter()
-                        .filter_map(|o| o.get("type").and_then(Json::as_str))
-                        .map(kind_of),
-                );
+                return pick(options.iter().filter_map(|o| o.get("type").and_then(Json::as_str)).map(kind_of));
             }
         }
         Self::STRING
@@ -277,9 +249,7 @@ impl ParamType {
             }
             Kind::Number => match trimmed.parse::<f64>() {
                 // Integral values become integers, as vLLM does (`2.0` → 2).
-                Ok(x) if x.is_finite() && x.fract() == 0.0 && x.abs() < 9.0e15 => {
-                    Json::from(x as i64)
-                }
+                Ok(x) if x.is_finite() && x.fract() == 0.0 && x.abs() < 9.0e15 => Json::from(x as i64),
                 Ok(x) => serde_json::Number::from_f64(x).map_or_else(text, Json::Number),
                 Err(_) => text(),
             },
@@ -377,11 +347,7 @@ impl OutputParser {
         Self {
             tools,
             call_id_prefix: options.call_id_prefix,
-            mode: if options.starts_in_reasoning {
-                Mode::Reasoning
-            } else {
-                Mode::Content
-            },
+            mode: if options.starts_in_reasoning { Mode::Reasoning } else { Mode::Content },
             buf: String::new(),
             reasoning: Trim::default(),
             content: Trim::default(),
@@ -466,16 +432,9 @@ impl OutputParser {
         if self.fresh {
             tags.push(THINK_OPEN);
         }
-        let found = tags
-            .iter()
-            .filter_map(|t| self.buf.find(t).map(|i| (i, *t)))
-            .min_by_key(|(i, _)| *i);
+        let found = tags.iter().filter_map(|t| self.buf.find(t).map(|i| (i, *t))).min_by_key(|(i, _)| *i);
         let Some((i, tag)) = found else {
-            let hold = if eof {
-                0
-            } else {
-                partial_suffix(&self.buf, &tags)
-            };
+            let hold = if eof { 0 } else { partial_suffix(&self.buf, &tags) };
             let text: String = self.buf.drain(..self.buf.len() - hold).collect();
             self.emit_text(reasoning, &text, out);
             if eof {
@@ -503,21 +462,13 @@ impl OutputParser {
             self.reasoning.pending.clear();
         }
         self.fresh = false;
-        self.mode = if tag == CALL_OPEN {
-            Mode::CallHeader
-        } else {
-            Mode::Content
-        };
+        self.mode = if tag == CALL_OPEN { Mode::CallHeader } else { Mode::Content };
         true
     }
 
     /// Emits reasoning or content text, trimming it at both ends across deltas.
     fn emit_text(&mut self, reasoning: bool, text: &str, out: &mut Vec<Delta>) {
-        let trim = if reasoning {
-            &mut self.reasoning
-        } else {
-            &mut self.content
-        };
+        let trim = if reasoning { &mut self.reasoning } else { &mut self.content };
         let body_end = text.trim_end().len();
         let (body, tail) = text.split_at(body_end);
         if body.is_empty() {
@@ -527,22 +478,11 @@ impl OutputParser {
             return;
         }
         let mut piece = std::mem::take(&mut trim.pending);
-        piece.push_str(if trim.started {
-            body
-        } else {
-            body.trim_start()
-        });
+        piece.push_str(if trim.started { body } else { body.trim_start() });
         trim.started = true;
         trim.pending.push_str(tail);
         self.fresh = false;
-        push_delta(
-            out,
-            if reasoning {
-                Delta::Reasoning(piece)
-            } else {
-                Delta::Content(piece)
-            },
-        );
+        push_delta(out, if reasoning { Delta::Reasoning(piece) } else { Delta::Content(piece) });
     }
 
     /// After `<tool_call>`: waits for `<function=NAME>`; anything else makes the tag text.
@@ -581,11 +521,7 @@ impl OutputParser {
         self.content.pending.clear();
         let index = self.calls;
         self.calls += 1;
-        out.push(Delta::ToolCallStart {
-            index,
-            id: format!("{}{index}", self.call_id_prefix),
-            name: name.clone(),
-        });
+        out.push(Delta::ToolCallStart { index, id: format!("{}{index}", self.call_id_prefix), name: name.clone() });
         self.function = name;
         self.params = 0;
         self.mode = Mode::Params;
@@ -614,10 +550,7 @@ impl OutputParser {
                 // Not a parameter tag: skipped below like other stray text.
                 _ => {}
             }
-        } else if !eof
-            && (PARAM_OPEN.starts_with(self.buf.as_str())
-                || FUNCTION_CLOSE.starts_with(self.buf.as_str()))
-        {
+        } else if !eof && (PARAM_OPEN.starts_with(self.buf.as_str()) || FUNCTION_CLOSE.starts_with(self.buf.as_str())) {
             return false;
         }
         if self.buf.is_empty() {
@@ -631,18 +564,13 @@ impl OutputParser {
         }
         // Stray text between parameters is dropped up to the next tag.
         let first = self.buf.chars().next().map_or(0, char::len_utf8);
-        let skip = self.buf[first..]
-            .find('<')
-            .map_or(self.buf.len(), |i| i + first);
+        let skip = self.buf[first..].find('<').map_or(self.buf.len(), |i| i + first);
         self.buf.drain(..skip);
         true
     }
 
     fn open_parameter(&mut self, name: &str, out: &mut Vec<Delta>) {
-        let ty = self
-            .tools
-            .as_ref()
-            .map_or(ParamType::STRING, |t| t.param_type(&self.function, name));
+        let ty = self.tools.as_ref().map_or(ParamType::STRING, |t| t.param_type(&self.function, name));
         let mut fragment = String::from(if self.params == 0 { "{" } else { "," });
         fragment.push_str(&json_string(name));
         fragment.push(':');
@@ -651,11 +579,7 @@ impl OutputParser {
         }
         self.params += 1;
         self.emit_arguments(fragment, out);
-        self.mode = Mode::Value {
-            ty,
-            started: false,
-            raw: String::new(),
-        };
+        self.mode = Mode::Value { ty, started: false, raw: String::new() };
     }
 
     fn close_arguments(&mut self, out: &mut Vec<Delta>) {
@@ -667,24 +591,11 @@ impl OutputParser {
         if arguments.is_empty() {
             return;
         }
-        push_delta(
-            out,
-            Delta::ToolCallArguments {
-                index: self.calls - 1,
-                arguments,
-            },
-        );
+        push_delta(out, Delta::ToolCallArguments { index: self.calls - 1, arguments });
     }
 
     /// A parameter's value, up to its structural `</parameter>`.
-    fn step_value(
-        &mut self,
-        ty: ParamType,
-        mut started: bool,
-        mut raw: String,
-        eof: bool,
-        out: &mut Vec<Delta>,
-    ) -> bool {
+    fn step_value(&mut self, ty: ParamType, mut started: bool, mut raw: String, eof: bool, out: &mut Vec<Delta>) -> bool {
         if !started {
             // The template writes a newline after `<parameter=NAME>`: not part of the value.
             if self.buf.starts_with('\n') {
@@ -748,38 +659,20 @@ impl OutputParser {
 /// Adds a delta, merging it into the previous one of the same kind.
 fn push_delta(out: &mut Vec<Delta>, delta: Delta) {
     match (out.last_mut(), delta) {
-        (Some(Delta::Reasoning(a)), Delta::Reasoning(b))
-        | (Some(Delta::Content(a)), Delta::Content(b)) => a.push_str(&b),
-        (
-            Some(Delta::ToolCallArguments {
-                index: i,
-                arguments: a,
-            }),
-            Delta::ToolCallArguments { index, arguments },
-        ) if *i == index => a.push_str(&arguments),
+        (Some(Delta::Reasoning(a)), Delta::Reasoning(b)) | (Some(Delta::Content(a)), Delta::Content(b)) => a.push_str(&b),
+        (Some(Delta::ToolCallArguments { index: i, arguments: a }), Delta::ToolCallArguments { index, arguments }) if *i == index => a.push_str(&arguments),
         (_, delta) => out.push(delta),
     }
 }
 
 /// Length of the longest suffix of `text` that is a proper prefix of one of `tags`.
 fn partial_suffix(text: &str, tags: &[&str]) -> usize {
-    tags.iter()
-        .map(|tag| {
-            (1..tag.len().min(text.len() + 1))
-                .rev()
-                .find(|&k| text.ends_with(&tag[..k]))
-                .unwrap_or(0)
-        })
-        .max()
-        .unwrap_or(0)
+    tags.iter().map(|tag| (1..tag.len().min(text.len() + 1)).rev().find(|&k| text.ends_with(&tag[..k])).unwrap_or(0)).max().unwrap_or(0)
 }
 
 /// A function or parameter name, or the start of one: no whitespace or markup, not too long.
 fn plausible_name(name: &str) -> bool {
-    name.len() <= MAX_NAME_BYTES
-        && !name
-            .chars()
-            .any(|c| c.is_whitespace() || matches!(c, '<' | '>' | '"' | '\''))
+    name.len() <= MAX_NAME_BYTES && !name.chars().any(|c| c.is_whitespace() || matches!(c, '<' | '>' | '"' | '\''))
 }
 
 /// `s` as a JSON string literal.
@@ -822,17 +715,11 @@ fn find_value_end(text: &str, eof: bool) -> ValueEnd {
         if let Some(after) = rest.strip_prefix(PARAM_CLOSE) {
             let next = after.trim_start();
             if next.starts_with(PARAM_OPEN) || next.starts_with(FUNCTION_CLOSE) {
-                return ValueEnd::Found {
-                    value_end: strip_newline(i),
-                    resume: i + PARAM_CLOSE.len(),
-                };
+                return ValueEnd::Found { value_end: strip_newline(i), resume: i + PARAM_CLOSE.len() };
             }
             if PARAM_OPEN.starts_with(next) || FUNCTION_CLOSE.starts_with(next) {
                 if eof {
-                    return ValueEnd::Found {
-                        value_end: strip_newline(i),
-                        resume: i + PARAM_CLOSE.len(),
-                    };
+                    return ValueEnd::Found { value_end: strip_newline(i), resume: i + PARAM_CLOSE.len() };
                 }
                 return ValueEnd::Partial(strip_newline(i));
             }
@@ -843,10 +730,7 @@ fn find_value_end(text: &str, eof: bool) -> ValueEnd {
             // The completion stopped inside the closing tag: the tag is not value (vLLM leaked
             // such a `</parameter` into arguments).
             if rest.len() >= 2 {
-                return ValueEnd::Found {
-                    value_end: strip_newline(i),
-                    resume: text.len(),
-                };
+                return ValueEnd::Found { value_end: strip_newline(i), resume: text.len() };
             }
         }
     }
@@ -882,19 +766,11 @@ mod tests {
     }
 
     fn options(starts_in_reasoning: bool, tools: bool) -> ParserOptions {
-        ParserOptions {
-            starts_in_reasoning,
-            tools: tools.then(weather_tools),
-            call_id_prefix: "call_x_".into(),
-        }
+        ParserOptions { starts_in_reasoning, tools: tools.then(weather_tools), call_id_prefix: "call_x_".into() }
     }
 
     fn call(index: usize, name: &str, arguments: Json) -> ParsedToolCall {
-        ParsedToolCall {
-            id: format!("call_x_{index}"),
-            name: name.into(),
-            arguments: arguments.to_string(),
-        }
+        ParsedToolCall { id: format!("call_x_{index}"), name: name.into(), arguments: arguments.to_string() }
     }
 
     fn parse(text: &str, starts_in_reasoning: bool, tools: bool) -> ParsedOutput {
@@ -920,25 +796,11 @@ mod tests {
     /// Every split of `text` into two and three pieces (at char boundaries) parses as the whole.
     fn assert_split_invariant(text: &str, starts_in_reasoning: bool, tools: bool) {
         let whole = parse(text, starts_in_reasoning, tools);
-        let cuts: Vec<usize> = (0..=text.len())
-            .filter(|&i| text.is_char_boundary(i))
-            .collect();
+        let cuts: Vec<usize> = (0..=text.len()).filter(|&i| text.is_char_boundary(i)).collect();
         for &a in &cuts {
-            assert_eq!(
-                streamed(&[&text[..a], &text[a..]], starts_in_reasoning, tools),
-                whole,
-                "split at {a} of {text:?}"
-            );
+            assert_eq!(streamed(&[&text[..a], &text[a..]], starts_in_reasoning, tools), whole, "split at {a} of {text:?}");
             for &b in cuts.iter().filter(|&&b| b >= a) {
-                assert_eq!(
-                    streamed(
-                        &[&text[..a], &text[a..b], &text[b..]],
-                        starts_in_reasoning,
-                        tools
-                    ),
-                    whole,
-                    "split at {a}, {b} of {text:?}"
-                );
+                assert_eq!(streamed(&[&text[..a], &text[a..b], &text[b..]], starts_in_reasoning, tools), whole, "split at {a}, {b} of {text:?}");
             }
         }
         // And one character at a time, as a detokenizer may yield it.
@@ -947,7 +809,8 @@ mod tests {
         assert_eq!(streamed(&pieces, starts_in_reasoning, tools), whole);
     }
 
-    const PROSE_AND_CALL: &str = "I'll check the weather.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
+    const PROSE_AND_CALL: &str =
+        "I'll check the weather.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>";
 
     #[test]
     fn reasoning_then_content() {
@@ -967,19 +830,13 @@ mod tests {
 
         let text = "\n<think>\nHmm.\n</think>\n\nHi.";
         let out = parse(text, false, false);
-        assert_eq!(
-            (out.reasoning.as_str(), out.content.as_str()),
-            ("Hmm.", "Hi.")
-        );
+        assert_eq!((out.reasoning.as_str(), out.content.as_str()), ("Hmm.", "Hi."));
         assert_split_invariant(text, false, false);
 
         // A repeated `<think>` at the start of reasoning is dropped; one later is text.
         let text = "<think>\nA <think> B\n</think>\nC";
         let out = parse(text, true, false);
-        assert_eq!(
-            (out.reasoning.as_str(), out.content.as_str()),
-            ("A <think> B", "C")
-        );
+        assert_eq!((out.reasoning.as_str(), out.content.as_str()), ("A <think> B", "C"));
         assert_split_invariant(text, true, false);
     }
 
@@ -994,10 +851,7 @@ mod tests {
     fn prose_then_typed_call() {
         let out = parse(PROSE_AND_CALL, false, true);
         assert_eq!(out.content, "I'll check the weather.");
-        assert_eq!(
-            out.tool_calls,
-            [call(0, "get_weather", json!({"city": "Paris", "days": 2}))]
-        );
+        assert_eq!(out.tool_calls, [call(0, "get_weather", json!({"city": "Paris", "days": 2}))]);
         assert_eq!(out.tool_calls[0].input()["days"], json!(2));
         assert_split_invariant(PROSE_AND_CALL, false, true);
     }
@@ -1008,13 +862,7 @@ mod tests {
         let out = parse(text, true, true);
         assert_eq!(out.reasoning, "Need both.");
         assert_eq!(out.content, "");
-        assert_eq!(
-            out.tool_calls,
-            [
-                call(0, "get_weather", json!({"city": "Oslo"})),
-                call(1, "now", json!({})),
-            ]
-        );
+        assert_eq!(out.tool_calls, [call(0, "get_weather", json!({"city": "Oslo"})), call(1, "now", json!({})),]);
         assert_eq!(out.tool_calls[1].arguments, "{}");
         assert_split_invariant(text, true, true);
     }
@@ -1033,18 +881,9 @@ mod tests {
     fn multi_line_values_keep_their_text_and_literal_tags() {
         // A file body that itself mentions `</parameter>` and `</function>`.
         let body = "fn main() {\n    // ends with </parameter> and </function>\n    println!(\"é😀\");\n}\n";
-        let text = format!(
-            "<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n</function>\n</tool_call>"
-        );
+        let text = format!("<tool_call>\n<function=write_file>\n<parameter=path>\nsrc/main.rs\n</parameter>\n<parameter=content>\n{body}\n</parameter>\n</function>\n</tool_call>");
         let out = parse(&text, false, true);
-        assert_eq!(
-            out.tool_calls,
-            [call(
-                0,
-                "write_file",
-                json!({"path": "src/main.rs", "content": body})
-            )]
-        );
+        assert_eq!(out.tool_calls, [call(0, "write_file", json!({"path": "src/main.rs", "content": body}))]);
         assert_split_invariant(&text, false, true);
     }
 
@@ -1080,26 +919,15 @@ mod tests {
     fn an_unclosed_call_is_returned_as_far_as_it_got() {
         let text = "<tool_call>\n<function=get_weather>\n<parameter=city>\nNew Yo";
         let out = parse(text, false, true);
-        assert_eq!(
-            out.tool_calls,
-            [call(0, "get_weather", json!({"city": "New Yo"}))]
-        );
+        assert_eq!(out.tool_calls, [call(0, "get_weather", json!({"city": "New Yo"}))]);
         assert_split_invariant(text, false, true);
 
         // Cut inside the closing tag: the partial tag is not part of the value.
-        let out = parse(
-            "<tool_call>\n<function=get_weather>\n<parameter=days>\n5\n</param",
-            false,
-            true,
-        );
+        let out = parse("<tool_call>\n<function=get_weather>\n<parameter=days>\n5\n</param", false, true);
         assert_eq!(out.tool_calls[0].input(), json!({"days": 5}));
 
         // Cut after a parameter, or before any.
-        let out = parse(
-            "<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n",
-            false,
-            true,
-        );
+        let out = parse("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n", false, true);
         assert_eq!(out.tool_calls[0].input(), json!({"city": "Rome"}));
         let out = parse("<tool_call>\n<function=now>", false, true);
         assert_eq!(out.tool_calls, [call(0, "now", json!({}))]);
@@ -1143,38 +971,13 @@ mod tests {
         let mut p = OutputParser::new(options(true, true));
         assert_eq!(p.push("Let me "), [Delta::Reasoning("Let me".into())]);
         assert_eq!(p.push("see.\n</thi"), [Delta::Reasoning(" see.".into())]);
-        assert_eq!(
-            p.push("nk>\n\nSure. <tool"),
-            [Delta::Content("Sure.".into())]
-        );
+        assert_eq!(p.push("nk>\n\nSure. <tool"), [Delta::Content("Sure.".into())]);
         assert_eq!(
             p.push("_call>\n<function=get_weather>\n<parameter=city>\nPa"),
-            [
-                Delta::ToolCallStart {
-                    index: 0,
-                    id: "call_x_0".into(),
-                    name: "get_weather".into()
-                },
-                Delta::ToolCallArguments {
-                    index: 0,
-                    arguments: "{\"city\":\"Pa".into()
-                },
-            ]
+            [Delta::ToolCallStart { index: 0, id: "call_x_0".into(), name: "get_weather".into() }, Delta::ToolCallArguments { index: 0, arguments: "{\"city\":\"Pa".into() },]
         );
-        assert_eq!(
-            p.push("ris\n</parameter>\n<parameter=days>\n3"),
-            [Delta::ToolCallArguments {
-                index: 0,
-                arguments: "ris\",\"days\":".into()
-            }]
-        );
-        assert_eq!(
-            p.push("\n</parameter>\n</function>\n</tool_call>"),
-            [Delta::ToolCallArguments {
-                index: 0,
-                arguments: "3}".into()
-            }]
-        );
+        assert_eq!(p.push("ris\n</parameter>\n<parameter=days>\n3"), [Delta::ToolCallArguments { index: 0, arguments: "ris\",\"days\":".into() }]);
+        assert_eq!(p.push("\n</parameter>\n</function>\n</tool_call>"), [Delta::ToolCallArguments { index: 0, arguments: "3}".into() }]);
         assert_eq!(p.tool_calls(), 1);
         assert_eq!(p.finish(), []);
         assert_eq!(p.push("more"), []);
@@ -1207,9 +1010,7 @@ mod tests {
         ];
         let mut state: u64 = 0x2545_f491_4f6c_dd1d;
         let mut next = || {
-            state = state
-                .wrapping_mul(6_364_136_223_846_793_005)
-                .wrapping_add(1_442_695_040_888_963_407);
+            state = state.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
             (state >> 33) as usize
         };
         for _ in 0..300 {
@@ -1218,18 +1019,10 @@ mod tests {
             for (reasoning, tools) in [(false, true), (true, true), (true, false)] {
                 let whole = parse(&text, reasoning, tools);
                 for call in &whole.tool_calls {
-                    assert!(
-                        serde_json::from_str::<Json>(&call.arguments).is_ok_and(|v| v.is_object()),
-                        "{text:?}: {}",
-                        call.arguments
-                    );
+                    assert!(serde_json::from_str::<Json>(&call.arguments).is_ok_and(|v| v.is_object()), "{text:?}: {}", call.arguments);
                 }
                 for a in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
-                    assert_eq!(
-                        streamed(&[&text[..a], &text[a..]], reasoning, tools),
-                        whole,
-                        "{text:?} at {a}"
-                    );
+                    assert_eq!(streamed(&[&text[..a], &text[a..]], reasoning, tools), whole, "{text:?} at {a}");
                 }
             }
         }
@@ -1238,9 +1031,7 @@ mod tests {
     #[test]
     fn prompt_tail_decides_where_generation_starts() {
         assert!(prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n"));
-        assert!(!prompt_ends_in_reasoning(
-            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
-        ));
+        assert!(!prompt_ends_in_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
         assert!(!prompt_ends_in_reasoning("<|im_start|>assistant\n"));
     }
 }

@@ -4,11 +4,11 @@
 //! fast CPU paths ([`super::simd`]) are tested against these on the same inputs. They are
 //! written for clarity first: loops in the order the numerics document gives.
 
+use super::columns::ColumnsMut;
+use super::simd::{self, Isa};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
-use super::columns::ColumnsMut;
-use super::simd::{self, Isa};
 use crate::numerics::{dot_f32, exp, fma, fold_lanes, rsqrt, sigmoid, softplus, sum_squares, LANES};
 
 /// Positions per attention tile: scores are reduced per tile, and tiles are combined in

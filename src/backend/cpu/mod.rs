@@ -67,10 +67,7 @@ impl Cpu {
     /// The fastest instruction set this CPU has ([`Isa::detect`]) and one thread per core
     /// (`TENSORFOLD_THREADS` overrides).
     pub fn new() -> Self {
-        let threads = std::env::var("TENSORFOLD_THREADS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
+        let threads = std::env::var("TENSORFOLD_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
         Self::with(Isa::detect(), threads)
     }
 
@@ -154,16 +151,10 @@ pub struct CpuStates {
 impl CpuStates {
     /// The state in `slot`.
     pub fn get(&self, slot: u32) -> Result<&SequenceState, BackendError> {
-        self.slots
-            .get(slot as usize)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
+        self.slots.get(slot as usize).and_then(Option::as_ref).ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
     }
     fn get_mut(&mut self, slot: u32) -> Result<&mut SequenceState, BackendError> {
-        self.slots
-            .get_mut(slot as usize)
-            .and_then(Option::as_mut)
-            .ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut).ok_or_else(|| BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })
     }
 }
 
@@ -245,10 +236,7 @@ impl Backend for Cpu {
         for s in &batch.seqs {
             let st = states.get_mut(s.slot)?;
             if st.position != s.pos as usize {
-                return Err(BackendError::Slot {
-                    slot: s.slot as usize,
-                    problem: format!("is at position {}, but the step continues it at {}", st.position, s.pos),
-                });
+                return Err(BackendError::Slot { slot: s.slot as usize, problem: format!("is at position {}, but the step continues it at {}", st.position, s.pos) });
             }
             let end = (s.pos + s.len) as usize;
             if end > max {

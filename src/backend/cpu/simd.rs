@@ -13,9 +13,9 @@
 //! untouched by masked FMAs, exactly as the reference never adds to them.
 
 use super::columns::ColumnsMut;
-use crate::model::weights::{Matrix, MatrixData};
 #[cfg(test)]
 use crate::model::weights::FloatType;
+use crate::model::weights::{Matrix, MatrixData};
 
 /// An instruction set the CPU kernels can use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -449,11 +449,7 @@ fn row_bytes(w: &Matrix, n: usize) -> RowBytes<'_> {
         MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } => {
             let wb = w.cols * *bits as usize / 8;
             let sb = w.cols / group_size * scale_dtype.size();
-            RowBytes {
-                words: &weight.as_slice()[n * wb..(n + 1) * wb],
-                scales: &scales.as_slice()[n * sb..(n + 1) * sb],
-                biases: &biases.as_slice()[n * sb..(n + 1) * sb],
-            }
+            RowBytes { words: &weight.as_slice()[n * wb..(n + 1) * wb], scales: &scales.as_slice()[n * sb..(n + 1) * sb], biases: &biases.as_slice()[n * sb..(n + 1) * sb] }
         }
     }
 }
@@ -844,4 +840,3 @@ mod tests {
         }
     }
 }
-

@@ -22,7 +22,11 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 pub const SOURCES: &[Source] = &[
     Source { file: "embed.cu", text: include_str!("kernels/embed.cu"), entries: &["embed_rows"] },
     Source { file: "rms_norm.cu", text: include_str!("kernels/rms_norm.cu"), entries: &["rms_norm_rows"] },
-    Source { file: "matmul.cu", text: include_str!("kernels/matmul.cu"), entries: &["matmul_t1r1", "matmul_t1r2", "matmul_t1s", "matmul_t4r2", "matmul_t8r4", "matmul_swiglu_t1", "matmul_swiglu_t4", "matmul_swiglu_t8"] },
+    Source {
+        file: "matmul.cu",
+        text: include_str!("kernels/matmul.cu"),
+        entries: &["matmul_t1r1", "matmul_t1r2", "matmul_t1s", "matmul_t4r2", "matmul_t8r4", "matmul_swiglu_t1", "matmul_swiglu_t4", "matmul_swiglu_t8"],
+    },
     Source { file: "swiglu.cu", text: include_str!("kernels/swiglu.cu"), entries: &["swiglu"] },
     Source { file: "gather_rows.cu", text: include_str!("kernels/gather_rows.cu"), entries: &["gather_rows"] },
     Source { file: "gdn_conv.cu", text: include_str!("kernels/gdn_conv.cu"), entries: &["gdn_conv"] },
@@ -41,14 +45,7 @@ pub const SOURCES: &[Source] = &[
 /// `TENSORFOLD_CUDA_DEFINES` (`NAME=VALUE` separated by spaces or commas): a tuning knob for kernel constants
 /// that change scheduling, never arithmetic (e.g. `T1_U1=8`, matmul.cu).
 pub fn options(arch: &str) -> Vec<String> {
-    let mut o = vec![
-        format!("--gpu-architecture={arch}"),
-        "--fmad=false".into(),
-        "--prec-div=true".into(),
-        "--prec-sqrt=true".into(),
-        "--ftz=false".into(),
-        "--std=c++17".into(),
-    ];
+    let mut o = vec![format!("--gpu-architecture={arch}"), "--fmad=false".into(), "--prec-div=true".into(), "--prec-sqrt=true".into(), "--ftz=false".into(), "--std=c++17".into()];
     if let Ok(defs) = std::env::var("TENSORFOLD_CUDA_DEFINES") {
         o.extend(defs.split(|c: char| c.is_whitespace() || c == ',').filter(|d| !d.is_empty()).map(|d| format!("-D{d}")));
     }

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
-use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::backend::cpu::kernels::ATTENTION_TILE;
+use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, FloatType, GatedDeltaNetWeights, Matrix, MatrixData};
@@ -664,7 +664,8 @@ impl Cuda {
         for _ in 0..4 {
             e0.record(&self.stream).map_err(|e| dev_err("event", e))?;
             // SAFETY: arguments match machine.cu; `out` holds blocks·threads floats.
-            unsafe { self.stream.launch_builder(f).arg(&mut out).arg(&iters).arg(&a).arg(&b).launch(Self::cfg1((blocks, 1, 1), threads, 0)) }.map_err(|e| dev_err("fma_peak", e))?;
+            unsafe { self.stream.launch_builder(f).arg(&mut out).arg(&iters).arg(&a).arg(&b).launch(Self::cfg1((blocks, 1, 1), threads, 0)) }
+                .map_err(|e| dev_err("fma_peak", e))?;
             e1.record(&self.stream).map_err(|e| dev_err("event", e))?;
             let ms = e0.elapsed_ms(&e1).map_err(|e| dev_err("event", e))? as f64;
             let flops = 2.0 * 8.0 * iters as f64 * (blocks * threads) as f64;
@@ -716,9 +717,11 @@ impl Cuda {
         let n = x.len() as u32;
         let f = &self.funcs["numerics_check"];
         // SAFETY: arguments match numerics_check.cu; buffers hold n and 5n floats.
-        unsafe { self.stream.launch_builder(f).arg(&xd).arg(&n).arg(&mut out).launch(LaunchConfig { grid_dim: (n.div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }) }
-            .map_err(|e| dev_err("numerics_check", e))?;
-        
+        unsafe {
+            self.stream.launch_builder(f).arg(&xd).arg(&n).arg(&mut out).launch(LaunchConfig { grid_dim: (n.div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 })
+        }
+        .map_err(|e| dev_err("numerics_check", e))?;
+
         let v = self.stream.clone_dtoh(&out).map_err(|e| dev_err("download", e))?;
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
         Ok(v)
@@ -1011,7 +1014,9 @@ impl Cuda {
                         let (d, row0) = self.mat_descs(&outs[i..j], res, 1);
                         let label = self.profile_label("matmul_t1s", row0, outs[i].0.cols, res);
                         let grid = (self.sms, 1, 1);
-                        self.launch_as("matmul_t1s", label, |_| unsafe { self.kernel("matmul_t1s", grid, 32 * (T1S_WARPS + 1), smem, self.args().val(d).buf(&x.buf).val(nslot).val(slot)) });
+                        self.launch_as("matmul_t1s", label, |_| unsafe {
+                            self.kernel("matmul_t1s", grid, 32 * (T1S_WARPS + 1), smem, self.args().val(d).buf(&x.buf).val(nslot).val(slot))
+                        });
                         i = j;
                         continue;
                     }
@@ -1374,7 +1379,6 @@ impl Cuda {
         }
         Ok(())
     }
-
 }
 
 impl Backend for Cuda {
@@ -1795,7 +1799,20 @@ impl Backend for Cuda {
         let (hq, hkv, dh, rd) = (cfg.num_attention_heads as u32, cfg.num_key_value_heads as u32, cfg.head_dim as u32, cfg.rotary_dim() as u32);
         let (l, rows, eps, max_pages) = (layer as u32, self.eff(batch.rows()) as u32, cfg.rms_norm_eps, states.max_pages as u32);
         self.launch("attn_write_kv", |st| unsafe {
-            let a = self.args().buf(&k.buf).buf(&v.buf).buf(&w.k_norm).val(eps).buf(st.rope.as_ref().unwrap()).val(rd).val(hkv).val(dh).val(l).val(max_pages).buf(&st.rows).buf(&st.slot_table);
+            let a = self
+                .args()
+                .buf(&k.buf)
+                .buf(&v.buf)
+                .buf(&w.k_norm)
+                .val(eps)
+                .buf(st.rope.as_ref().unwrap())
+                .val(rd)
+                .val(hkv)
+                .val(dh)
+                .val(l)
+                .val(max_pages)
+                .buf(&st.rows)
+                .buf(&st.slot_table);
             self.kernel("attn_write_kv", (rows, hkv, 1), 32, 0, a)
         });
         // Work items: (tile, 32 positions) for the scores, (tile, gw·32 values) for the tiles. A
@@ -1850,7 +1867,9 @@ impl Backend for Cuda {
             st.error.get_or_insert(BackendError::Batch(format!("{n} logits rows do not fit a buffer of {}", out.rows)));
             return;
         }
-        self.launch("gather_rows", |st| unsafe { self.kernel("gather_rows", (cols.div_ceil(256), n, 1), 256, 0, self.args().buf(&x.buf).buf(&st.logit_rows).val(cols).buf(&out.buf)) });
+        self.launch("gather_rows", |st| unsafe {
+            self.kernel("gather_rows", (cols.div_ceil(256), n, 1), 256, 0, self.args().buf(&x.buf).buf(&st.logit_rows).val(cols).buf(&out.buf))
+        });
     }
 
     fn argmax_enqueue(&self, logits: &CudaTensor, rows: usize, v_eff: usize) {
@@ -1858,9 +1877,7 @@ impl Backend for Cuda {
     }
 
     fn set_sampling(&self, rows: &[crate::backend::RowSampling]) -> Result<bool, BackendError> {
-        let ok = !rows.is_empty()
-            && rows.len() <= MAX_ROWS
-            && rows.iter().all(|r| r.params.top_k >= 1 && r.params.top_k <= SAMPLE_MAX_K && r.window.len() <= SAMPLE_WINDOW);
+        let ok = !rows.is_empty() && rows.len() <= MAX_ROWS && rows.iter().all(|r| r.params.top_k >= 1 && r.params.top_k <= SAMPLE_MAX_K && r.window.len() <= SAMPLE_WINDOW);
         if !ok {
             return Ok(false);
         }
@@ -1998,11 +2015,7 @@ mod tests {
         let (mut accepted, mut typical, mut typical_accepted) = (0, 0, 0);
         for i in 0..200_000 {
             let r = next();
-            let (s, b) = if i % 2 == 0 {
-                (bf16_to_f32(r as u16), bf16_to_f32((r >> 16) as u16))
-            } else {
-                (f16_to_f32(r as u16), f16_to_f32((r >> 16) as u16))
-            };
+            let (s, b) = if i % 2 == 0 { (bf16_to_f32(r as u16), bf16_to_f32((r >> 16) as u16)) } else { (f16_to_f32(r as u16), f16_to_f32((r >> 16) as u16)) };
             // Half of the pairs MLX-like: b = -k·s rounded to bf16, k in [0, 16).
             let (s, b, mlx) = if i % 4 < 2 {
                 let k = (r >> 32) as u32 % 4096;

@@ -574,12 +574,20 @@ unsafe fn rms_norm_row<V: V16>(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) 
 #[inline(always)]
 unsafe fn gdn_conv16<V: V16, const K: usize>(cd: usize, taps: &[f32], conv: &mut ColumnsMut<'_>, qkv: &[f32], t_len: usize, y: &mut ColumnsMut<'_>) -> usize {
     let (ch0, ch1) = (conv.cols().start, conv.cols().end);
-    debug_assert!(taps.len() >= ch1 * K && conv.rows() >= K - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len && y.cols() == conv.cols() && conv.stride() == cd && y.stride() == cd);
+    debug_assert!(
+        taps.len() >= ch1 * K && conv.rows() >= K - 1 && qkv.len() >= t_len * cd && y.rows() >= t_len && y.cols() == conv.cols() && conv.stride() == cd && y.stride() == cd
+    );
     // Element (0, 0) of the window and of y (`conv.cols()` = `y.cols()` = ch0..ch1): only
     // channels ch0..ch1 of their rows are touched, through raw pointers.
     let (cp, qp, yp) = (conv.as_mut_ptr(), qkv.as_ptr(), y.as_mut_ptr());
     // Row r of the window followed by the step's rows.
-    let row = |r: usize| -> *const f32 { if r < K - 1 { cp.add(r * cd) as *const f32 } else { qp.add((r - (K - 1)) * cd) } };
+    let row = |r: usize| -> *const f32 {
+        if r < K - 1 {
+            cp.add(r * cd) as *const f32
+        } else {
+            qp.add((r - (K - 1)) * cd)
+        }
+    };
     let end = ch0 + (ch1 - ch0) / 16 * 16;
     let mut cs = ch0;
     while cs < end {
@@ -704,7 +712,18 @@ unsafe fn gdn_rows_regs<V: V16, const NV: usize>(s: &mut [f32], k: &[f32], q: &[
 /// row's element.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn gdn_rows16<V: V16, const NV: usize>(r: *mut f32, n: usize, k: *const f32, q: *const f32, alpha: &[f32], beta: &[f32], v: *const f32, v_stride: usize, o: *mut f32, o_stride: usize) {
+unsafe fn gdn_rows16<V: V16, const NV: usize>(
+    r: *mut f32,
+    n: usize,
+    k: *const f32,
+    q: *const f32,
+    alpha: &[f32],
+    beta: &[f32],
+    v: *const f32,
+    v_stride: usize,
+    o: *mut f32,
+    o_stride: usize,
+) {
     const { assert!(NV <= 8 && NV.is_multiple_of(2)) };
     let dk = NV * 16;
     // 64-byte aligned: a vector split across two cache lines costs two accesses.
@@ -1177,7 +1196,15 @@ unsafe fn group_table(s: *const f32, b: *const f32) -> __m512 {
 /// two-table permute picks the group; with larger groups the half lies in one group, and the
 /// permute reads only the index's low 4 bits, which are the code after a shift.
 #[inline(always)]
-unsafe fn q4_lut_step<const MR: usize, const RB: usize, const TWO: bool>(q: &Q4, rows: [*const u8; RB], sb: [*const f32; RB], xt: &Transposed, c: usize, h: usize, acc: &mut [[__m512; RB]; MR]) {
+unsafe fn q4_lut_step<const MR: usize, const RB: usize, const TWO: bool>(
+    q: &Q4,
+    rows: [*const u8; RB],
+    sb: [*const f32; RB],
+    xt: &Transposed,
+    c: usize,
+    h: usize,
+    acc: &mut [[__m512; RB]; MR],
+) {
     let (xstride, half) = (xt.stride(), xt.half());
     let boff = q.groups + 8;
     let nib = _mm512_set1_epi32(0x0f0f_0f0f);
@@ -1397,7 +1424,15 @@ struct Finish {
 /// time, and the valid outputs go to `y`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-unsafe fn micro<V: V16, const MR: usize, const NR: usize>(xs: [*const f32; MR], ws: [*const f32; NR], steps: usize, acc_p: *mut f32, ld: usize, first: bool, finish: Option<Finish>) {
+unsafe fn micro<V: V16, const MR: usize, const NR: usize>(
+    xs: [*const f32; MR],
+    ws: [*const f32; NR],
+    steps: usize,
+    acc_p: *mut f32,
+    ld: usize,
+    first: bool,
+    finish: Option<Finish>,
+) {
     let mut acc = [[V::zero(); NR]; MR];
     if !first {
         for i in 0..MR {
@@ -1599,13 +1634,34 @@ macro_rules! isa_module {
             }
             #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
-            pub(crate) unsafe fn gdn_tokens(s: &mut [f32], dk: usize, k: &[f32], q: &[f32], alpha: &[f32], beta: &[f32], v: &[f32], v_stride: usize, o: &mut [f32], o_stride: usize) {
+            pub(crate) unsafe fn gdn_tokens(
+                s: &mut [f32],
+                dk: usize,
+                k: &[f32],
+                q: &[f32],
+                alpha: &[f32],
+                beta: &[f32],
+                v: &[f32],
+                v_stride: usize,
+                o: &mut [f32],
+                o_stride: usize,
+            ) {
                 super::gdn_tokens::<$v>(s, dk, k, q, alpha, beta, v, v_stride, o, o_stride)
             }
             /// `g` heads (1, 2, 4 or 8) of one KV group; false when `g` has no instance.
             #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
-            pub(crate) unsafe fn attend_group(g: usize, q: &[f32], keys: &[f32], values: &[f32], p: usize, stride: usize, head_off: usize, buf: &mut Vec<f32>, out: &mut [f32]) -> bool {
+            pub(crate) unsafe fn attend_group(
+                g: usize,
+                q: &[f32],
+                keys: &[f32],
+                values: &[f32],
+                p: usize,
+                stride: usize,
+                head_off: usize,
+                buf: &mut Vec<f32>,
+                out: &mut [f32],
+            ) -> bool {
                 match g {
                     1 => super::attend_group::<$v, 1>(q, keys, values, p, stride, head_off, buf, out),
                     2 => super::attend_group::<$v, 2>(q, keys, values, p, stride, head_off, buf, out),
