@@ -140,7 +140,8 @@ class Responses(unittest.TestCase):
 
 class Messages(unittest.TestCase):
     def test_whole_and_streamed_messages_agree(self):
-        kw = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}], system="Be brief.", temperature=0, extra_body=NO_THINK)
+        # This client version has no `temperature` argument: it goes in the body as an extension.
+        kw = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}], system="Be brief.", extra_body={"temperature": 0, **NO_THINK})
         whole = claude().messages.create(**kw)
         self.assertEqual(whole.type, "message")
         self.assertEqual(whole.role, "assistant")
@@ -168,7 +169,7 @@ class Messages(unittest.TestCase):
         self.assertEqual(final.content[0].thinking, m.content[0].thinking)
 
     def test_stop_sequences_and_errors_in_anthropic_shape(self):
-        base = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Count"}], temperature=0, extra_body={"ignore_eos": True, **NO_THINK})
+        base = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Count"}], extra_body={"temperature": 0, "ignore_eos": True, **NO_THINK})
         text = claude().messages.create(**base).content[0].text
         stop = text[len(text) // 2 : len(text) // 2 + 2]
         self.assertEqual(len(stop), 2, text)
