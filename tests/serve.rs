@@ -86,7 +86,10 @@ impl Server {
             .expect("run python3 (the serve tests need python3 and the openai and anthropic packages, as .ci/run installs them)");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         println!("{text}");
-        assert!(!text.contains("No module named"), "the serve tests need the openai and anthropic packages: python3 -m pip install openai==3.51.0 anthropic==2.15.0 (as .ci/run does)");
+        assert!(
+            !text.contains("No module named"),
+            "the serve tests need the openai and anthropic packages: python3 -m pip install openai==3.51.0 anthropic==2.15.0 (as .ci/run does)"
+        );
         assert!(out.status.success(), "python suite {class} failed:\n{text}\nserver log:\n{}", self.log());
         assert!(text.contains("\nOK"), "python suite {class} did not report OK:\n{text}");
     }

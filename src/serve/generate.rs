@@ -65,8 +65,10 @@ pub(super) fn parse_body<T: DeserializeOwned>(body: Result<Bytes, BytesRejection
 /// Refuses a model name other than the one served.
 pub(super) fn check_model(st: &AppState, model: Option<&str>) -> Result<(), ApiError> {
     match model {
-        Some(m) if !st.config.serves(m) => Err(ApiError::invalid(format!("the model `{m}` is not served here; this server serves `{}` (GET /v1/models)", st.config.model_id), Some("model"))
-            .with_code("model_not_found")),
+        Some(m) if !st.config.serves(m) => {
+            Err(ApiError::invalid(format!("the model `{m}` is not served here; this server serves `{}` (GET /v1/models)", st.config.model_id), Some("model"))
+                .with_code("model_not_found"))
+        }
         _ => Ok(()),
     }
 }

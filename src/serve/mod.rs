@@ -126,7 +126,15 @@ impl From<crate::server::error::RequestError> for ApiError {
 impl ApiError {
     /// A 400 naming `param`.
     pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: param.map(str::to_string), code: None, retry_after: None, anthropic: false }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+            retry_after: None,
+            anthropic: false,
+        }
     }
 
     /// The same error with an OpenAI `code`.

@@ -68,7 +68,8 @@ pub(super) fn render(st: &AppState, prompt: &ChatPrompt, field: &str) -> Result<
 /// format, or a tool choice that forces a call.
 pub(super) fn check_constraints(format: &OutputFormat, choice: &ToolChoice, format_field: &str) -> Result<(), ApiError> {
     if *format != OutputFormat::Text {
-        return Err(ApiError::invalid(format!("`{format_field}`: structured output (json_object, json_schema) is not supported by this server yet"), Some(format_field)).with_code("unsupported_value"));
+        return Err(ApiError::invalid(format!("`{format_field}`: structured output (json_object, json_schema) is not supported by this server yet"), Some(format_field))
+            .with_code("unsupported_value"));
     }
     if matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) {
         return Err(ApiError::invalid("`tool_choice`: forcing a tool call (required, or a named function) is not supported by this server yet; use \"auto\"", Some("tool_choice"))

@@ -56,7 +56,9 @@ impl ResponseTurn {
     /// The open item's final form.
     fn item(&self, id: &str, open: &Open, status: &str) -> OutputItem {
         match open {
-            Open::Reasoning { text } => OutputItem::Reasoning { id: id.to_string(), summary: Vec::new(), content: vec![ReasoningPart { kind: "reasoning_text".into(), text: text.clone() }] },
+            Open::Reasoning { text } => {
+                OutputItem::Reasoning { id: id.to_string(), summary: Vec::new(), content: vec![ReasoningPart { kind: "reasoning_text".into(), text: text.clone() }] }
+            }
             Open::Message { text } => OutputItem::Message {
                 id: id.to_string(),
                 status: status.into(),
@@ -306,7 +308,9 @@ mod tests {
         assert_eq!(r.status, "completed");
         assert_eq!(r.output.len(), 3);
         assert!(matches!(&r.output[0], OutputItem::Reasoning { id, content, .. } if id == "rs_t_0" && content[0].text == "think"));
-        assert!(matches!(&r.output[1], OutputItem::Message { content, status, .. } if status == "completed" && content == &[OutputContent::OutputText { text: "Hi there".into(), annotations: vec![] }]));
+        assert!(
+            matches!(&r.output[1], OutputItem::Message { content, status, .. } if status == "completed" && content == &[OutputContent::OutputText { text: "Hi there".into(), annotations: vec![] }])
+        );
         assert!(matches!(&r.output[2], OutputItem::FunctionCall { call_id, arguments, .. } if call_id == "call_0" && arguments == "{\"a\": 1}"));
         assert_eq!(r.usage.unwrap().input_tokens_details.cached_tokens, 2);
         let ev = types(&t.take_events());
