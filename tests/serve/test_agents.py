@@ -184,5 +184,44 @@ class Messages(unittest.TestCase):
             claude().messages.create(model="not-this-one", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
 
 
+class Reuse(unittest.TestCase):
+    def test_ten_turn_tool_conversation_reuses_each_earlier_turn(self):
+        """An agent resends the whole history every turn, reasoning stripped; each turn must
+        resume from the snapshot before the previous prompt's last `<|im_start|>` (where the
+        new turn's text starts to differ), so only the new messages are prefilled."""
+        im_start = raw("/tokenize", {"prompt": "<|im_start|>", "add_special_tokens": False})[1]["tokens"]
+        self.assertEqual(len(im_start), 1)
+        history = [{"role": "system", "content": "You are an agent. Use the tools."}, {"role": "user", "content": "Plan a trip through ten cities."}]
+        rows, previous = [], None
+        for turn in range(10):
+            body = {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 4, "temperature": 0, **THINK}
+            status, r = raw("/v1/chat/completions", body)
+            self.assertEqual(status, 200, r)
+            ids = raw("/tokenize", {"messages": history, "tools": TOOLS, **THINK})[1]["tokens"]
+            self.assertEqual(len(ids), r["usage"]["prompt_tokens"])
+            cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if previous is not None:
+                # Where this prompt stops sharing the previous one, and the previous prompt's
+                # last turn boundary at or before it: what a snapshot can give back.
+                common = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+                boundary = max(i for i, t in enumerate(previous[:common + 1]) if t == im_start[0])
+                rows.append((turn, len(ids), cached, common))
+                self.assertGreaterEqual(cached, boundary, f"turn {turn}: {cached} cached, the boundary at {boundary}")
+                self.assertLessEqual(cached, common)
+            previous = ids
+            # The agent's turn as it resends it: a tool call (no reasoning), and the tool's answer.
+            city = f"city {turn}"
+            history = history + [
+                {"role": "assistant", "content": f"Checking {city}.", "tool_calls": [{"id": f"c{turn}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "days": turn + 1})}}]},
+                {"role": "tool", "tool_call_id": f"c{turn}", "content": f"sunny in {city}"},
+            ]
+        total = sum(r[1] for r in rows)
+        reused = sum(r[2] for r in rows)
+        print("\nturn  prompt  cached  shared-with-previous")
+        for t, n, c, common in rows:
+            print(f"{t:4}  {n:6}  {c:6}  {common:6}")
+        print(f"turns 1-9: {reused} of {total} prompt tokens reused ({100 * reused / total:.1f}%)")
+
+
 if __name__ == "__main__":
     unittest.main(argv=sys.argv, verbosity=2)
