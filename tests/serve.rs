@@ -24,10 +24,14 @@ struct Server {
 impl Server {
     /// Starts `tensorfold serve` on the vocab fixture on port 0 and waits for its address.
     fn start(extra: &[&str]) -> Self {
-        let model = shared("fixtures/vocab/mlx-q4");
+        Self::start_on(&shared("fixtures/vocab/mlx-q4"), extra)
+    }
+
+    /// Starts `tensorfold serve -m model` on port 0 and waits for its address.
+    fn start_on(model: &Path, extra: &[&str]) -> Self {
         let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
             .args(["serve", "-m"])
-            .arg(&model)
+            .arg(model)
             .args(["--device", "cpu", "--port", "0"])
             .args(extra)
             .env("RUST_LOG", "tensorfold=info")
@@ -65,19 +69,27 @@ impl Server {
         self.log.lock().unwrap().clone()
     }
 
-    /// Runs one class of the Python suite against this server.
+    /// Runs one class of the Python suite `tests/serve/test_openai.py` against this server.
     fn python(&self, class: &str) {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve/test_openai.py");
+        self.python_file("test_openai.py", class);
+    }
+
+    /// Runs one class of the Python suite `tests/serve/FILE` against this server.
+    fn python_file(&self, file: &str, class: &str) {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/serve").join(file);
         let out = Command::new("python3")
             .arg(&script)
             .arg(class)
             .env("TF_BASE", format!("http://{}", self.addr))
             .env("TF_KEY", KEY)
             .output()
-            .expect("run python3 (the serve tests need python3 and `pip install openai==3.51.0`, as .ci/run does)");
+            .expect("run python3 (the serve tests need python3 and the openai and anthropic packages, as .ci/run installs them)");
         let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
         println!("{text}");
-        assert!(!text.contains("No module named 'openai'"), "the serve tests need the openai package: python3 -m pip install openai==3.51.0 (as .ci/run does)");
+        assert!(
+            !text.contains("No module named"),
+            "the serve tests need the openai and anthropic packages: python3 -m pip install openai==3.51.0 anthropic==2.15.0 (as .ci/run does)"
+        );
         assert!(out.status.success(), "python suite {class} failed:\n{text}\nserver log:\n{}", self.log());
         assert!(text.contains("\nOK"), "python suite {class} did not report OK:\n{text}");
     }
@@ -149,4 +161,31 @@ fn queue_limit_api_key_context_limit_and_draining_shutdown() {
     assert!(log.contains("shutting down: draining"), "{log}");
     assert!(log.contains("completion_tokens=12"), "the drained request's line is missing:\n{log}");
     assert!(TcpStream::connect(&server.addr).is_err(), "the port still accepts connections after the exit");
+}
+
+/// The vocab fixture with a chat template in Qwen3.5's format (tests/data/qwen35_style.jinja):
+/// thinking and tools render as the model's template renders them.
+fn thinking_model() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let src = shared("fixtures/vocab/mlx-q4");
+    for name in ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors", "model.safetensors.index.json"] {
+        if src.join(name).exists() {
+            std::fs::copy(src.join(name), dir.path().join(name)).unwrap_or_else(|e| panic!("copy {name}: {e}"));
+        }
+    }
+    std::fs::copy(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/qwen35_style.jinja"), dir.path().join("chat_template.jinja")).expect("copy the template");
+    dir
+}
+
+#[test]
+fn responses_messages_and_reasoning_through_the_official_clients() {
+    let model = thinking_model();
+    let server = Server::start_on(model.path(), &["--served-model-name", "qwen35-style", "--served-model-name", "alias"]);
+    for class in ["Chat", "Responses", "Messages", "Reuse"] {
+        server.python_file("test_agents.py", class);
+    }
+    let log = server.log();
+    for endpoint in ["responses", "messages", "count_tokens"] {
+        assert!(log.contains(&format!("endpoint=\"{endpoint}\"")), "no {endpoint} request was logged:\n{log}");
+    }
 }

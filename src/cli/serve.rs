@@ -23,6 +23,10 @@ pub struct ServeArgs {
     /// Model directory (config.json, *.safetensors, tokenizer.json); default: the demo model.
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
+    /// The name clients give for the model (repeatable: the first is the one /v1/models lists
+    /// first, the others are accepted too); default: the model directory's name.
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_name: Vec<String>,
     /// Address to listen on (loopback by default: pass 0.0.0.0 to listen on every interface).
     #[arg(long = "host", default_value = "127.0.0.1")]
     pub host: String,
@@ -84,7 +88,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let defaults = a.sampling.apply(checkpoint_params(&gc, dir.join("generation_config.json").exists()));
     defaults.validate()?;
     let fingerprint = serve::fingerprint(&dir).map_err(anyhow::Error::msg).context("hashing the model for system_fingerprint")?;
-    let model_id = dir.canonicalize().unwrap_or_else(|_| dir.clone()).file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
+    let dir_name = dir.canonicalize().unwrap_or_else(|_| dir.clone()).file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
 
     let config = RuntimeConfig {
         max_seqs: a.max_seqs,
@@ -114,8 +118,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         None => max_pos,
     };
     tracing::info!(target: "tensorfold::serve", "model {} ({}) loaded in {:.2} s; system_fingerprint {fingerprint}", dir.display(), runtime.info().backend, t0.elapsed().as_secs_f64());
+    let mut names = a.served_model_name.clone();
+    if names.iter().any(String::is_empty) {
+        bail!("--served-model-name must not be empty");
+    }
+    let model_id = if names.is_empty() { dir_name } else { names.remove(0) };
     let cfg = ServeConfig {
         model_id,
+        aliases: names,
         api_key: a.api_key.filter(|k| !k.is_empty()),
         max_model_len,
         defaults,

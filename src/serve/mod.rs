@@ -3,12 +3,17 @@
 //! events become the response (one JSON body, or SSE chunks as they come). Dropping the
 //! response (the client went away) drops the runtime handles, which cancels the sequences.
 //!
-//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/tokenize`,
-//! `/detokenize` (behind `--api-key` when given), `/health` and `/metrics` (always open, as in
-//! vLLM). Content is the raw generated text: tool calls and reasoning are not parsed yet.
+//! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/responses`, `/v1/messages`,
+//! `/v1/messages/count_tokens`, `/v1/models`, `/tokenize`, `/detokenize` (behind `--api-key`
+//! when given), `/health` and `/metrics` (always open, as in vLLM). Requests are read and
+//! checked by [`crate::server`]'s types; chat output is split into reasoning, content and tool
+//! calls by its parser.
 
+pub mod anthropic;
+mod generate;
 pub mod metrics;
 pub mod openai;
+pub mod responses;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -36,8 +41,11 @@ pub const NUMERICS_VERSION: u32 = 1;
 /// What the server is configured with.
 #[derive(Clone, Debug)]
 pub struct ServeConfig {
-    /// The id clients name the model by (the model directory's name).
+    /// The id clients name the model by (the model directory's name, or the first
+    /// `--served-model-name`).
     pub model_id: String,
+    /// Other names requests may give for the model (the further `--served-model-name`s).
+    pub aliases: Vec<String>,
     /// Checked against `Authorization: Bearer KEY` or `x-api-key: KEY`; `None`: open.
     pub api_key: Option<String>,
     /// Prompt plus completion tokens of one sequence at most.
@@ -52,6 +60,13 @@ pub struct ServeConfig {
     pub fingerprint: String,
     /// How often an SSE stream with nothing to send sends a keep-alive comment.
     pub keep_alive: Duration,
+}
+
+impl ServeConfig {
+    /// Whether requests naming `model` are served.
+    pub fn serves(&self, model: &str) -> bool {
+        model == self.model_id || self.aliases.iter().any(|a| a == model)
+    }
 }
 
 /// What every handler sees.
@@ -97,12 +112,29 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds for a `Retry-After` header (503s).
     pub retry_after: Option<u64>,
+    /// Answer in Anthropic's error shape (`/v1/messages`).
+    pub anthropic: bool,
+}
+
+impl From<crate::server::error::RequestError> for ApiError {
+    fn from(e: crate::server::error::RequestError) -> Self {
+        let field = e.field().map(str::to_string);
+        ApiError { param: field, code: Some(e.code()), ..ApiError::invalid(e.to_string(), None) }
+    }
 }
 
 impl ApiError {
     /// A 400 naming `param`.
     pub fn invalid(message: impl Into<String>, param: Option<&str>) -> Self {
-        Self { status: StatusCode::BAD_REQUEST, message: message.into(), kind: "invalid_request_error", param: param.map(str::to_string), code: None, retry_after: None }
+        Self {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: param.map(str::to_string),
+            code: None,
+            retry_after: None,
+            anthropic: false,
+        }
     }
 
     /// The same error with an OpenAI `code`.
@@ -113,16 +145,25 @@ impl ApiError {
 
     /// A 500: the server failed.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "server_error", param: None, code: None, retry_after: None }
+        Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), kind: "server_error", param: None, code: None, retry_after: None, anthropic: false }
     }
 
     /// A 503 with a `Retry-After`.
     pub fn unavailable(message: impl Into<String>, code: &'static str) -> Self {
-        Self { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "server_error", param: None, code: Some(code), retry_after: Some(1) }
+        Self { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), kind: "server_error", param: None, code: Some(code), retry_after: Some(1), anthropic: false }
     }
 
-    /// The JSON body.
+    /// The same error in Anthropic's shape.
+    pub fn anthropic(mut self) -> Self {
+        self.anthropic = true;
+        self
+    }
+
+    /// The JSON body: OpenAI's `{"error": {...}}`, or Anthropic's `{"type": "error", ...}`.
     pub fn body(&self) -> serde_json::Value {
+        if self.anthropic {
+            return serde_json::json!({"type": "error", "error": {"type": anthropic::anthropic_kind(self), "message": self.message}});
+        }
         serde_json::json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
     }
 }
@@ -172,6 +213,9 @@ pub fn router(state: Arc<AppState>) -> Router {
     let guarded = Router::new()
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/v1/models", get(openai::models))
         .route("/tokenize", post(openai::tokenize))
         .route("/detokenize", post(openai::detokenize))
@@ -200,6 +244,7 @@ async fn auth(State(st): State<Arc<AppState>>, req: HttpRequest, next: Next) -> 
                 param: None,
                 code: Some("invalid_api_key"),
                 retry_after: None,
+                anthropic: req.uri().path().starts_with("/v1/messages"),
             }
             .into_response();
         }
@@ -242,6 +287,7 @@ async fn not_found(req: HttpRequest) -> ApiError {
         param: None,
         code: Some("not_found"),
         retry_after: None,
+        anthropic: false,
     }
 }
 

@@ -152,6 +152,12 @@ pub struct MessagesRequest {
     /// Extended thinking.
     #[serde(default)]
     pub thinking: Option<ThinkingParam>,
+    /// Sampler seed (extension; -1: a fresh one).
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Generate past end-of-sequence tokens (extension, for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
     /// Client metadata (unused).
     #[serde(default)]
     pub metadata: Option<Json>,
@@ -211,6 +217,8 @@ impl MessagesRequest {
             top_p: self.top_p,
             top_k: self.top_k.filter(|&k| k > 0),
             stop: stop_strings("stop_sequences", self.stop_sequences.clone().unwrap_or_default())?,
+            seed: self.seed.filter(|&s| s != -1).map(|s| s as u64),
+            ignore_eos: self.ignore_eos.unwrap_or(false),
             n: 1,
             ..SamplingOptions::default()
         };

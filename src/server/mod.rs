@@ -46,6 +46,8 @@ pub struct SamplingOptions {
     pub frequency_penalty: Option<f64>,
     /// Multiplicative repetition penalty, > 0 (1 is off).
     pub repetition_penalty: Option<f64>,
+    /// The penalties' window in tokens, llama.cpp's `repeat_last_n` (-1: everything, 0: off).
+    pub repeat_last_n: Option<i64>,
     /// Seed of the sampler.
     pub seed: Option<u64>,
     /// Strings that end generation (not included in the output).
@@ -71,6 +73,7 @@ impl Default for SamplingOptions {
             presence_penalty: None,
             frequency_penalty: None,
             repetition_penalty: None,
+            repeat_last_n: None,
             seed: None,
             stop: Vec::new(),
             // One completion: a derived default of 0 would ask for none.
@@ -130,13 +133,16 @@ pub struct ChatPrompt {
     pub tool_choice: ToolChoice,
     /// Whether several calls may be made in one turn (default true).
     pub parallel_tool_calls: bool,
+    /// End the rendering with the assistant's opening (vLLM's `add_generation_prompt`);
+    /// `None` means yes. `Some(false)` continues the conversation's last message instead.
+    pub add_generation_prompt: Option<bool>,
 }
 
 impl ChatPrompt {
-    /// Renders the prompt text (with the generation prompt); encode it with
+    /// Renders the prompt text (with the generation prompt unless the request turned it off); encode it with
     /// [`crate::tokenizer::Tokenizer::encode_with`]`(text, false)`.
     pub fn render(&self, template: &ChatTemplate) -> Result<String, TokenizerError> {
-        template.render_json(&self.messages, true, &self.kwargs)
+        template.render_json(&self.messages, self.add_generation_prompt.unwrap_or(true), &self.kwargs)
     }
 
     /// Options for parsing the completion of the rendered `prompt`: where generation starts

@@ -195,7 +195,8 @@ fn sampling(
             return Err(RequestError::invalid("repetition_penalty", format!("must be greater than 0, got {r}")));
         }
     }
-    let seed = seed.map(|s| u64::try_from(s).map_err(|_| RequestError::invalid("seed", format!("must not be negative, got {s}")))).transpose()?;
+    // -1 asks for a fresh seed, as in llama.cpp; any other value is used as its 64 bits.
+    let seed = seed.filter(|&s| s != -1).map(|s| s as u64);
     if n == Some(0) {
         return Err(RequestError::invalid("n", "must be at least 1"));
     }
@@ -212,6 +213,14 @@ fn sampling(
         n: n.unwrap_or(1),
         ..SamplingOptions::default()
     })
+}
+
+/// `repeat_last_n`: -1 (everything), 0 (off) or a window in tokens.
+fn repeat_last_n(value: Option<i64>) -> Result<Option<i64>, RequestError> {
+    match value {
+        Some(n) if n < -1 => Err(RequestError::invalid("repeat_last_n", format!("must be -1 (everything), 0 (off) or a positive count, got {n}"))),
+        v => Ok(v),
+    }
 }
 
 /// `logit_bias`: token id (a decimal string) → bias in [-100, 100].
@@ -401,7 +410,9 @@ pub struct ChatCompletionRequest {
     pub frequency_penalty: Option<f64>,
     /// Repetition penalty (> 0, 1: off).
     pub repetition_penalty: Option<f64>,
-    /// Sampler seed.
+    /// The penalties' window in tokens (llama.cpp's extension; -1: everything, 0: off).
+    pub repeat_last_n: Option<i64>,
+    /// Sampler seed (-1: a fresh one).
     pub seed: Option<i64>,
     /// Stop strings.
     pub stop: Option<StringOrList>,
@@ -421,6 +432,8 @@ pub struct ChatCompletionRequest {
     pub stream_options: Option<StreamOptions>,
     /// Extra variables for the chat template (`enable_thinking`, ...).
     pub chat_template_kwargs: Option<Map<String, Json>>,
+    /// End the prompt with the assistant's opening (vLLM's extension; default true).
+    pub add_generation_prompt: Option<bool>,
     /// Reasoning effort (`none` / `minimal` turn thinking off, others on).
     pub reasoning_effort: Option<String>,
     /// Output format.
@@ -454,6 +467,7 @@ impl ChatCompletionRequest {
         sampling.stop = stop_strings("stop", self.stop.clone().map_or(Vec::new(), StringOrList::into_vec))?;
         sampling.logit_bias = logit_bias(self.logit_bias.as_ref(), vocab_size)?;
         sampling.ignore_eos = self.ignore_eos.unwrap_or(false);
+        sampling.repeat_last_n = repeat_last_n(self.repeat_last_n)?;
         sampling.logprobs = chat_logprobs(self.logprobs, self.top_logprobs)?;
 
         let stream = self.stream.unwrap_or(false);
@@ -465,6 +479,7 @@ impl ChatCompletionRequest {
             messages: chat_messages(&self.messages)?,
             kwargs: template_kwargs(self.chat_template_kwargs.as_ref())?,
             parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
+            add_generation_prompt: self.add_generation_prompt,
             ..ChatPrompt::default()
         };
         set_thinking(&mut prompt.kwargs, thinking_of_effort(self.reasoning_effort.as_deref()));
@@ -890,7 +905,10 @@ pub struct CompletionRequest {
     /// Repetition penalty.
     #[serde(default)]
     pub repetition_penalty: Option<f64>,
-    /// Sampler seed.
+    /// The penalties' window (llama.cpp's extension; -1: everything, 0: off).
+    #[serde(default)]
+    pub repeat_last_n: Option<i64>,
+    /// Sampler seed (-1: a fresh one).
     #[serde(default)]
     pub seed: Option<i64>,
     /// Stop strings.
@@ -963,6 +981,7 @@ impl CompletionRequest {
         sampling.stop = stop_strings("stop", self.stop.clone().map_or(Vec::new(), StringOrList::into_vec))?;
         sampling.logit_bias = logit_bias(self.logit_bias.as_ref(), vocab_size)?;
         sampling.ignore_eos = self.ignore_eos.unwrap_or(false);
+        sampling.repeat_last_n = repeat_last_n(self.repeat_last_n)?;
         if let Some(k) = self.logprobs {
             if k > 5 {
                 return Err(RequestError::invalid("logprobs", format!("must be between 0 and 5, got {k}")));
@@ -1196,6 +1215,12 @@ pub struct ResponsesRequest {
     /// Top-k (extension).
     #[serde(default)]
     pub top_k: Option<i64>,
+    /// Sampler seed (extension; -1: a fresh one).
+    #[serde(default)]
+    pub seed: Option<i64>,
+    /// Generate past end-of-sequence tokens (extension, for benchmarks).
+    #[serde(default)]
+    pub ignore_eos: Option<bool>,
     /// Stream events.
     #[serde(default)]
     pub stream: Option<bool>,
@@ -1228,10 +1253,11 @@ impl ResponsesRequest {
         if let Some(id) = &self.previous_response_id {
             return Err(RequestError::unsupported("previous_response_id", format!("this server stores no responses ({id:?}); send the whole input with `store: false`")));
         }
-        let sampling = sampling(self.max_output_tokens, self.temperature, self.top_p, self.top_k, None, None, None, None, None, None).map_err(|e| match e {
+        let mut sampling = sampling(self.max_output_tokens, self.temperature, self.top_p, self.top_k, None, None, None, None, self.seed, None).map_err(|e| match e {
             RequestError::Invalid { field, message } if field == "max_tokens" => RequestError::Invalid { field: "max_output_tokens".into(), message },
             e => e,
         })?;
+        sampling.ignore_eos = self.ignore_eos.unwrap_or(false);
         let mut messages = Vec::new();
         if let Some(instructions) = &self.instructions {
             push_message(&mut messages, Json::Object(message("system", instructions.clone())));
@@ -1809,7 +1835,10 @@ mod tests {
         assert_eq!(chat_err(json!({"messages": user, "temperature": 3})).0.as_deref(), Some("temperature"));
         assert_eq!(chat_err(json!({"messages": user, "top_p": 0})).0.as_deref(), Some("top_p"));
         assert_eq!(chat_err(json!({"messages": user, "max_completion_tokens": 0})).0.as_deref(), Some("max_completion_tokens"));
-        assert_eq!(chat_err(json!({"messages": user, "seed": -1})).0.as_deref(), Some("seed"));
+        // -1 is llama.cpp's "a fresh seed"; other values are seeds, negative ones too.
+        assert_eq!(chat(json!({"messages": user, "seed": -1})).unwrap().sampling.seed, None);
+        assert_eq!(chat(json!({"messages": user, "seed": -2})).unwrap().sampling.seed, Some(u64::MAX - 1));
+        assert_eq!(chat_err(json!({"messages": user, "repeat_last_n": -2})).0.as_deref(), Some("repeat_last_n"));
         assert_eq!(chat_err(json!({"messages": user, "top_k": -5})).0.as_deref(), Some("top_k"));
         assert_eq!(chat_err(json!({"messages": user, "stop": ["a", ""]})).0.as_deref(), Some("stop[1]"));
         assert_eq!(chat_err(json!({"messages": user, "top_logprobs": 2})).0.as_deref(), Some("top_logprobs"));

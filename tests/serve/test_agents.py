@@ -1,0 +1,227 @@
+"""The agent-facing APIs of `tensorfold serve`, driven by the official clients (run by
+tests/serve.rs): OpenAI's Responses API and chat reasoning through the `openai` package, and
+Anthropic's Messages API through the `anthropic` package.
+
+The server runs the vocab fixture (random weights, Qwen3.5's tokenizer) with a chat template in
+Qwen3.5's format (tests/data/qwen35_style.jinja), so `enable_thinking` opens a `<think>` block
+at the end of the prompt and everything the model writes is reasoning until it closes it.
+
+Environment: TF_BASE (http://127.0.0.1:PORT of the server under test).
+"""
+
+import json
+import os
+import sys
+import unittest
+import urllib.error
+import urllib.request
+
+import anthropic
+import openai
+
+BASE = os.environ.get("TF_BASE", "http://127.0.0.1:8080")
+MODEL = "qwen35-style"
+USER = [{"role": "user", "content": "Say something about rivers."}]
+THINK = {"chat_template_kwargs": {"enable_thinking": True}}
+NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}]
+
+
+def oai():
+    return openai.OpenAI(base_url=BASE + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def claude():
+    return anthropic.Anthropic(base_url=BASE, api_key="unused", max_retries=0, timeout=120)
+
+
+def raw(path, body):
+    req = urllib.request.Request(BASE + path, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+class Chat(unittest.TestCase):
+    def test_thinking_output_is_reasoning_not_content(self):
+        kw = dict(model=MODEL, messages=USER, max_tokens=8, temperature=1.0, seed=11, extra_body={"ignore_eos": True, **THINK})
+        r = oai().chat.completions.create(**kw)
+        m = r.choices[0].message
+        reasoning = m.model_extra.get("reasoning_content")
+        self.assertTrue(reasoning, m)
+        self.assertEqual(m.model_extra.get("reasoning"), reasoning)
+        self.assertFalse(m.content)
+        # Streamed: the same reasoning in deltas, no content.
+        got, content = "", ""
+        for chunk in oai().chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                got += (c.delta.model_extra or {}).get("reasoning_content") or ""
+                content += c.delta.content or ""
+        self.assertEqual((got, content), (reasoning, ""))
+
+    def test_without_thinking_output_is_content(self):
+        r = oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=6, temperature=0, extra_body={"ignore_eos": True, **NO_THINK})
+        m = r.choices[0].message
+        self.assertTrue(m.content)
+        self.assertIsNone(m.model_extra.get("reasoning_content"))
+
+    def test_tools_and_tool_history_render_and_count_alike(self):
+        history = USER + [
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 2})}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+        ]
+        r = oai().chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=2, extra_body=NO_THINK)
+        status, tok = raw("/tokenize", {"messages": history, "tools": TOOLS, **NO_THINK})
+        self.assertEqual(status, 200)
+        self.assertEqual(r.usage.prompt_tokens, tok["count"])
+        status, plain = raw("/tokenize", {"messages": history, **NO_THINK})
+        self.assertGreater(tok["count"], plain["count"])
+        # The decoded arguments reach the template: the rendered history holds them.
+        status, text = raw("/detokenize", {"tokens": tok["tokens"]})
+        self.assertIn("<parameter=city>\nOslo\n</parameter>", text["prompt"])
+        self.assertIn("get_weather", text["prompt"])
+
+    def test_bad_tool_arguments_name_the_field(self):
+        history = USER + [{"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=history, max_tokens=2)
+        self.assertEqual(e.exception.body["param"], "messages[1].tool_calls[0].function.arguments")
+
+    def test_forced_tool_choice_is_refused_until_enforced(self):
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=2)
+        self.assertEqual(e.exception.body["param"], "tool_choice")
+
+
+class Responses(unittest.TestCase):
+    def test_whole_and_streamed_responses_agree(self):
+        kw = dict(model=MODEL, input="Tell me about rivers.", instructions="Be brief.", max_output_tokens=8, temperature=1.0, store=False, extra_body={"ignore_eos": True, **NO_THINK})
+        # A seed only through extra_body: the Responses API has none of its own.
+        kw["extra_body"]["seed"] = 5
+        whole = oai().responses.create(**kw)
+        self.assertEqual(whole.status, "incomplete")
+        self.assertEqual(whole.incomplete_details.reason, "max_output_tokens")
+        self.assertTrue(whole.output_text)
+        self.assertEqual(whole.usage.output_tokens, 8)
+        self.assertEqual(whole.instructions, "Be brief.")
+        types = []
+        final = None
+        for event in oai().responses.create(stream=True, **kw):
+            types.append(event.type)
+            if event.type in ("response.completed", "response.incomplete"):
+                final = event.response
+        self.assertEqual(types[:2], ["response.created", "response.in_progress"])
+        self.assertEqual(types[-1], "response.incomplete")
+        self.assertIn("response.output_text.delta", types)
+        self.assertEqual(final.output_text, whole.output_text)
+        self.assertEqual([i.type for i in final.output], [i.type for i in whole.output])
+
+    def test_reasoning_is_a_reasoning_item(self):
+        r = oai().responses.create(model=MODEL, input=[{"role": "user", "content": "Think first."}], max_output_tokens=6, reasoning={"effort": "high"}, extra_body={"ignore_eos": True, "seed": 2})
+        self.assertEqual(r.output[0].type, "reasoning")
+        self.assertTrue(r.output[0].content[0].text)
+        self.assertEqual(r.output_text, "")
+
+    def test_function_call_history_is_accepted(self):
+        items = [
+            {"role": "user", "content": "Weather in Oslo?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": json.dumps({"city": "Oslo"})},
+            {"type": "function_call_output", "call_id": "c1", "output": "rain"},
+        ]
+        tools = [{"type": "function", "name": "get_weather", "description": "Weather", "parameters": TOOLS[0]["function"]["parameters"]}, {"type": "web_search"}]
+        r = oai().responses.create(model=MODEL, input=items, tools=tools, max_output_tokens=3, extra_body=NO_THINK)
+        self.assertGreater(r.usage.input_tokens, 20)
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().responses.create(model=MODEL, input="hi", previous_response_id="resp_123")
+        self.assertEqual(e.exception.body["param"], "previous_response_id")
+
+
+class Messages(unittest.TestCase):
+    def test_whole_and_streamed_messages_agree(self):
+        # This client version has no `temperature` argument: it goes in the body as an extension.
+        kw = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Hello"}], system="Be brief.", extra_body={"temperature": 0, **NO_THINK})
+        whole = claude().messages.create(**kw)
+        self.assertEqual(whole.type, "message")
+        self.assertEqual(whole.role, "assistant")
+        self.assertIn(whole.stop_reason, ("max_tokens", "end_turn"))
+        self.assertEqual(whole.content[0].type, "text")
+        with claude().messages.stream(**kw) as s:
+            final = s.get_final_message()
+        self.assertEqual([b.type for b in final.content], [b.type for b in whole.content])
+        self.assertEqual(final.content[0].text, whole.content[0].text)
+        self.assertEqual((final.stop_reason, final.usage.output_tokens), (whole.stop_reason, whole.usage.output_tokens))
+        count = claude().messages.count_tokens(model=MODEL, messages=kw["messages"], system="Be brief.", extra_body=NO_THINK)
+        self.assertEqual(count.input_tokens, whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0))
+
+    def test_thinking_is_a_thinking_block(self):
+        kw = dict(model=MODEL, max_tokens=6, messages=[{"role": "user", "content": "Hi"}], thinking={"type": "enabled", "budget_tokens": 1024}, extra_body={"ignore_eos": True})
+        m = claude().messages.create(**kw)
+        self.assertEqual(m.content[0].type, "thinking")
+        self.assertTrue(m.content[0].thinking)
+        self.assertEqual(m.stop_reason, "max_tokens")
+        with claude().messages.stream(**kw) as s:
+            events = [e.type for e in s]
+            final = s.get_final_message()
+        self.assertEqual(events[0], "message_start")
+        self.assertIn("content_block_delta", events)
+        self.assertEqual(final.content[0].thinking, m.content[0].thinking)
+
+    def test_stop_sequences_and_errors_in_anthropic_shape(self):
+        base = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Count"}], extra_body={"temperature": 0, "ignore_eos": True, **NO_THINK})
+        text = claude().messages.create(**base).content[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        self.assertEqual(len(stop), 2, text)
+        m = claude().messages.create(stop_sequences=[stop], **base)
+        self.assertEqual((m.stop_reason, m.stop_sequence), ("stop_sequence", stop))
+        status, body = raw("/v1/messages", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        self.assertEqual(status, 400)
+        self.assertEqual(body["type"], "error")
+        self.assertEqual(body["error"]["type"], "invalid_request_error")
+        self.assertIn("max_tokens", body["error"]["message"])
+        with self.assertRaises(anthropic.BadRequestError):
+            claude().messages.create(model="not-this-one", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+class Reuse(unittest.TestCase):
+    def test_ten_turn_tool_conversation_reuses_each_earlier_turn(self):
+        """An agent resends the whole history every turn, reasoning stripped; each turn must
+        resume from the snapshot before the previous prompt's last `<|im_start|>` (where the
+        new turn's text starts to differ), so only the new messages are prefilled."""
+        im_start = raw("/tokenize", {"prompt": "<|im_start|>", "add_special_tokens": False})[1]["tokens"]
+        self.assertEqual(len(im_start), 1)
+        history = [{"role": "system", "content": "You are an agent. Use the tools."}, {"role": "user", "content": "Plan a trip through ten cities."}]
+        rows, previous = [], None
+        for turn in range(10):
+            body = {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 4, "temperature": 0, **THINK}
+            status, r = raw("/v1/chat/completions", body)
+            self.assertEqual(status, 200, r)
+            ids = raw("/tokenize", {"messages": history, "tools": TOOLS, **THINK})[1]["tokens"]
+            self.assertEqual(len(ids), r["usage"]["prompt_tokens"])
+            cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if previous is not None:
+                # Where this prompt stops sharing the previous one, and the previous prompt's
+                # last turn boundary at or before it: what a snapshot can give back.
+                common = next((i for i, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+                boundary = max(i for i, t in enumerate(previous[:common + 1]) if t == im_start[0])
+                rows.append((turn, len(ids), cached, common))
+                self.assertGreaterEqual(cached, boundary, f"turn {turn}: {cached} cached, the boundary at {boundary}")
+                self.assertLessEqual(cached, common)
+            previous = ids
+            # The agent's turn as it resends it: a tool call (no reasoning), and the tool's answer.
+            city = f"city {turn}"
+            history = history + [
+                {"role": "assistant", "content": f"Checking {city}.", "tool_calls": [{"id": f"c{turn}", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": city, "days": turn + 1})}}]},
+                {"role": "tool", "tool_call_id": f"c{turn}", "content": f"sunny in {city}"},
+            ]
+        total = sum(r[1] for r in rows)
+        reused = sum(r[2] for r in rows)
+        print("\nturn  prompt  cached  shared-with-previous")
+        for t, n, c, common in rows:
+            print(f"{t:4}  {n:6}  {c:6}  {common:6}")
+        print(f"turns 1-9: {reused} of {total} prompt tokens reused ({100 * reused / total:.1f}%)")
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv, verbosity=2)
