@@ -6,9 +6,11 @@
 //! Routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/tokenize`,
 //! `/detokenize` (behind `--api-key` when given), `/health` and `/metrics` (always open, as in
 //! vLLM). Content is the raw generated text: tool calls and reasoning are not parsed yet.
+//! `/` and `/assets/*`: the chat page ([`web`]), open too (it asks for the key itself).
 
 pub mod metrics;
 pub mod openai;
+pub mod web;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -180,6 +182,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(guarded)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .merge(web::routes())
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(state.config.max_body_bytes))
         .with_state(state)
