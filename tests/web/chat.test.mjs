@@ -85,6 +85,8 @@ async function open(base, opts = {}) {
   page.setDefaultTimeout(20000);
   const errors = [];
   page.on('pageerror', (e) => errors.push(String(e)));
+  // The binary's page comes with a Content-Security-Policy: nothing it does may break it.
+  page.on('console', (m) => /Content Security Policy/i.test(m.text()) && errors.push(m.text()));
   await page.goto(base + '/');
   return { context, page, errors };
 }
@@ -150,6 +152,13 @@ test('a message streams a reply from the server, equal to the same request answe
   await page.waitForFunction(() => document.querySelector('#model-name').textContent === 'mlx-q4');
   assert.equal(await page.textContent('#model-ctx'), 'context 262,144 tokens');
   await settings(page, { max_tokens: '12', seed: '7', temperature: '0.8' });
+  // The message box grows with its text (and Shift+Enter adds a line rather than sending).
+  const h0 = await page.$eval('#input', (e) => e.clientHeight);
+  await page.fill('#input', 'one');
+  await page.press('#input', 'Shift+Enter');
+  await page.keyboard.insertText('two\nthree\nfour');
+  assert.equal(await page.inputValue('#input'), 'one\ntwo\nthree\nfour');
+  assert.ok((await page.$eval('#input', (e) => e.clientHeight)) > h0 * 1.5, 'the message box did not grow');
   await say(page, 'Hello there');
   // The reply grows while it streams: several distinct lengths are seen before it ends.
   const seen = new Set();
