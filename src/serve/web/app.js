@@ -325,8 +325,11 @@ function updateAssistant(el, m, last) {
   const foot = node('footer', 'meta');
   foot.append(node('span', 'stats', live ? 'generating…' : statsText(m)));
   if (!live) {
-    if (m.content) foot.append(button('Copy', 'copy-msg', 'Copy the answer as Markdown'));
-    if (last && !state.live) foot.append(button(m.error ? 'Retry' : 'Regenerate', 'regenerate', 'Generate this reply again'));
+    // The buttons wrap together below the figures when the window is narrow.
+    const actions = node('span', 'actions');
+    if (m.content) actions.append(button('Copy', 'copy-msg', 'Copy the answer as Markdown'));
+    if (last && !state.live) actions.append(button(m.error ? 'Retry' : 'Regenerate', 'regenerate', 'Generate this reply again'));
+    if (actions.children.length) foot.append(actions);
   }
   el.append(foot);
 }
