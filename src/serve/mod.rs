@@ -8,12 +8,14 @@
 //! when given), `/health` and `/metrics` (always open, as in vLLM). Requests are read and
 //! checked by [`crate::server`]'s types; chat output is split into reasoning, content and tool
 //! calls by its parser.
+//! `/` and `/assets/*`: the chat page ([`web`]), open too (it asks for the key itself).
 
 pub mod anthropic;
 mod generate;
 pub mod metrics;
 pub mod openai;
 pub mod responses;
+pub mod web;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -224,6 +226,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(guarded)
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .merge(web::routes())
         .fallback(not_found)
         .layer(axum::extract::DefaultBodyLimit::max(state.config.max_body_bytes))
         .with_state(state)
