@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use crate::backend::{Backend, BackendError, Batch, SeqRows, SequenceState};
 use crate::model::{Model, Scratch};
 use crate::sampling::SamplingParams;
-use crate::session::{self, ModelIdentity, PrefixCache, Residence, Reuse, Session, SessionError, SessionRecord, SnapshotConfig};
+use crate::session::{self, Displaced, ModelIdentity, PrefixCache, Residence, Reuse, Session, SessionError, SessionRecord, SnapshotConfig, SnapshotHome};
 
 /// Tokens per prompt chunk: each chunk is one step of matrix-matrix products. The logits do not
 /// depend on it (docs/numerics.md: chunked prefill equals token-by-token).
@@ -104,19 +104,49 @@ impl<B: Backend> Engine<B> {
         &self.snapshots
     }
 
-    /// Sets when snapshots are taken and their memory budget (evicting down to it).
+    /// Sets when snapshots are taken and their memory budgets (evicting down to them).
     pub fn set_snapshots(&mut self, config: SnapshotConfig) {
-        self.snapshots.set_config(config);
+        let displaced = self.snapshots.set_config(config);
+        self.spill(displaced);
     }
 
     /// Drops every snapshot.
     pub fn clear_snapshots(&mut self) {
-        self.snapshots.clear();
+        for slot in self.snapshots.clear() {
+            let _ = self.model.backend.free_slot(&mut self.states, slot);
+        }
+    }
+
+    /// Snapshots that left the slot tier: each moves to host memory when that tier has room
+    /// (else it goes), and its slot is freed. A copy that fails loses only that snapshot.
+    fn spill(&mut self, displaced: Vec<Displaced>) {
+        for d in displaced {
+            if self.snapshots.fits_host(d.bytes) {
+                if let Ok(st) = self.model.backend.export_slot(&self.states, d.slot) {
+                    self.snapshots.insert(&d.tokens, st, d.bytes);
+                }
+            }
+            let _ = self.model.backend.free_slot(&mut self.states, d.slot);
+        }
+    }
+
+    /// A new slot for a sequence: when the backend has none left (slots or memory), the least
+    /// recently used slot snapshots make room first (spilled to host memory), one at a time.
+    fn alloc_slot(&mut self) -> Result<u32, BackendError> {
+        loop {
+            match self.model.backend.alloc_slot(&mut self.states) {
+                Ok(slot) => return Ok(slot),
+                Err(e) => match self.snapshots.pop_oldest_slot() {
+                    Some(d) => self.spill(vec![d]),
+                    None => return Err(e),
+                },
+            }
+        }
     }
 
     /// A new, empty session (position 0) in a new slot.
     pub fn new_session(&mut self, params: SamplingParams) -> Result<Session, BackendError> {
-        let slot = self.model.backend.alloc_slot(&mut self.states)?;
+        let slot = self.alloc_slot()?;
         Ok(Session::new(Residence::Device(slot), params))
     }
 
@@ -149,7 +179,7 @@ impl<B: Backend> Engine<B> {
 
     /// A new slot holding `st`.
     fn place(&mut self, st: &SequenceState) -> Result<u32, BackendError> {
-        let slot = self.model.backend.alloc_slot(&mut self.states)?;
+        let slot = self.alloc_slot()?;
         if let Err(e) = self.model.backend.import_slot(&mut self.states, slot, st) {
             let _ = self.model.backend.free_slot(&mut self.states, slot);
             return Err(e);
@@ -342,10 +372,12 @@ impl<B: Backend> Engine<B> {
         let snap_len = if self.snapshots.config().enabled() { self.snapshots.lookup(prompt, n - 1).map(|sn| sn.tokens().len()) } else { None };
         let reuse = match (own, snap_len) {
             (o, Some(l)) if o.is_none_or(|o| l > o) => {
-                let st = self.snapshots.longest_prefix(prompt, l).expect("found above").state();
-                match s.home {
-                    Residence::Device(slot) => self.model.backend.import_slot(&mut self.states, slot, st)?,
-                    Residence::Host(_) => s.home = Residence::Host(Box::new(st.clone())),
+                let b = &self.model.backend;
+                match (self.snapshots.longest_prefix(prompt, l).expect("found above").home(), &mut s.home) {
+                    (SnapshotHome::Host(st), Residence::Device(slot)) => b.import_slot(&mut self.states, *slot, st)?,
+                    (SnapshotHome::Host(st), home @ Residence::Host(_)) => *home = Residence::Host(Box::new(st.clone())),
+                    (&SnapshotHome::Slot(from), Residence::Device(slot)) => b.copy_slot(&mut self.states, from, *slot)?,
+                    (&SnapshotHome::Slot(from), home @ Residence::Host(_)) => *home = Residence::Host(Box::new(b.export_slot(&self.states, from)?)),
                 }
                 s.position = l;
                 Reuse { reused: l, from_snapshot: true, processed: n - l }
@@ -380,12 +412,38 @@ impl<B: Backend> Engine<B> {
         Ok(s)
     }
 
-    /// Keeps the state of `s` at its position as a snapshot (when snapshots are on, it fits the
+    /// Keeps the state of `s` at its position as a snapshot (when snapshots are on, it fits a
     /// budget and that prefix is not held already). Returns whether one was taken.
+    ///
+    /// A resident session's snapshot goes to a slot of its own when the slot tier has a budget
+    /// and the backend a free slot (a copy where the states are: on a GPU no host round trip);
+    /// otherwise to host memory.
     pub fn snapshot(&mut self, s: &Session) -> Result<bool, BackendError> {
         let bytes = session::snapshot_bytes(&self.model.config, s.position);
         let prefix = &s.tokens[..s.position];
         if s.position == 0 || !self.snapshots.fits(bytes) || self.snapshots.touch(prefix) {
+            return Ok(false);
+        }
+        if let (Residence::Device(src), true) = (&s.home, self.snapshots.fits_slot(bytes)) {
+            // No free slot (or memory) is not an error: the host tier takes it.
+            if let Ok(slot) = self.model.backend.alloc_slot(&mut self.states) {
+                if let Err(e) = self.model.backend.copy_slot(&mut self.states, *src, slot) {
+                    let _ = self.model.backend.free_slot(&mut self.states, slot);
+                    return Err(e);
+                }
+                return Ok(match self.snapshots.insert_slot(prefix, slot, bytes) {
+                    Some(displaced) => {
+                        self.spill(displaced);
+                        true
+                    }
+                    None => {
+                        let _ = self.model.backend.free_slot(&mut self.states, slot);
+                        false
+                    }
+                });
+            }
+        }
+        if !self.snapshots.fits_host(bytes) {
             return Ok(false);
         }
         let st = self.state_of(s)?.into_owned();

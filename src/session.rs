@@ -174,33 +174,39 @@ pub struct SnapshotConfig {
     /// Take one whenever a session's position reaches a multiple of `every` (0: only at the
     /// end of prompts).
     pub every: usize,
-    /// Total bytes all snapshots may hold ([`snapshot_bytes`] each); 0 disables snapshots. The
+    /// Bytes the snapshots kept in host memory may hold together ([`snapshot_bytes`] each); the
     /// least recently used go first.
     pub budget_bytes: u64,
+    /// Bytes the snapshots kept in backend slots may hold together (on a GPU, device memory:
+    /// taking or resuming one is a copy on the device, no host round trip). Past it the least
+    /// recently used move to host memory (within `budget_bytes`, else they go). 0: every
+    /// snapshot is kept in host memory.
+    pub device_budget_bytes: u64,
 }
 
 /// Snapshot stride by default: llama.cpp spaces its context checkpoints at least 256 tokens
 /// apart, and prompts are fed in chunks of 256 ([`crate::engine::DEFAULT_CHUNK`]), so a snapshot
 /// costs no extra step.
 pub const DEFAULT_SNAPSHOT_EVERY: usize = 256;
-/// Snapshot memory budget by default: 1 GiB.
+/// Snapshot memory budget (host) by default: 1 GiB.
 pub const DEFAULT_SNAPSHOT_BUDGET: u64 = 1 << 30;
 
 impl Default for SnapshotConfig {
-    /// Every [`DEFAULT_SNAPSHOT_EVERY`] tokens within [`DEFAULT_SNAPSHOT_BUDGET`].
+    /// Every [`DEFAULT_SNAPSHOT_EVERY`] tokens within [`DEFAULT_SNAPSHOT_BUDGET`] of host memory,
+    /// none in backend slots.
     fn default() -> Self {
-        Self { every: DEFAULT_SNAPSHOT_EVERY, budget_bytes: DEFAULT_SNAPSHOT_BUDGET }
+        Self { every: DEFAULT_SNAPSHOT_EVERY, budget_bytes: DEFAULT_SNAPSHOT_BUDGET, device_budget_bytes: 0 }
     }
 }
 
 impl SnapshotConfig {
     /// No snapshots.
     pub fn disabled() -> Self {
-        Self { every: 0, budget_bytes: 0 }
+        Self { every: 0, budget_bytes: 0, device_budget_bytes: 0 }
     }
 
     pub fn enabled(&self) -> bool {
-        self.budget_bytes > 0
+        self.budget_bytes > 0 || self.device_budget_bytes > 0
     }
 }
 
@@ -226,9 +232,44 @@ pub fn snapshot_bytes(cfg: &ModelConfig, position: usize) -> u64 {
 #[derive(Debug)]
 pub struct Snapshot {
     tokens: Vec<u32>,
-    state: SequenceState,
+    home: SnapshotHome,
     bytes: u64,
     last_used: u64,
+}
+
+/// Where a snapshot's state is kept.
+#[derive(Debug)]
+pub enum SnapshotHome {
+    /// In host memory.
+    Host(SequenceState),
+    /// In a backend slot of its own (allocated and freed by [`crate::engine::Engine`]).
+    Slot(u32),
+}
+
+/// The memory a snapshot is kept in, each with its own budget and LRU order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tier {
+    Host = 0,
+    Slot = 1,
+}
+
+impl SnapshotHome {
+    fn tier(&self) -> Tier {
+        match self {
+            SnapshotHome::Host(_) => Tier::Host,
+            SnapshotHome::Slot(_) => Tier::Slot,
+        }
+    }
+}
+
+/// A snapshot that left the slot tier ([`PrefixCache::insert_slot`], [`PrefixCache::set_config`],
+/// [`PrefixCache::pop_oldest_slot`]): its slot is the caller's to free, after copying the state
+/// to host memory if it is to stay ([`PrefixCache::insert`]).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Displaced {
+    pub tokens: Vec<u32>,
+    pub slot: u32,
+    pub bytes: u64,
 }
 
 impl Snapshot {
@@ -236,8 +277,9 @@ impl Snapshot {
     pub fn tokens(&self) -> &[u32] {
         &self.tokens
     }
-    pub fn state(&self) -> &SequenceState {
-        &self.state
+    /// Where the state is.
+    pub fn home(&self) -> &SnapshotHome {
+        &self.home
     }
     /// Memory held ([`snapshot_bytes`] of its length).
     pub fn bytes(&self) -> u64 {
@@ -257,10 +299,11 @@ pub struct PrefixCache {
     /// Snapshots by slab index (`None`: a free index).
     entries: Vec<Option<Snapshot>>,
     free: Vec<usize>,
-    /// `last_used → entry`, oldest first.
-    lru: std::collections::BTreeMap<u64, usize>,
+    /// Per tier (host, slot): `last_used → entry`, oldest first.
+    lru: [std::collections::BTreeMap<u64, usize>; 2],
     trie: Trie,
-    bytes: u64,
+    /// Per tier: bytes held.
+    bytes: [u64; 2],
     clock: u64,
     /// Lookups that found a snapshot, and the tokens those snapshots held.
     hits: u64,
@@ -369,31 +412,39 @@ pub struct PrefixStats {
 
 impl PrefixCache {
     pub fn new(config: SnapshotConfig) -> Self {
-        Self { config, entries: Vec::new(), free: Vec::new(), lru: std::collections::BTreeMap::new(), trie: Trie::new(), bytes: 0, clock: 0, hits: 0, reused_tokens: 0, lookups: 0 }
+        Self { config, entries: Vec::new(), free: Vec::new(), lru: Default::default(), trie: Trie::new(), bytes: [0; 2], clock: 0, hits: 0, reused_tokens: 0, lookups: 0 }
     }
 
     pub fn config(&self) -> SnapshotConfig {
         self.config
     }
 
-    /// Changes the settings, evicting down to the new budget.
-    pub fn set_config(&mut self, config: SnapshotConfig) {
+    /// Changes the settings, evicting down to the new budgets. Returns the snapshots that left
+    /// the slot tier (their slots are the caller's to free).
+    #[must_use = "the displaced snapshots' slots must be freed"]
+    pub fn set_config(&mut self, config: SnapshotConfig) -> Vec<Displaced> {
         self.config = config;
-        self.evict_to(config.budget_bytes);
+        self.evict_to(Tier::Host, config.budget_bytes);
+        self.evict_to(Tier::Slot, config.device_budget_bytes)
     }
 
     /// Number of snapshots held.
     pub fn len(&self) -> usize {
-        self.lru.len()
+        self.lru[0].len() + self.lru[1].len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.lru.is_empty()
+        self.len() == 0
     }
 
     /// Bytes held by all snapshots.
     pub fn bytes(&self) -> u64 {
-        self.bytes
+        self.bytes[0] + self.bytes[1]
+    }
+
+    /// Bytes held by the snapshots in backend slots.
+    pub fn slot_bytes(&self) -> u64 {
+        self.bytes[Tier::Slot as usize]
     }
 
     /// Lookups, hits and reused tokens so far ([`PrefixCache::lookup`]).
@@ -406,21 +457,25 @@ impl PrefixCache {
         self.entries.iter().flatten()
     }
 
-    /// Drops every snapshot.
-    pub fn clear(&mut self) {
+    /// Drops every snapshot. Returns the slots they held (the caller's to free).
+    #[must_use = "the snapshots' slots must be freed"]
+    pub fn clear(&mut self) -> Vec<u32> {
+        let slots = self.iter().filter_map(|s| if let SnapshotHome::Slot(slot) = s.home { Some(slot) } else { None }).collect();
         self.entries.clear();
         self.free.clear();
-        self.lru.clear();
+        self.lru = Default::default();
         self.trie = Trie::new();
-        self.bytes = 0;
+        self.bytes = [0; 2];
+        slots
     }
 
     fn mark_used(&mut self, e: usize) {
         self.clock += 1;
         let entry = self.entries[e].as_mut().expect("a live entry");
-        self.lru.remove(&entry.last_used);
+        let lru = &mut self.lru[entry.home.tier() as usize];
+        lru.remove(&entry.last_used);
         entry.last_used = self.clock;
-        self.lru.insert(self.clock, e);
+        lru.insert(self.clock, e);
     }
 
     /// Whether a snapshot of exactly `tokens` is held (marks it used).
@@ -434,23 +489,61 @@ impl PrefixCache {
         }
     }
 
-    /// Whether a snapshot of `bytes` could be kept at all.
+    /// Whether a snapshot of `bytes` could be kept at all (in either tier).
     pub fn fits(&self, bytes: u64) -> bool {
-        self.config.enabled() && bytes <= self.config.budget_bytes
+        self.fits_host(bytes) || self.fits_slot(bytes)
     }
 
-    /// Keeps `state` as the snapshot of `tokens` (its position must be `tokens.len()`), evicting
-    /// the least recently used ones to stay within the budget. `bytes` is its size
-    /// ([`snapshot_bytes`]). Returns whether it was kept (not when larger than the whole budget,
-    /// or already held).
+    /// Whether a snapshot of `bytes` could be kept in host memory.
+    pub fn fits_host(&self, bytes: u64) -> bool {
+        self.config.budget_bytes > 0 && bytes <= self.config.budget_bytes
+    }
+
+    /// Whether a snapshot of `bytes` could be kept in a backend slot.
+    pub fn fits_slot(&self, bytes: u64) -> bool {
+        self.config.device_budget_bytes > 0 && bytes <= self.config.device_budget_bytes
+    }
+
+    /// Keeps `state` in host memory as the snapshot of `tokens` (its position must be
+    /// `tokens.len()`), evicting the least recently used host snapshots to stay within the
+    /// budget. `bytes` is its size ([`snapshot_bytes`]). Returns whether it was kept (not when
+    /// larger than the whole budget, or already held).
     pub fn insert(&mut self, tokens: &[u32], state: SequenceState, bytes: u64) -> bool {
         debug_assert_eq!(state.position, tokens.len());
-        if !self.fits(bytes) || self.touch(tokens) {
+        if !self.fits_host(bytes) || self.touch(tokens) {
             return false;
         }
-        self.evict_to(self.config.budget_bytes - bytes);
+        let dropped = self.evict_to(Tier::Host, self.config.budget_bytes - bytes);
+        debug_assert!(dropped.is_empty());
+        self.add(tokens, SnapshotHome::Host(state), bytes);
+        true
+    }
+
+    /// Keeps backend slot `slot` (holding the state after `tokens`) as the snapshot of
+    /// `tokens`, moving the least recently used slot snapshots out to stay within the device
+    /// budget. Returns `None` when it was not kept (larger than the budget, or already held:
+    /// the slot stays the caller's), else the snapshots displaced to make room.
+    #[must_use = "a slot not kept, and the displaced snapshots' slots, must be freed"]
+    pub fn insert_slot(&mut self, tokens: &[u32], slot: u32, bytes: u64) -> Option<Vec<Displaced>> {
+        if !self.fits_slot(bytes) || self.touch(tokens) {
+            return None;
+        }
+        let displaced = self.evict_to(Tier::Slot, self.config.device_budget_bytes - bytes);
+        self.add(tokens, SnapshotHome::Slot(slot), bytes);
+        Some(displaced)
+    }
+
+    /// Takes the least recently used slot snapshot out of the cache (to free its slot for a
+    /// sequence).
+    pub fn pop_oldest_slot(&mut self) -> Option<Displaced> {
+        let &e = self.lru[Tier::Slot as usize].values().next()?;
+        self.remove(e)
+    }
+
+    fn add(&mut self, tokens: &[u32], home: SnapshotHome, bytes: u64) {
         self.clock += 1;
-        let snap = Snapshot { tokens: tokens.to_vec(), state, bytes, last_used: self.clock };
+        let tier = home.tier() as usize;
+        let snap = Snapshot { tokens: tokens.to_vec(), home, bytes, last_used: self.clock };
         let e = match self.free.pop() {
             Some(e) => {
                 self.entries[e] = Some(snap);
@@ -463,9 +556,8 @@ impl PrefixCache {
         };
         let node = self.trie.insert(tokens);
         self.trie.nodes[node].entry = Some(e);
-        self.lru.insert(self.clock, e);
-        self.bytes += bytes;
-        true
+        self.lru[tier].insert(self.clock, e);
+        self.bytes[tier] += bytes;
     }
 
     /// The longest snapshot whose tokens are a prefix of `ids` and at most `max_len` long;
@@ -487,15 +579,30 @@ impl PrefixCache {
         Some(snap)
     }
 
-    fn evict_to(&mut self, budget: u64) {
-        while self.bytes > budget {
-            let (_, e) = self.lru.pop_first().expect("bytes > 0 means entries");
-            let snap = self.entries[e].take().expect("a live entry");
-            self.free.push(e);
-            let node = self.trie.find(&snap.tokens).expect("every entry has its node");
-            self.trie.remove(node);
-            self.bytes -= snap.bytes;
+    /// Removes entry `e`; a slot snapshot comes back as [`Displaced`].
+    fn remove(&mut self, e: usize) -> Option<Displaced> {
+        let snap = self.entries[e].take().expect("a live entry");
+        self.free.push(e);
+        let tier = snap.home.tier() as usize;
+        self.lru[tier].remove(&snap.last_used);
+        let node = self.trie.find(&snap.tokens).expect("every entry has its node");
+        self.trie.remove(node);
+        self.bytes[tier] -= snap.bytes;
+        match snap.home {
+            SnapshotHome::Slot(slot) => Some(Displaced { tokens: snap.tokens, slot, bytes: snap.bytes }),
+            SnapshotHome::Host(_) => None,
         }
+    }
+
+    /// Removes the least recently used snapshots of `tier` until it holds at most `budget`
+    /// bytes; returns the slot snapshots removed.
+    fn evict_to(&mut self, tier: Tier, budget: u64) -> Vec<Displaced> {
+        let mut out = Vec::new();
+        while self.bytes[tier as usize] > budget {
+            let (_, &e) = self.lru[tier as usize].first_key_value().expect("bytes > 0 means entries");
+            out.extend(self.remove(e));
+        }
+        out
     }
 }
 
@@ -945,7 +1052,7 @@ mod tests {
 
     #[test]
     fn prefix_cache_finds_the_longest_prefix_within_the_limit() {
-        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 1000 });
+        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 1000, device_budget_bytes: 0 });
         let ids: Vec<u32> = (0..20).collect();
         assert!(c.insert(&ids[..4], state(4, 1.0), 10));
         assert!(c.insert(&ids[..8], state(8, 2.0), 10));
@@ -954,14 +1061,14 @@ mod tests {
         assert_eq!(c.len(), 3);
         assert_eq!(c.longest_prefix(&ids, 19).unwrap().tokens().len(), 8);
         assert_eq!(c.longest_prefix(&ids, 7).unwrap().tokens().len(), 4);
-        assert_eq!(c.longest_prefix(&ids[..8], 8).unwrap().state().recurrent[0][0], 2.0);
+        assert!(matches!(c.longest_prefix(&ids[..8], 8).unwrap().home(), SnapshotHome::Host(st) if st.recurrent[0][0] == 2.0));
         assert!(c.longest_prefix(&ids, 3).is_none());
         assert!(c.longest_prefix(&[5, 6, 7, 8, 9], 5).is_none());
     }
 
     #[test]
     fn prefix_cache_evicts_the_least_recently_used_within_its_budget() {
-        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 30 });
+        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 30, device_budget_bytes: 0 });
         let ids: Vec<u32> = (0..20).collect();
         c.insert(&ids[..1], state(1, 0.0), 10);
         c.insert(&ids[..2], state(2, 0.0), 10);
@@ -976,11 +1083,36 @@ mod tests {
         assert_eq!(held, vec![1, 4]);
         assert_eq!(c.bytes(), 25);
         assert!(!c.insert(&ids[..5], state(5, 0.0), 31), "larger than the whole budget");
-        c.set_config(SnapshotConfig { every: 4, budget_bytes: 20 });
+        assert!(c.set_config(SnapshotConfig { every: 4, budget_bytes: 20, device_budget_bytes: 0 }).is_empty());
         assert_eq!(c.iter().map(|s| s.tokens().len()).collect::<Vec<_>>(), vec![4]);
-        c.set_config(SnapshotConfig::disabled());
+        assert!(c.set_config(SnapshotConfig::disabled()).is_empty());
         assert!(c.is_empty() && c.bytes() == 0);
         assert!(!c.insert(&ids[..1], state(1, 0.0), 1));
+    }
+
+    #[test]
+    fn prefix_cache_slot_snapshots_have_their_own_budget_and_come_back_displaced() {
+        let mut c = PrefixCache::new(SnapshotConfig { every: 4, budget_bytes: 25, device_budget_bytes: 20 });
+        let ids: Vec<u32> = (0..20).collect();
+        assert_eq!(c.insert_slot(&ids[..1], 7, 10), Some(vec![]));
+        assert_eq!(c.insert_slot(&ids[..2], 8, 10), Some(vec![]));
+        assert!(c.insert(&ids[..3], state(3, 0.0), 10));
+        assert_eq!(c.insert_slot(&ids[..2], 9, 10), None, "a prefix already held is not stored twice");
+        assert_eq!(c.insert_slot(&ids[..5], 9, 21), None, "larger than the slot budget");
+        assert_eq!((c.len(), c.bytes(), c.slot_bytes()), (3, 30, 20));
+        // Using the oldest slot snapshot makes the second the least recently used of its tier;
+        // the host snapshot, older still, is not in the slot tier's way.
+        assert_eq!(c.longest_prefix(&ids, 1).unwrap().tokens().len(), 1);
+        assert_eq!(c.insert_slot(&ids[..4], 10, 10), Some(vec![Displaced { tokens: ids[..2].to_vec(), slot: 8, bytes: 10 }]));
+        assert_eq!(c.longest_prefix(&ids, 19).map(|s| (s.tokens().len(), matches!(s.home(), SnapshotHome::Slot(10)))), Some((4, true)));
+        assert_eq!(c.longest_prefix(&ids, 3).map(|s| matches!(s.home(), SnapshotHome::Host(_))), Some(true));
+        assert_eq!(c.pop_oldest_slot(), Some(Displaced { tokens: ids[..1].to_vec(), slot: 7, bytes: 10 }));
+        assert_eq!(c.longest_prefix(&ids, 2).map(|s| s.tokens().len()), None);
+        assert_eq!(c.set_config(SnapshotConfig { every: 4, budget_bytes: 25, device_budget_bytes: 5 }), vec![Displaced { tokens: ids[..4].to_vec(), slot: 10, bytes: 10 }]);
+        assert!(c.insert_slot(&ids[..6], 11, 5).is_some());
+        assert_eq!((c.len(), c.slot_bytes()), (2, 5));
+        assert_eq!(c.clear(), vec![11]);
+        assert!(c.is_empty() && c.bytes() == 0);
     }
 }
 

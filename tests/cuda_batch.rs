@@ -290,3 +290,49 @@ fn gpu_samples_more_than_64_rows() {
     let again = solo(&gpu, &prompt(3, v));
     same(&again, &s, "after the refusals");
 }
+
+/// Prefix snapshots kept in CUDA slots (device copies; room for two, so older ones have moved
+/// to host memory): a prompt resumed from one at, before and after each stride multiple gives
+/// the logits bits of the CPU's cold run, and so does its continuation.
+#[test]
+fn gpu_slot_snapshots_resume_with_the_cpu_bits() {
+    use tensorfold::engine::Engine;
+    use tensorfold::session::{snapshot_bytes, SnapshotConfig, SnapshotHome};
+    if gpu().is_none() {
+        return;
+    }
+    const STRIDE: usize = 8;
+    let host = HostModel::open(&shared(FIXTURES[0])).unwrap();
+    let v = host.config.vocab_size;
+    let base = prompt_of_len(3, 4 * STRIDE, v);
+    let more = prompt_of_len(4, 3, v);
+    let mut cpu = Engine::new(Model::new(&host, Cpu::new()).unwrap(), 5).unwrap();
+    let mut cold = |ids: &[u32]| {
+        let mut s = cpu.new_session(SamplingParams::greedy()).unwrap();
+        let l = bits(cpu.feed(&mut s, ids, false, &mut |_, _| {}).unwrap());
+        cpu.free_session(s).unwrap();
+        l
+    };
+    let mut e = Engine::new(Model::new(&host, Cuda::new(0).unwrap()).unwrap(), 5).unwrap();
+    let two = 2 * snapshot_bytes(&host.config, base.len());
+    e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: 1 << 30, device_budget_bytes: two });
+    let mut first = e.new_session(SamplingParams::greedy()).unwrap();
+    e.prompt(&mut first, &base, &mut |_, _| {}).unwrap();
+    let homes: Vec<(usize, bool)> = e.snapshots().iter().map(|s| (s.tokens().len(), matches!(s.home(), SnapshotHome::Slot(_)))).collect();
+    assert_eq!(homes.iter().filter(|h| h.1).count(), 2, "{homes:?}");
+    assert_eq!(homes.len(), base.len() / STRIDE, "{homes:?}");
+    for k in 1..=4 {
+        for len in [k * STRIDE - 1, k * STRIDE, k * STRIDE + 1] {
+            let mut p = base[..len.min(base.len())].to_vec();
+            p.push(7);
+            let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+            let (reuse, logits) = e.prompt(&mut s, &p, &mut |_, _| {}).unwrap();
+            assert_eq!(reuse.reused, ((p.len() - 1) / STRIDE) * STRIDE, "prompt of {}", p.len());
+            assert!(bits(logits) == cold(&p), "prompt of {} resumed at {}: logits differ from the cpu", p.len(), reuse.reused);
+            let cont = bits(e.feed(&mut s, &more, false, &mut |_, _| {}).unwrap());
+            let full: Vec<u32> = p.iter().chain(&more).copied().collect();
+            assert!(cont == cold(&full), "prompt of {} resumed at {}: continuation differs", p.len(), reuse.reused);
+            e.free_session(s).unwrap();
+        }
+    }
+}

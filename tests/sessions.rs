@@ -12,7 +12,7 @@ use tensorfold::engine::Engine;
 use tensorfold::model::cost::Costs;
 use tensorfold::model::{HostModel, Model};
 use tensorfold::sampling::{Sampler, SamplingParams};
-use tensorfold::session::{ModelIdentity, Session, SessionError, SnapshotConfig};
+use tensorfold::session::{ModelIdentity, Session, SessionError, SnapshotConfig, SnapshotHome};
 use tensorfold::testutil::{shared, TempDir};
 
 const TINY: &str = "fixtures/tiny/mlx-q4";
@@ -198,53 +198,61 @@ fn a_fork_continued_two_ways_equals_two_fresh_runs() {
 fn resuming_from_a_snapshot_equals_processing_the_whole_prompt() {
     const STRIDE: usize = 8;
     let host = HostModel::open(&shared(TINY)).unwrap();
-    let new_engine = |snapshots: bool| {
+    let new_engine = |snapshots: Option<SnapshotConfig>| {
         let mut e = Engine::new(Model::new(&host, Cpu::new()).unwrap(), 5).unwrap();
-        if snapshots {
-            e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: 1 << 30 });
+        if let Some(c) = snapshots {
+            e.set_snapshots(c);
         }
         e
     };
-    let mut plain = new_engine(false);
+    let mut plain = new_engine(None);
     let v = plain.vocab_size();
     let mut rng = Rng(3);
     let base = rng.ids(5 * STRIDE, v);
     let tail = rng.ids(3, v);
     let more = rng.ids(4, v);
-    for k in 1..=5 {
-        for len in [k * STRIDE - 1, k * STRIDE, k * STRIDE + 1] {
-            for with_tail in [false, true] {
-                let len = len.min(base.len());
-                let prompt: Vec<u32> = base[..len].iter().chain(if with_tail { &tail[..] } else { &[] }).copied().collect();
-                // An engine that has seen `base` (snapshots at every multiple of the stride and
-                // at its end), then a new session with `prompt`.
-                let mut e = new_engine(true);
-                let mut first = e.new_session(SamplingParams::greedy()).unwrap();
-                let (r0, _) = e.prompt(&mut first, &base, &mut |_, _| {}).unwrap();
-                assert_eq!((r0.reused, r0.processed), (0, base.len()));
-                assert_eq!(e.snapshots().iter().map(|s| s.tokens().len()).max(), Some(base.len()));
-                let mut s = e.new_session(SamplingParams::greedy()).unwrap();
-                let (reuse, logits) = e.prompt(&mut s, &prompt, &mut |_, _| {}).unwrap();
-                let logits = logits.to_vec();
-                // The longest snapshot that leaves at least one token to feed.
-                let want_reused = ((prompt.len() - 1).min(len) / STRIDE) * STRIDE;
-                assert_eq!(reuse.reused, want_reused, "prompt of {} tokens", prompt.len());
-                assert_eq!(reuse.from_snapshot, want_reused > 0);
-                assert_eq!(reuse.processed, prompt.len() - want_reused);
-                assert_eq!(s.tokens(), &prompt[..]);
-                let want = all_logits(&mut plain, &prompt);
-                assert!(bits(&logits) == bits(&want[want.len() - v..]), "prompt of {} tokens resumed at {}: logits differ", prompt.len(), reuse.reused);
-                // The state, not only the last row: a continuation matches too.
-                let cont = e.feed(&mut s, &more, true, &mut |_, _| {}).unwrap().to_vec();
-                let full: Vec<u32> = prompt.iter().chain(&more).copied().collect();
-                let want = all_logits(&mut plain, &full);
-                assert!(bits(&cont) == bits(&want[prompt.len() * v..]), "continuation after resuming at {}", reuse.reused);
-                // And the first session's own state is reused when a prompt extends it.
-                let ext: Vec<u32> = base.iter().chain(&more).copied().collect();
-                let (r, l) = e.prompt(&mut first, &ext, &mut |_, _| {}).unwrap();
-                assert_eq!((r.reused, r.from_snapshot), (base.len(), false));
-                let want = all_logits(&mut plain, &ext);
-                assert!(bits(l) == bits(&want[want.len() - v..]));
+    // Snapshots in host memory; in backend slots (resumed by a slot copy); in slots with room
+    // for two, so the older ones have moved to host memory by the time they are resumed.
+    let two = 2 * tensorfold::session::snapshot_bytes(&host.config, base.len());
+    let configs = [(1 << 30, 0), (0, 1 << 30), (1 << 30, two)].map(|(host, device)| SnapshotConfig { every: STRIDE, budget_bytes: host, device_budget_bytes: device });
+    for config in configs {
+        for k in 1..=5 {
+            for len in [k * STRIDE - 1, k * STRIDE, k * STRIDE + 1] {
+                for with_tail in [false, true] {
+                    let len = len.min(base.len());
+                    let prompt: Vec<u32> = base[..len].iter().chain(if with_tail { &tail[..] } else { &[] }).copied().collect();
+                    // An engine that has seen `base` (snapshots at every multiple of the stride and
+                    // at its end), then a new session with `prompt`.
+                    let mut e = new_engine(Some(config));
+                    let mut first = e.new_session(SamplingParams::greedy()).unwrap();
+                    let (r0, _) = e.prompt(&mut first, &base, &mut |_, _| {}).unwrap();
+                    assert_eq!((r0.reused, r0.processed), (0, base.len()));
+                    assert_eq!(e.snapshots().iter().map(|s| s.tokens().len()).max(), Some(base.len()));
+                    let in_slots = e.snapshots().iter().filter(|s| matches!(s.home(), SnapshotHome::Slot(_))).count();
+                    assert_eq!(in_slots, [0, base.len() / STRIDE, 2][configs.iter().position(|c| *c == config).unwrap()], "{config:?}");
+                    let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+                    let (reuse, logits) = e.prompt(&mut s, &prompt, &mut |_, _| {}).unwrap();
+                    let logits = logits.to_vec();
+                    // The longest snapshot that leaves at least one token to feed.
+                    let want_reused = ((prompt.len() - 1).min(len) / STRIDE) * STRIDE;
+                    assert_eq!(reuse.reused, want_reused, "prompt of {} tokens", prompt.len());
+                    assert_eq!(reuse.from_snapshot, want_reused > 0);
+                    assert_eq!(reuse.processed, prompt.len() - want_reused);
+                    assert_eq!(s.tokens(), &prompt[..]);
+                    let want = all_logits(&mut plain, &prompt);
+                    assert!(bits(&logits) == bits(&want[want.len() - v..]), "prompt of {} tokens resumed at {}: logits differ", prompt.len(), reuse.reused);
+                    // The state, not only the last row: a continuation matches too.
+                    let cont = e.feed(&mut s, &more, true, &mut |_, _| {}).unwrap().to_vec();
+                    let full: Vec<u32> = prompt.iter().chain(&more).copied().collect();
+                    let want = all_logits(&mut plain, &full);
+                    assert!(bits(&cont) == bits(&want[prompt.len() * v..]), "continuation after resuming at {}", reuse.reused);
+                    // And the first session's own state is reused when a prompt extends it.
+                    let ext: Vec<u32> = base.iter().chain(&more).copied().collect();
+                    let (r, l) = e.prompt(&mut first, &ext, &mut |_, _| {}).unwrap();
+                    assert_eq!((r.reused, r.from_snapshot), (base.len(), false));
+                    let want = all_logits(&mut plain, &ext);
+                    assert!(bits(l) == bits(&want[want.len() - v..]));
+                }
             }
         }
     }
@@ -270,7 +278,7 @@ fn state_and_snapshot_bytes_follow_the_architecture_formula() {
         const STRIDE: usize = 6;
         let mut e = Engine::new(Model::new(&host, Cpu::new()).unwrap(), 16).unwrap();
         let budget = 2 * tensorfold::session::snapshot_bytes(c, 20) + 100;
-        e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: budget });
+        e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: budget, device_budget_bytes: 0 });
         let mut s = e.new_session(SamplingParams::greedy()).unwrap();
         let ids = Rng(5).ids(20, e.vocab_size());
         e.prompt(&mut s, &ids, &mut |_, _| {}).unwrap();

@@ -13,7 +13,7 @@ use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
 use tensorfold::runtime::{Event, FinishReason, Request, Runtime, RuntimeConfig, Saved, StopRules};
 use tensorfold::sampling::SamplingParams;
-use tensorfold::session::{ModelIdentity, SessionData, SnapshotConfig, DEFAULT_SNAPSHOT_EVERY};
+use tensorfold::session::{ModelIdentity, SessionData};
 use tensorfold::tokenizer::{ChatMessage, Tokenizer};
 
 use super::run::{checkpoint_params, SamplingArgs};
@@ -35,13 +35,8 @@ pub struct ChatArgs {
     /// Tokens per prompt-processing step.
     #[arg(long = "chunk", default_value_t = DEFAULT_CHUNK)]
     pub chunk: usize,
-    /// Keep a snapshot of the state every N tokens (and at the end of every prompt), so a
-    /// later prompt sharing the prefix resumes there; 0: only at the end of prompts.
-    #[arg(long = "snapshot-every", value_name = "N", default_value_t = DEFAULT_SNAPSHOT_EVERY)]
-    pub snapshot_every: usize,
-    /// Memory all snapshots may hold, in MiB (least recently used go first); 0 turns them off.
-    #[arg(long = "snapshot-budget", value_name = "MiB", default_value_t = 1024)]
-    pub snapshot_budget: u64,
+    #[command(flatten)]
+    pub snapshots: super::SnapshotArgs,
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
@@ -141,15 +136,8 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     params.validate()?;
 
     let boundary_ids: Vec<u32> = tokenizer.token_to_id("<|im_start|>").into_iter().collect();
-    let cfg = RuntimeConfig {
-        max_seqs: 1,
-        max_batch_tokens: a.chunk,
-        chunk: a.chunk,
-        max_waiting: 1,
-        state_budget: u64::MAX,
-        snapshots: SnapshotConfig { every: a.snapshot_every, budget_bytes: a.snapshot_budget.saturating_mul(1 << 20) },
-        boundary_ids,
-    };
+    let cfg =
+        RuntimeConfig { max_seqs: 1, max_batch_tokens: a.chunk, chunk: a.chunk, max_waiting: 1, state_budget: u64::MAX, snapshots: a.snapshots.config(a.device), boundary_ids };
     let (chunk, model_dir) = (a.chunk, dir.clone());
     let host = Arc::new(host);
     let h = host.clone();

@@ -86,6 +86,37 @@ impl std::str::FromStr for Device {
     }
 }
 
+/// Prefix snapshots (`chat`, `serve`): a later prompt sharing a prefix resumes from the state
+/// after it.
+#[derive(clap::Args, Debug)]
+pub struct SnapshotArgs {
+    /// Keep a snapshot of the state every N tokens (and at the end of every prompt and chat
+    /// turn); 0: only at the end of prompts and turns.
+    #[arg(long = "snapshot-every", value_name = "N", default_value_t = tensorfold::session::DEFAULT_SNAPSHOT_EVERY)]
+    pub every: usize,
+    /// Host memory the snapshots may hold, in MiB (least recently used go first); 0 with
+    /// --snapshot-device-budget 0 turns them off.
+    #[arg(long = "snapshot-budget", value_name = "MiB", default_value_t = 1024)]
+    pub budget: u64,
+    /// Device memory the snapshots may hold on a GPU, in MiB: taking and resuming one is then a
+    /// copy on the device; past it the least recently used move to host memory. (On the CPU the
+    /// states already are in host memory: --snapshot-budget alone applies.)
+    #[arg(long = "snapshot-device-budget", value_name = "MiB", default_value_t = 4096)]
+    pub device_budget: u64,
+}
+
+impl SnapshotArgs {
+    /// The snapshot settings on `device`.
+    pub fn config(&self, device: Device) -> tensorfold::session::SnapshotConfig {
+        let mib = |m: u64| m.saturating_mul(1 << 20);
+        let device_budget_bytes = match device {
+            Device::Cpu => 0,
+            Device::Cuda(_) => mib(self.device_budget),
+        };
+        tensorfold::session::SnapshotConfig { every: self.every, budget_bytes: mib(self.budget), device_budget_bytes }
+    }
+}
+
 fn auto_device() -> Device {
     use tensorfold::backend::cuda;
     if cuda::compile::nvrtc_available() && cuda::device_count() > 0 {

@@ -13,7 +13,6 @@ use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
 use tensorfold::runtime::{Runtime, RuntimeConfig};
 use tensorfold::serve::{self, AppState, ServeConfig};
-use tensorfold::session::SnapshotConfig;
 use tensorfold::tokenizer::Tokenizer;
 
 use super::run::{checkpoint_params, SamplingArgs};
@@ -56,6 +55,8 @@ pub struct ServeArgs {
     /// Memory the resident sequences' states may hold together, in MiB.
     #[arg(long = "state-budget", value_name = "MiB", default_value_t = 8192)]
     pub state_budget: u64,
+    #[command(flatten)]
+    pub snapshots: super::SnapshotArgs,
     /// Choices (`n` times prompts) one request may ask for at most.
     #[arg(long = "max-n", default_value_t = 16)]
     pub max_n: usize,
@@ -95,7 +96,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         max_batch_tokens: a.max_batch_tokens,
         max_waiting: a.max_waiting,
         state_budget: a.state_budget.saturating_mul(1 << 20),
-        snapshots: SnapshotConfig::default(),
+        snapshots: a.snapshots.config(a.device),
         // Chat turn boundaries: the next turn of a conversation resumes before its last `<|im_start|>`.
         boundary_ids: tokenizer.token_to_id("<|im_start|>").into_iter().collect(),
         ..RuntimeConfig::default()

@@ -210,7 +210,9 @@ pub struct Stats {
     pub preemptions: u64,
     pub prefix: PrefixStats,
     pub snapshots: usize,
+    /// Bytes the snapshots hold, and of those the ones kept in backend slots.
     pub snapshot_bytes: u64,
+    pub snapshot_slot_bytes: u64,
     /// Bytes of the resident sequences' states.
     pub state_bytes: u64,
     pub ticks: u64,
@@ -883,6 +885,7 @@ impl<B: Backend> Worker<B> {
         self.stats.prefix = self.engine.snapshots().stats();
         self.stats.snapshots = self.engine.snapshots().len();
         self.stats.snapshot_bytes = self.engine.snapshots().bytes();
+        self.stats.snapshot_slot_bytes = self.engine.snapshots().slot_bytes();
         self.stats.state_bytes = self.resident_bytes();
         if let Ok(mut s) = self.shared.stats.lock() {
             *s = self.stats.clone();

@@ -218,25 +218,31 @@ fn prefix_snapshot_hits_around_the_stride_equal_cold_runs() {
     let mut e = engine(TINY);
     let v = e.vocab_size();
     let base = prompt(3 * 8 + 5, 77, v);
-    let snapshots = SnapshotConfig { every: 8, budget_bytes: 1 << 30 };
-    let rt = start(TINY, RuntimeConfig { snapshots, ..RuntimeConfig::default() }, None);
-    let mut h = rt.submit(request(base.clone(), SamplingParams::greedy(), 2)).unwrap();
-    let _ = collect(&mut h);
-    // A new last id after the first m ids of the prompt: the longest snapshot ≤ m is reused.
-    for (m, cached) in [(23, 16), (24, 24), (25, 24), (5, 0), (7, 0), (8, 8), (29, 29)] {
-        let mut p = base[..m].to_vec();
-        p.push((base[m.min(base.len() - 1)] + 1) % v as u32);
-        let want = solo(&mut e, &p, SamplingParams::greedy(), 3);
-        let mut h = rt.submit(request(p, SamplingParams::greedy(), 3)).unwrap();
-        let started = h.blocking_next();
-        assert_eq!(started, Some(Event::Started { cached_tokens: cached }), "prefix of {m}");
-        let got = collect(&mut h);
-        assert_eq!(got.ids, want.ids, "prefix of {m}");
-        assert!(got.logits == want.logits, "prefix of {m}: logits");
-        assert_eq!(got.finished.unwrap().usage.cached_tokens, cached);
+    // Snapshots in host memory, then in backend slots (resumed by a slot copy).
+    for (budget_bytes, device_budget_bytes) in [(1 << 30, 0), (0, 1 << 30)] {
+        let snapshots = SnapshotConfig { every: 8, budget_bytes, device_budget_bytes };
+        let rt = start(TINY, RuntimeConfig { snapshots, ..RuntimeConfig::default() }, None);
+        let mut h = rt.submit(request(base.clone(), SamplingParams::greedy(), 2)).unwrap();
+        let _ = collect(&mut h);
+        let st = settled(&rt);
+        assert_eq!(st.snapshot_slot_bytes > 0, device_budget_bytes > 0, "{st:?}");
+        assert_eq!(st.snapshot_slot_bytes == st.snapshot_bytes, device_budget_bytes > 0, "{st:?}");
+        // A new last id after the first m ids of the prompt: the longest snapshot ≤ m is reused.
+        for (m, cached) in [(23, 16), (24, 24), (25, 24), (5, 0), (7, 0), (8, 8), (29, 29)] {
+            let mut p = base[..m].to_vec();
+            p.push((base[m.min(base.len() - 1)] + 1) % v as u32);
+            let want = solo(&mut e, &p, SamplingParams::greedy(), 3);
+            let mut h = rt.submit(request(p, SamplingParams::greedy(), 3)).unwrap();
+            let started = h.blocking_next();
+            assert_eq!(started, Some(Event::Started { cached_tokens: cached }), "prefix of {m}");
+            let got = collect(&mut h);
+            assert_eq!(got.ids, want.ids, "prefix of {m}");
+            assert!(got.logits == want.logits, "prefix of {m}: logits");
+            assert_eq!(got.finished.unwrap().usage.cached_tokens, cached);
+        }
+        let st = settled(&rt);
+        assert!(st.prefix.hits >= 5 && st.prefix.reused_tokens >= 16 + 24 + 24 + 8 + 29, "{st:?}");
     }
-    let st = settled(&rt);
-    assert!(st.prefix.hits >= 5 && st.prefix.reused_tokens >= 16 + 24 + 24 + 8 + 29, "{st:?}");
 }
 
 #[test]

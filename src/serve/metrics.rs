@@ -130,6 +130,7 @@ impl Metrics {
         metric("prefix_cache_hits_total", "counter", "Prompt tokens whose state came from the prefix cache.", get(&self.prefix_hits));
         metric("state_memory_bytes", "gauge", "Bytes of the resident sequences' states.", stats.state_bytes.to_string());
         metric("snapshot_memory_bytes", "gauge", "Bytes held by prefix snapshots.", stats.snapshot_bytes.to_string());
+        metric("snapshot_device_memory_bytes", "gauge", "Bytes of those kept in backend slots (device memory on a GPU).", stats.snapshot_slot_bytes.to_string());
         metric("snapshots", "gauge", "Prefix snapshots held.", stats.snapshots.to_string());
         metric("request_errors_total", "counter", "HTTP requests answered with an error object.", get(&self.errors));
         metric("request_rejected_total", "counter", "Requests refused because the queue was full (503).", get(&self.rejected));
