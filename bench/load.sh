@@ -10,7 +10,8 @@
 #     (synthetic prompts of $PROMPT tokens, $GEN output tokens, ignore_eos): TTFT, inter-token
 #     latency, output tokens/s per level.
 # Writes $OUT/: uptime.txt (before and after), bench-N.json, serve-bar-N.json, guidellm.json,
-# guidellm.txt, guidellm-table.txt, bar.txt, server logs. GUIDELLM=0: the bar only.
+# guidellm.txt, guidellm-table.txt, bar.txt, server logs. GUIDELLM=0: the bar only. SERVE_ARGS:
+# more `tensorfold serve` flags (e.g. `--snapshot-device-budget 0` to compare snapshot tiers).
 #
 #   python3 -m venv /tmp/load && /tmp/load/bin/pip install guidellm==0.8.1
 #   PY=/tmp/load/bin/python3 bash bench/load.sh ../shared/fixtures/tiny/mlx-q4
@@ -48,7 +49,7 @@ batch_tokens=$(( max_level > 256 ? max_level : 256 ))
 
 server_pid=
 start_server() {
-  "$TF" serve -m "$MODEL" --device "$DEVICE" --port "$PORT" --max-seqs "$max_level" --max-waiting 1024 --max-batch-tokens "$batch_tokens" > "$OUT/server-$1.log" 2>&1 &
+  "$TF" serve -m "$MODEL" --device "$DEVICE" --port "$PORT" --max-seqs "$max_level" --max-waiting 1024 --max-batch-tokens "$batch_tokens" ${SERVE_ARGS:-} > "$OUT/server-$1.log" 2>&1 &
   server_pid=$!
   $PY - "$PORT" "$server_pid" <<'EOF'
 import sys, time, urllib.request, os
