@@ -1519,33 +1519,32 @@ impl Backend for Cuda {
         self.check()?;
         let cfg = &states.cfg;
         let m = states.slots.get(slot as usize).and_then(Option::as_ref).ok_or(BackendError::Slot { slot: slot as usize, problem: "is not allocated".into() })?;
-        let down = |s: &CudaSlice<f32>| self.stream.clone_dtoh(s).map_err(|e| dev_err("swap out", e));
-        let conv_all = down(&m.conv)?;
-        let rec_all = down(&m.rec)?;
+        // Straight into the vectors the state is made of (no staging copy on the host).
+        let down = |src: &CudaSlice<f32>, range: std::ops::Range<usize>| -> Result<Vec<f32>, BackendError> {
+            let mut v = vec![0.0f32; range.len()];
+            self.stream.memcpy_dtoh(&src.slice(range), v.as_mut_slice()).map_err(|e| dev_err("swap out", e))?;
+            Ok(v)
+        };
         let per_conv = (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim();
         let per_rec = cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim;
         let n_lin = cfg.num_linear_layers();
         let width = cfg.num_key_value_heads * cfg.head_dim;
+        let conv = (0..n_lin).map(|l| down(&m.conv, l * per_conv..(l + 1) * per_conv)).collect::<Result<_, _>>()?;
+        let recurrent = (0..n_lin).map(|l| down(&m.rec, l * per_rec..(l + 1) * per_rec)).collect::<Result<_, _>>()?;
         let mut keys = Vec::new();
         let mut values = Vec::new();
+        let page_len = ATTENTION_TILE * width;
         for layer in &m.pages {
             for (kv, dst) in layer.iter().zip([&mut keys, &mut values]) {
-                let mut v = Vec::with_capacity(m.position * width);
-                for page in kv {
-                    v.extend(down(page)?);
+                let mut v = vec![0.0f32; m.position * width];
+                for (page, chunk) in kv.iter().zip(v.chunks_mut(page_len)) {
+                    self.stream.memcpy_dtoh(&page.slice(0..chunk.len()), chunk).map_err(|e| dev_err("swap out", e))?;
                 }
-                v.truncate(m.position * width);
                 dst.push(v);
             }
         }
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
-        Ok(SequenceState {
-            position: m.position,
-            conv: (0..n_lin).map(|l| conv_all[l * per_conv..(l + 1) * per_conv].to_vec()).collect(),
-            recurrent: (0..n_lin).map(|l| rec_all[l * per_rec..(l + 1) * per_rec].to_vec()).collect(),
-            keys,
-            values,
-        })
+        Ok(SequenceState { position: m.position, conv, recurrent, keys, values })
     }
 
     fn import_slot(&self, states: &mut CudaStates, slot: u32, state: &SequenceState) -> Result<(), BackendError> {
