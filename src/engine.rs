@@ -130,14 +130,38 @@ impl<B: Backend> Engine<B> {
         }
     }
 
+    /// Frees the slots of snapshots that left the slot tier, without keeping them.
+    fn drop_displaced(&mut self, displaced: Vec<Displaced>) {
+        for d in displaced {
+            let _ = self.model.backend.free_slot(&mut self.states, d.slot);
+        }
+    }
+
+    /// Work for when nothing runs: moves the least recently used slot snapshot to host memory
+    /// while the slot tier holds more than half its budget, so that the next burst of snapshots
+    /// finds room without dropping any. One snapshot per call (a device-to-host copy of one
+    /// state); returns whether there may be more to do.
+    pub fn spill_idle(&mut self) -> bool {
+        if self.snapshots.slot_bytes() <= self.snapshots.config().device_budget_bytes / 2 {
+            return false;
+        }
+        match self.snapshots.pop_oldest_slot() {
+            Some(d) => {
+                self.spill(vec![d]);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// A new slot for a sequence: when the backend has none left (slots or memory), the least
-    /// recently used slot snapshots make room first (spilled to host memory), one at a time.
+    /// recently used slot snapshots give theirs up first, one at a time.
     fn alloc_slot(&mut self) -> Result<u32, BackendError> {
         loop {
             match self.model.backend.alloc_slot(&mut self.states) {
                 Ok(slot) => return Ok(slot),
                 Err(e) => match self.snapshots.pop_oldest_slot() {
-                    Some(d) => self.spill(vec![d]),
+                    Some(d) => self.drop_displaced(vec![d]),
                     None => return Err(e),
                 },
             }
@@ -416,8 +440,9 @@ impl<B: Backend> Engine<B> {
     /// budget and that prefix is not held already). Returns whether one was taken.
     ///
     /// A resident session's snapshot goes to a slot of its own when the slot tier has a budget
-    /// and the backend a free slot (a copy where the states are: on a GPU no host round trip);
-    /// otherwise to host memory.
+    /// and the backend a free slot (a copy where the states are: on a GPU no host round trip),
+    /// dropping the least recently used slot snapshots past the budget; otherwise to host
+    /// memory.
     pub fn snapshot(&mut self, s: &Session) -> Result<bool, BackendError> {
         let bytes = session::snapshot_bytes(&self.model.config, s.position);
         let prefix = &s.tokens[..s.position];
@@ -433,7 +458,10 @@ impl<B: Backend> Engine<B> {
                 }
                 return Ok(match self.snapshots.insert_slot(prefix, slot, bytes) {
                     Some(displaced) => {
-                        self.spill(displaced);
+                        // Dropped, not copied to host memory: a copy here would stall every
+                        // running sequence (bench/results: 2026-12-02 H200 snapshots); idle time
+                        // moves them out before the tier fills ([`Engine::spill_idle`]).
+                        self.drop_displaced(displaced);
                         true
                     }
                     None => {

@@ -179,8 +179,9 @@ pub struct SnapshotConfig {
     pub budget_bytes: u64,
     /// Bytes the snapshots kept in backend slots may hold together (on a GPU, device memory:
     /// taking or resuming one is a copy on the device, no host round trip). Past it the least
-    /// recently used move to host memory (within `budget_bytes`, else they go). 0: every
-    /// snapshot is kept in host memory.
+    /// recently used are dropped; while nothing runs, the oldest move to host memory (within
+    /// `budget_bytes`) until the slots hold at most half of this
+    /// ([`crate::engine::Engine::spill_idle`]). 0: every snapshot is kept in host memory.
     pub device_budget_bytes: u64,
 }
 

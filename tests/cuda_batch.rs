@@ -291,9 +291,9 @@ fn gpu_samples_more_than_64_rows() {
     same(&again, &s, "after the refusals");
 }
 
-/// Prefix snapshots kept in CUDA slots (device copies; room for two, so older ones have moved
-/// to host memory): a prompt resumed from one at, before and after each stride multiple gives
-/// the logits bits of the CPU's cold run, and so does its continuation.
+/// Prefix snapshots kept in CUDA slots (device copies; room for three, then idle time moves
+/// the oldest to host memory): a prompt resumed from one at, before and after each stride
+/// multiple gives the logits bits of the CPU's cold run, and so does its continuation.
 #[test]
 fn gpu_slot_snapshots_resume_with_the_cpu_bits() {
     use tensorfold::engine::Engine;
@@ -314,20 +314,22 @@ fn gpu_slot_snapshots_resume_with_the_cpu_bits() {
         l
     };
     let mut e = Engine::new(Model::new(&host, Cuda::new(0).unwrap()).unwrap(), 5).unwrap();
-    let two = 2 * snapshot_bytes(&host.config, base.len());
-    e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: 1 << 30, device_budget_bytes: two });
+    let three = 3 * snapshot_bytes(&host.config, base.len());
+    e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: 1 << 30, device_budget_bytes: three });
     let mut first = e.new_session(SamplingParams::greedy()).unwrap();
     e.prompt(&mut first, &base, &mut |_, _| {}).unwrap();
-    let homes: Vec<(usize, bool)> = e.snapshots().iter().map(|s| (s.tokens().len(), matches!(s.home(), SnapshotHome::Slot(_)))).collect();
-    assert_eq!(homes.iter().filter(|h| h.1).count(), 2, "{homes:?}");
-    assert_eq!(homes.len(), base.len() / STRIDE, "{homes:?}");
+    while e.spill_idle() {}
+    let mut homes: Vec<(usize, bool)> = e.snapshots().iter().map(|s| (s.tokens().len(), matches!(s.home(), SnapshotHome::Slot(_)))).collect();
+    homes.sort();
+    // 8 dropped; 16 and 24 spilled (three in slots is more than half the budget, one is not).
+    assert_eq!(homes, vec![(16, false), (24, false), (32, true)]);
     for k in 1..=4 {
         for len in [k * STRIDE - 1, k * STRIDE, k * STRIDE + 1] {
             let mut p = base[..len.min(base.len())].to_vec();
             p.push(7);
             let mut s = e.new_session(SamplingParams::greedy()).unwrap();
             let (reuse, logits) = e.prompt(&mut s, &p, &mut |_, _| {}).unwrap();
-            assert_eq!(reuse.reused, ((p.len() - 1) / STRIDE) * STRIDE, "prompt of {}", p.len());
+            assert_eq!(reuse.reused, if p.len() > 16 { ((p.len() - 1) / STRIDE) * STRIDE } else { 0 }, "prompt of {}", p.len());
             assert!(bits(logits) == cold(&p), "prompt of {} resumed at {}: logits differ from the cpu", p.len(), reuse.reused);
             let cont = bits(e.feed(&mut s, &more, false, &mut |_, _| {}).unwrap());
             let full: Vec<u32> = p.iter().chain(&more).copied().collect();

@@ -526,7 +526,15 @@ impl<B: Backend> Worker<B> {
     fn run(mut self) {
         while !self.stopping {
             if self.running.is_empty() && self.waiting.is_empty() {
-                match self.rx.recv() {
+                // Idle: snapshots move out of the slot tier one at a time until a command comes.
+                let c = loop {
+                    match self.rx.try_recv() {
+                        Err(mpsc::TryRecvError::Empty) if self.engine.spill_idle() => continue,
+                        Err(mpsc::TryRecvError::Empty) => break self.rx.recv(),
+                        r => break r.map_err(|_| mpsc::RecvError),
+                    }
+                };
+                match c {
                     Ok(c) => self.command(c),
                     Err(_) => break,
                 }
