@@ -275,6 +275,18 @@ fn lark(spec: &Spec<'_>) -> Result<Option<String>, GrammarError> {
     Ok(Some(g))
 }
 
+/// llguidance's compile error without what is ours, not the client's: the position in the
+/// Lark text written here and its quoted lines (`at 1(7): failed to compile JSON schema:
+/// Invalid type: nonsense\n   1 | body: ...` → `failed to compile JSON schema: Invalid type: nonsense`).
+fn compile_message(message: &str) -> String {
+    let first = message.lines().next().unwrap_or(message);
+    let body = match first.strip_prefix("at ").and_then(|r| r.split_once(": ")) {
+        Some((pos, rest)) if pos.chars().all(|c| c.is_ascii_digit() || "()".contains(c)) => rest,
+        _ => first,
+    };
+    body.trim().to_string()
+}
+
 impl Constraint {
     /// The constraint `spec` asks for over `vocab`; `None` when the output is free (text, tool
     /// choice `auto`/`none`). A forced tool call wins over a JSON format (its turn has no
@@ -290,7 +302,7 @@ impl Constraint {
         };
         let forced = matches!(spec.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
         let parser = vocab.factory.create_parser(TopLevelGrammar::from_lark(grammar)).map_err(|e| {
-            let message = e.to_string();
+            let message = compile_message(&e.to_string());
             if forced {
                 GrammarError::Tool { name: "tools".into(), message }
             } else {
