@@ -301,7 +301,10 @@ impl Constraint {
             return Ok(None);
         };
         let forced = matches!(spec.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
-        let parser = vocab.factory.create_parser(TopLevelGrammar::from_lark(grammar)).map_err(|e| {
+        // A schema is the client's: should the compiler panic on one, that is its refusal.
+        let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vocab.factory.create_parser(TopLevelGrammar::from_lark(grammar))))
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the grammar compiler failed on it")));
+        let parser = compiled.map_err(|e| {
             let message = compile_message(&e.to_string());
             if forced {
                 GrammarError::Tool { name: "tools".into(), message }
