@@ -39,6 +39,9 @@ pub enum GrammarError {
     /// A tool's `parameters` cannot be enforced for a forced call.
     #[error("the parameters of tool {name:?} cannot be enforced: {message}")]
     Tool { name: String, message: String },
+    /// The grammar of a forced call does not compile (a property schema llguidance rejects).
+    #[error("the tools' parameters cannot be enforced: {0}")]
+    Tools(String),
     /// `tool_choice` names a function that is not among the tools.
     #[error("no tool named {0:?} in `tools`")]
     UnknownTool(String),
@@ -262,7 +265,6 @@ fn lark(spec: &Spec<'_>) -> Result<Option<String>, GrammarError> {
             OutputFormat::JsonSchema { schema, .. } => schema.clone().unwrap_or(Json::Bool(true)),
         };
         let schema = with_layout(&schema).map_err(GrammarError::Schema)?;
-        // The text-value rule is unused here; "body" is the JSON value.
         g.push_str(&format!("body: %json {schema}\n"));
     }
     if spec.starts_in_reasoning {
@@ -294,7 +296,7 @@ impl Constraint {
     ///
     /// # Errors
     /// [`GrammarError::Schema`] (a format schema llguidance cannot compile, with its message),
-    /// [`GrammarError::Tool`] (a forced tool's parameters), [`GrammarError::UnknownTool`],
+    /// [`GrammarError::Tool`] / [`GrammarError::Tools`] (a forced tool's parameters), [`GrammarError::UnknownTool`],
     /// [`GrammarError::NoTools`].
     pub fn build(vocab: &Arc<Vocabulary>, spec: &Spec<'_>) -> Result<Option<Self>, GrammarError> {
         let Some(grammar) = lark(spec)? else {
@@ -307,7 +309,7 @@ impl Constraint {
         let parser = compiled.map_err(|e| {
             let message = compile_message(&e.to_string());
             if forced {
-                GrammarError::Tool { name: "tools".into(), message }
+                GrammarError::Tools(message)
             } else {
                 GrammarError::Schema(message)
             }

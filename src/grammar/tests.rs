@@ -226,4 +226,10 @@ fn bad_requests_are_errors_naming_the_cause() {
     let mut broken = ToolSchemas::new();
     broken.insert("f", Some(&json!({"type": "object", "properties": {}, "required": ["x"]})));
     assert!(matches!(err(&OutputFormat::Text, &broken, &ToolChoice::Required), GrammarError::Tool { .. }));
+    let mut bad_param = ToolSchemas::new();
+    bad_param.insert("g", Some(&json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}})));
+    match err(&OutputFormat::Text, &bad_param, &ToolChoice::Required) {
+        GrammarError::Tools(m) => assert!(!m.contains('\n'), "{m}"),
+        other => panic!("{other:?}"),
+    }
 }

@@ -90,7 +90,7 @@ pub(super) fn constraint(st: &AppState, format: &OutputFormat, prompt: &ChatProm
     Constraint::build(vocab, &spec).map_err(|e| {
         let field = match &e {
             GrammarError::Schema(_) => schema_field,
-            GrammarError::Tool { .. } => "tools",
+            GrammarError::Tool { .. } | GrammarError::Tools(_) => "tools",
             GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice",
             GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
         };
