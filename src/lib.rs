@@ -10,6 +10,7 @@ pub mod config;
 pub mod convert;
 pub mod engine;
 pub mod fsutil;
+pub mod grammar;
 pub mod hub;
 pub mod model;
 pub mod numerics;

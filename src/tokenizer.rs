@@ -122,6 +122,36 @@ impl std::fmt::Debug for Tokenizer {
     }
 }
 
+/// What one id stands for ([`Tokenizer::token_bytes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenBytes {
+    /// Text: these bytes (a piece of a UTF-8 character for some byte-level tokens).
+    Text(Vec<u8>),
+    /// A special added token (`<|im_end|>`): its text, which the id never spells in output.
+    Special(String),
+    /// No token has this id.
+    None,
+}
+
+/// GPT-2's byte-level table, character → byte: the printable bytes `!..~`, `¡..¬`, `®..ÿ`
+/// stand for themselves, the other 68 bytes take the characters from U+0100 on, in byte
+/// order (`bytes_to_unicode` of GPT-2's encoder, which byte-level BPE vocabularies are spelled in).
+fn byte_level_decoder() -> std::collections::HashMap<char, u8> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+    let mut next = 0x100u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                let c = char::from_u32(next).expect("U+0100..U+0143 are characters");
+                next += 1;
+                (c, b)
+            }
+        })
+        .collect()
+}
+
 /// Reads a file that may be absent: `Ok(None)` when it does not exist.
 fn read_optional(path: &Path) -> Result<Option<String>> {
     match std::fs::read_to_string(path) {
@@ -329,6 +359,39 @@ impl Tokenizer {
     /// The token string of an id (byte-level form, e.g. `Ġthe`), if the id is known.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
+    }
+
+    /// The bytes every id stands for, by id (`0..vocab_size`), for constrained decoding's
+    /// token table ([`crate::grammar::Vocabulary`]).
+    ///
+    /// Byte-level BPE tokens (Qwen, GPT-2: `decoder.type` ByteLevel) map their characters back
+    /// through GPT-2's byte ⇄ character table; other vocabularies read SentencePiece's `<0xNN>`
+    /// byte tokens as that byte and `▁` as a space. Added tokens are their text, special ones
+    /// marked [`TokenBytes::Special`] (they never spell text: only a grammar that names them
+    /// allows them). Ids without a token (holes in the id range) are [`TokenBytes::None`].
+    pub fn token_bytes(&self) -> Vec<TokenBytes> {
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        let unbyte = byte_level.then(byte_level_decoder);
+        let added = self.inner.get_added_tokens_decoder();
+        (0..self.vocab_size as u32)
+            .map(|id| {
+                if let Some(t) = added.get(&id) {
+                    return if t.special { TokenBytes::Special(t.content.clone()) } else { TokenBytes::Text(t.content.clone().into_bytes()) };
+                }
+                let Some(piece) = self.inner.id_to_token(id) else {
+                    return TokenBytes::None;
+                };
+                match &unbyte {
+                    // A character outside the table cannot come from the byte-level encoder:
+                    // its UTF-8 stands for itself.
+                    Some(table) => TokenBytes::Text(piece.chars().flat_map(|c| table.get(&c).map_or_else(|| c.to_string().into_bytes(), |&b| vec![b])).collect()),
+                    None => match piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                        Some(b) if piece.len() == 6 => TokenBytes::Text(vec![b]),
+                        _ => TokenBytes::Text(piece.replace('\u{2581}', " ").into_bytes()),
+                    },
+                }
+            })
+            .collect()
     }
 
     /// An incremental detokenizer for generated ids (see [`TokenStream`]).

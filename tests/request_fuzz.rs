@@ -6,12 +6,13 @@
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
+use tensorfold::grammar::{Constraint, Spec, Vocabulary};
 use tensorfold::server::anthropic::{CountTokensRequest, MessagesRequest};
 use tensorfold::server::error::{from_json, RequestError};
 use tensorfold::server::openai::{ChatCompletionRequest, CompletionRequest, ResponsesRequest};
 use tensorfold::server::parse::{OutputParser, ParserOptions, ToolSchemas};
-use tensorfold::server::ChatPrompt;
-use tensorfold::tokenizer::ChatTemplate;
+use tensorfold::server::{ChatPrompt, OutputFormat, ToolChoice};
+use tensorfold::tokenizer::{ChatTemplate, Tokenizer};
 
 fn template() -> ChatTemplate {
     let source = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/qwen35_style.jinja")).expect("read tests/data/qwen35_style.jinja");
@@ -45,6 +46,57 @@ fn any_json() -> impl Strategy<Value = Value> {
             )
             .prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
         ]
+    })
+}
+
+/// JSON-schema-like values: schema keywords with arbitrary, often wrong, values.
+fn any_schema() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        prop_oneof![Just("object"), Just("string"), Just("integer"), Just("number"), Just("array"), Just("boolean"), Just("null"), Just("nonsense")]
+            .prop_map(|t| json!({ "type": t })),
+        any::<i64>().prop_map(|n| json!(n)),
+        any::<bool>().prop_map(Value::Bool),
+        "[a-z#/$^.*+?()\\[\\]]{0,8}".prop_map(Value::String),
+        Just(Value::Null),
+    ];
+    let keys = prop_oneof![
+        Just("type"),
+        Just("properties"),
+        Just("items"),
+        Just("enum"),
+        Just("const"),
+        Just("required"),
+        Just("minimum"),
+        Just("maximum"),
+        Just("maxLength"),
+        Just("minLength"),
+        Just("pattern"),
+        Just("format"),
+        Just("anyOf"),
+        Just("oneOf"),
+        Just("allOf"),
+        Just("$ref"),
+        Just("$defs"),
+        Just("additionalProperties"),
+        Just("minItems"),
+        Just("maxItems"),
+        Just("a"),
+        Just("b")
+    ];
+    leaf.prop_recursive(4, 40, 5, move |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+            prop::collection::vec((keys.clone(), inner), 0..5).prop_map(|kv| Value::Object(kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect())),
+        ]
+    })
+}
+
+/// The constraint token table of the tiny fixture's tokenizer (2k ids: quick to build).
+fn vocabulary() -> &'static std::sync::Arc<Vocabulary> {
+    static V: std::sync::OnceLock<std::sync::Arc<Vocabulary>> = std::sync::OnceLock::new();
+    V.get_or_init(|| {
+        let t = Tokenizer::from_dir(&tensorfold::testutil::shared("fixtures/tiny/mlx-q4")).expect("the tiny fixture's tokenizer");
+        std::sync::Arc::new(Vocabulary::of(&t).expect("its token table"))
     })
 }
 
@@ -123,6 +175,24 @@ proptest! {
             let field = e.field().unwrap_or("");
             // The refusal names the replaced field (or a path inside it), or the body.
             prop_assert!(field.is_empty() || field.starts_with(key.as_str()) || e.to_string().contains(key.as_str()), "{kind}.{key}: {e}");
+        }
+    }
+
+    #[test]
+    fn any_schema_or_tool_parameters_build_a_constraint_or_an_error(schema in any_schema(), reasoning in any::<bool>()) {
+        // As a response format and as a forced tool's parameters: compiled or refused, never a panic.
+        let format = OutputFormat::JsonSchema { name: "s".into(), schema: Some(schema.clone()), strict: true };
+        let none = ToolSchemas::new();
+        let spec = Spec { format: &format, tools: &none, tool_choice: &ToolChoice::Auto, parallel_tool_calls: true, starts_in_reasoning: reasoning };
+        if let Err(e) = Constraint::build(vocabulary(), &spec) {
+            prop_assert!(!e.to_string().is_empty());
+        }
+        let mut tools = ToolSchemas::new();
+        tools.insert("f", Some(&schema));
+        let spec = Spec { format: &OutputFormat::Text, tools: &tools, tool_choice: &ToolChoice::Required, parallel_tool_calls: false, starts_in_reasoning: reasoning };
+        if let Ok(Some(mut c)) = Constraint::build(vocabulary(), &spec) {
+            let mut row = vec![0.0f32; vocabulary().len()];
+            prop_assert!(c.mask(&mut row).is_ok());
         }
     }
 

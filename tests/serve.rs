@@ -181,7 +181,7 @@ fn thinking_model() -> tempfile::TempDir {
 fn responses_messages_and_reasoning_through_the_official_clients() {
     let model = thinking_model();
     let server = Server::start_on(model.path(), &["--served-model-name", "qwen35-style", "--served-model-name", "alias"]);
-    for class in ["Chat", "Responses", "Messages", "Reuse"] {
+    for class in ["Chat", "Constrained", "Responses", "Messages", "Reuse"] {
         server.python_file("test_agents.py", class);
     }
     let log = server.log();

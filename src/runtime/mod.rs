@@ -27,6 +27,7 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, BackendError, RowSampling, SequenceState};
 use crate::config::ModelConfig;
 use crate::engine::{Choose, Chosen, Engine, StepRows};
+use crate::grammar::Constraint;
 use crate::sampling::{Sampler, SamplingParams};
 use crate::session::{self, PrefixStats, Session, SnapshotConfig};
 use crate::tokenizer::Tokenizer;
@@ -102,12 +103,28 @@ pub struct Request {
     pub return_state: bool,
     /// [`Event::Progress`] after each prompt step.
     pub progress: bool,
+    /// Constrained decoding: the grammar masks each sampled row (a copy, after `logit_bias`;
+    /// reported logits and logprobs stay the raw row's) and advances with the sampled id. An
+    /// error of the grammar ends this sequence with [`FinishReason::Error`].
+    pub constraint: Option<Constraint>,
 }
 
 impl Request {
     /// Greedy decoding of `prompt`, ending on `stop`.
     pub fn new(prompt: Vec<u32>, params: SamplingParams, stop: StopRules) -> Self {
-        Self { prompt, params, stop, logit_bias: Vec::new(), logprobs: None, return_logits: false, prompt_logits: false, resume: None, return_state: false, progress: false }
+        Self {
+            prompt,
+            params,
+            stop,
+            logit_bias: Vec::new(),
+            logprobs: None,
+            return_logits: false,
+            prompt_logits: false,
+            resume: None,
+            return_state: false,
+            progress: false,
+            constraint: None,
+        }
     }
 }
 
@@ -746,7 +763,7 @@ impl<B: Backend> Worker<B> {
         let samples: Vec<bool> = stepped.iter().map(|&i| take[i] == views[i].pending).collect();
         let needs_host = stepped.iter().zip(&samples).any(|(&i, &smp)| {
             let r = &self.running[i].req;
-            r.prompt_logits || (smp && (r.return_logits || r.logprobs.is_some() || !r.logit_bias.is_empty()))
+            r.prompt_logits || (smp && (r.return_logits || r.logprobs.is_some() || !r.logit_bias.is_empty() || r.constraint.is_some()))
         });
         let sampling_rows: Vec<RowSampling> = stepped
             .iter()
@@ -839,13 +856,21 @@ impl<B: Backend> Worker<B> {
                     Chosen::Logits(l) => {
                         let r = offset + rows_of_seq - 1;
                         let row = &l[r * v..(r + 1) * v];
-                        let id = if s.req.logit_bias.is_empty() {
+                        let id = if s.req.logit_bias.is_empty() && s.req.constraint.is_none() {
                             s.session().sample(&mut self.sampler, &row[..self.v_eff])
                         } else {
+                            // A copy: the row itself (reported logits, logprobs) stays raw.
                             let mut biased = row[..self.v_eff].to_vec();
                             for &(t, b) in &s.req.logit_bias {
                                 if let Some(x) = biased.get_mut(t as usize) {
                                     *x += b;
+                                }
+                            }
+                            if let Some(c) = s.req.constraint.as_mut() {
+                                if let Err(e) = c.mask(&mut biased) {
+                                    done.push((i, FinishReason::Error(e.to_string())));
+                                    offset += rows_of_seq;
+                                    continue;
                                 }
                             }
                             s.session().sample(&mut self.sampler, &biased)
@@ -857,6 +882,7 @@ impl<B: Backend> Worker<B> {
                     (Some(n), Some(row)) => Some(logprobs(&row[..self.v_eff], id, n)),
                     _ => None,
                 };
+                let grammar = s.req.constraint.as_mut().map_or(Ok(()), |c| c.advance(id));
                 let session = s.session.as_mut().expect("admitted");
                 session.push(id);
                 let length = session.tokens().len();
@@ -865,6 +891,8 @@ impl<B: Backend> Worker<B> {
                 s.send(Event::Token(Token { id, text: step.text, logits: if s.req.return_logits { row.map(<[f32]>::to_vec) } else { None }, logprobs }));
                 if let Some(f) = step.finish {
                     done.push((i, f));
+                } else if let Err(e) = grammar {
+                    done.push((i, FinishReason::Error(e.to_string())));
                 }
             }
             offset += rows_of_seq;

@@ -338,3 +338,54 @@ fn logprobs_are_the_log_softmax_of_the_row() {
     assert!((lp.logprob as f64 - (2.0 - lse)).abs() < 1e-6);
     assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3], "ties: the smaller id first");
 }
+
+/// A JSON-schema constraint over the tiny fixture's tokenizer.
+fn json_constraint(tokenizer: &Tokenizer) -> Constraint {
+    let vocab = Arc::new(crate::grammar::Vocabulary::of(tokenizer).expect("the token table builds"));
+    let format = crate::server::OutputFormat::JsonSchema {
+        name: "t".into(),
+        schema: Some(
+            serde_json::json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}}, "required": ["n", "ok"], "additionalProperties": false}),
+        ),
+        strict: true,
+    };
+    let tools = crate::server::parse::ToolSchemas::new();
+    let spec = crate::grammar::Spec { format: &format, tools: &tools, tool_choice: &crate::server::ToolChoice::Auto, parallel_tool_calls: false, starts_in_reasoning: false };
+    Constraint::build(&vocab, &spec).expect("builds").expect("constrains")
+}
+
+#[test]
+fn a_constrained_sequence_obeys_its_schema_and_leaves_the_others_exact() {
+    let tokenizer = Arc::new(Tokenizer::from_dir(&shared(TINY)).expect("the fixture's tokenizer"));
+    let mut e = engine(TINY);
+    let v = e.vocab_size();
+    let cases: Vec<(Vec<u32>, SamplingParams, usize)> = (0..4).map(|i| (prompt(5 + 3 * i, 70 + i as u64, v), params(i), 12)).collect();
+    let want: Vec<Run> = cases.iter().map(|(p, sp, g)| solo(&mut e, p, *sp, *g)).collect();
+    let constrained = || {
+        let sampled = SamplingParams { seed: 77, ..SamplingParams::default() };
+        let mut r = Request::new(prompt(7, 99, v), sampled, StopRules { eos_ids: tokenizer.eos_ids().to_vec(), strings: Vec::new(), max_tokens: Some(60) });
+        r.return_logits = true;
+        r.constraint = Some(json_constraint(&tokenizer));
+        r
+    };
+    let rt = start(TINY, RuntimeConfig { max_seqs: 8, max_batch_tokens: 32, chunk: 8, ..RuntimeConfig::default() }, Some(tokenizer.clone()));
+    let mut c = rt.submit(constrained()).unwrap();
+    let mut handles: Vec<Handle> = cases.iter().map(|(p, sp, g)| rt.submit(request(p.clone(), *sp, *g)).unwrap()).collect();
+    for (i, (h, w)) in handles.iter_mut().zip(&want).enumerate() {
+        let got = collect(h);
+        assert_eq!(got.ids, w.ids, "unconstrained sequence {i}: ids");
+        assert!(got.logits == w.logits, "unconstrained sequence {i}: logits bits differ from the solo run");
+    }
+    let got = collect(&mut c);
+    let f = got.finished.as_ref().unwrap();
+    assert!(matches!(f.reason, FinishReason::Eos(_)), "the constraint ends on EOS: {:?} after {:?}", f.reason, got.text);
+    let value: serde_json::Value = serde_json::from_str(&got.text).unwrap_or_else(|e| panic!("{:?} is not JSON: {e}", got.text));
+    let n = value["n"].as_u64().unwrap_or_else(|| panic!("{value}: n"));
+    assert!(n <= 999 && value["ok"].is_boolean() && value.as_object().unwrap().len() == 2, "{value}");
+    // The reported rows are the raw logits: masking touched only the sampler's copy.
+    assert!(got.logits.iter().all(|row| row.iter().all(|&b| f32::from_bits(b).is_finite())), "a reported logit was masked");
+    // The same seed alone gives the same constrained output.
+    let again = collect(&mut rt.submit(constrained()).unwrap());
+    assert_eq!(again.ids, got.ids);
+    assert_eq!(again.logits, got.logits);
+}

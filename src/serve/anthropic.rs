@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::generate::{check_model, job, parse_body, run_turn, stream_turn, submit, Fields, Parsed, RequestLog, Turn, TurnEnd};
-use super::openai::{check_constraints, render};
+use super::openai::{constraint, render};
 use super::{ApiError, AppState};
 use crate::runtime::Finished;
 use crate::server::anthropic::{BlockDelta, CountTokensRequest, DeltaUsage, MessageDelta, MessageResponse, MessagesRequest, ResponseBlock, StopReason, StreamEvent, Usage};
@@ -162,9 +162,10 @@ pub async fn messages(State(st): State<Arc<AppState>>, body: Result<Bytes, Bytes
         let r: MessagesRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
         let req = r.validate()?;
-        check_constraints(&req.output_format, &req.prompt.tool_choice, "tool_choice")?;
         let rendered = render(&st, &req.prompt, "messages")?;
-        let job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "messages", max_tokens: "max_tokens" })?;
+        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "output_format")?;
+        let mut job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "messages", max_tokens: "max_tokens" })?;
+        job.constraint = constraint;
         let parser = req.prompt.parser_options(&rendered.text, format!("toolu_{tag}_"));
         Ok::<_, ApiError>((req, job, parser))
     })();

@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use serde_json::Value;
 
 use super::{ApiError, AppState};
+use crate::grammar::Constraint;
 use crate::runtime::{Event, FinishReason, Finished, Handle, Request, StopRules, SubmitError};
 use crate::sampling::SamplingParams;
 use crate::server::parse::{Delta, OutputParser, ParsedOutput};
@@ -94,6 +95,8 @@ pub(super) struct Job {
     pub max_tokens: Option<usize>,
     pub logprobs: Option<usize>,
     pub logit_bias: Vec<(u32, f32)>,
+    /// The output's grammar (a forced tool call, a JSON format); each choice gets a clone.
+    pub constraint: Option<Constraint>,
 }
 
 /// Checks a request's sampling settings and prompts against the server's limits and the
@@ -186,7 +189,7 @@ pub(super) fn job(st: &AppState, s: &SamplingOptions, prompts: Vec<Vec<u32>>, fi
         }
     }
     let eos_ids = if s.ignore_eos { Vec::new() } else { st.tokenizer.eos_ids().to_vec() };
-    Ok(Job { prompts, n, params: p, eos_ids, stop: s.stop.clone(), max_tokens, logprobs: s.logprobs.map(|k| k as usize), logit_bias: s.logit_bias.clone() })
+    Ok(Job { prompts, n, params: p, eos_ids, stop: s.stop.clone(), max_tokens, logprobs: s.logprobs.map(|k| k as usize), logit_bias: s.logit_bias.clone(), constraint: None })
 }
 
 /// A runtime refusal as an HTTP error.
@@ -276,6 +279,7 @@ pub(super) fn submit(st: &Arc<AppState>, job: &Job, start: Instant) -> Result<Ve
             let mut req = Request::new(prompt.clone(), params, StopRules { eos_ids: job.eos_ids.clone(), strings: job.stop.clone(), max_tokens: Some(max_tokens) });
             req.logprobs = job.logprobs;
             req.logit_bias = job.logit_bias.clone();
+            req.constraint = job.constraint.clone();
             // An error drops the handles made so far, which cancels them.
             let handle = st.runtime.submit(req).map_err(|e| submit_error(st, e))?;
             out.push(Choice { index: out.len(), nth: j, handle, st: st.clone(), start, prompt_len: prompt.len(), first: None, last: None, generated: 0, done: false });

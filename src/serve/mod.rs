@@ -79,6 +79,9 @@ pub struct AppState {
     pub metrics: metrics::Metrics,
     /// Set once a shutdown began: new generations are refused (503), `/health` answers 503.
     pub draining: AtomicBool,
+    /// The token table of constrained decoding, built on first use ([`AppState::vocabulary`];
+    /// the server builds it at start).
+    vocabulary: std::sync::OnceLock<Result<Arc<crate::grammar::Vocabulary>, crate::grammar::GrammarError>>,
     next_id: AtomicU64,
     /// Mixed into ids and random seeds so they differ across server runs.
     started_nanos: u64,
@@ -88,7 +91,24 @@ impl AppState {
     /// State for a started runtime.
     pub fn new(runtime: Runtime, tokenizer: Arc<Tokenizer>, config: ServeConfig) -> Self {
         let started_nanos = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-        Self { runtime, tokenizer, config, metrics: metrics::Metrics::default(), draining: AtomicBool::new(false), next_id: AtomicU64::new(1), started_nanos }
+        Self {
+            runtime,
+            tokenizer,
+            config,
+            metrics: metrics::Metrics::default(),
+            draining: AtomicBool::new(false),
+            vocabulary: std::sync::OnceLock::new(),
+            next_id: AtomicU64::new(1),
+            started_nanos,
+        }
+    }
+
+    /// The tokenizer's token table for constrained decoding (built once, then shared).
+    ///
+    /// # Errors
+    /// Why the tokenizer has none ([`crate::grammar::GrammarError::Vocabulary`]).
+    pub fn vocabulary(&self) -> Result<&Arc<crate::grammar::Vocabulary>, &crate::grammar::GrammarError> {
+        self.vocabulary.get_or_init(|| crate::grammar::Vocabulary::of(&self.tokenizer).map(Arc::new)).as_ref()
     }
 
     /// A fresh number, unique in this server run, and a 64-bit value derived from it that

@@ -22,6 +22,7 @@ use serde_json::{json, Map, Value};
 
 use super::generate::{check_model, collect, job, parse_body, submit, Choice, Fields, Parsed, RequestLog, TurnEnd};
 use super::{unix_now, ApiError, AppState};
+use crate::grammar::{Constraint, GrammarError, Spec};
 use crate::runtime::{Event, FinishReason, Finished, TokenLogprobs};
 use crate::server::openai::{ChatCompletionRequest, ChunkDelta, CompletionRequest, Prompt, ResponseMessage};
 use crate::server::parse::{Delta, OutputParser, ParserOptions};
@@ -64,18 +65,37 @@ pub(super) fn render(st: &AppState, prompt: &ChatPrompt, field: &str) -> Result<
     Ok(Rendered { text, ids })
 }
 
-/// Refuses what the server cannot honour yet rather than ignoring it: a constrained output
-/// format, or a tool choice that forces a call.
-pub(super) fn check_constraints(format: &OutputFormat, choice: &ToolChoice, format_field: &str) -> Result<(), ApiError> {
-    if *format != OutputFormat::Text {
-        return Err(ApiError::invalid(format!("`{format_field}`: structured output (json_object, json_schema) is not supported by this server yet"), Some(format_field))
-            .with_code("unsupported_value"));
+/// The grammar a chat request's output must follow (its output format, or a forced tool call),
+/// `None` when the output is free. `rendered` is the prompt's text: whether generation starts
+/// inside reasoning is read from its tail. `schema_field` names the format's schema in errors
+/// (`response_format.json_schema.schema`, `text.format.schema`).
+///
+/// # Errors
+/// 400s: a schema llguidance cannot enforce (naming `schema_field`, with its message), a forced
+/// tool whose parameters cannot be enforced (`tools`), `tool_choice` naming no tool or forcing
+/// a call without tools (`tool_choice`), a tokenizer without a token table.
+pub(super) fn constraint(st: &AppState, format: &OutputFormat, prompt: &ChatPrompt, rendered: &str, schema_field: &str) -> Result<Option<Constraint>, ApiError> {
+    let forced = matches!(prompt.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
+    if !forced && *format == OutputFormat::Text {
+        return Ok(None);
     }
-    if matches!(choice, ToolChoice::Required | ToolChoice::Function(_)) {
-        return Err(ApiError::invalid("`tool_choice`: forcing a tool call (required, or a named function) is not supported by this server yet; use \"auto\"", Some("tool_choice"))
-            .with_code("unsupported_value"));
-    }
-    Ok(())
+    let vocab = st.vocabulary().map_err(|e| ApiError::invalid(e.to_string(), Some(if forced { "tool_choice" } else { schema_field })).with_code("unsupported_value"))?;
+    let spec = Spec {
+        format,
+        tools: &prompt.tools,
+        tool_choice: &prompt.tool_choice,
+        parallel_tool_calls: prompt.parallel_tool_calls,
+        starts_in_reasoning: crate::server::parse::prompt_ends_in_reasoning(rendered),
+    };
+    Constraint::build(vocab, &spec).map_err(|e| {
+        let field = match &e {
+            GrammarError::Schema(_) => schema_field,
+            GrammarError::Tool { .. } | GrammarError::Tools(_) => "tools",
+            GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice",
+            GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
+        };
+        ApiError::invalid(format!("`{field}`: {e}"), Some(field))
+    })
 }
 
 fn encode_text(st: &AppState, text: &str, add_special: bool, field: &str) -> Result<Vec<u32>, ApiError> {
@@ -232,10 +252,11 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Byte
         let r: ChatCompletionRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
         let req = r.validate(st.runtime.info().v_eff)?;
-        check_constraints(&req.output_format, &req.prompt.tool_choice, "response_format")?;
         let rendered = render(&st, &req.prompt, "messages")?;
+        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "response_format.json_schema.schema")?;
         let fields = Fields { prompt: "messages", max_tokens: if r.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" } };
-        let job = job(&st, &req.sampling, vec![rendered.ids], fields)?;
+        let mut job = job(&st, &req.sampling, vec![rendered.ids], fields)?;
+        job.constraint = constraint;
         let parser = req.prompt.parser_options(&rendered.text, format!("call_{}_", &id[9..]));
         Ok::<_, ApiError>((req, job, parser))
     })();
@@ -619,15 +640,5 @@ mod tests {
         assert!(e.message.contains("an array of token ids"), "{}", e.message);
         let r = parse::<CompletionRequest>(r#"{"prompt": [[1, 2], [3]], "stop": "x"}"#).unwrap();
         assert_eq!(r.validate(10).unwrap().prompts, [Prompt::Ids(vec![1, 2]), Prompt::Ids(vec![3])]);
-    }
-
-    #[test]
-    fn forcing_outputs_is_refused_until_it_is_enforced() {
-        assert!(check_constraints(&OutputFormat::Text, &ToolChoice::Auto, "response_format").is_ok());
-        assert!(check_constraints(&OutputFormat::Text, &ToolChoice::None, "response_format").is_ok());
-        let e = check_constraints(&OutputFormat::JsonObject, &ToolChoice::Auto, "text.format").unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("text.format"));
-        let e = check_constraints(&OutputFormat::Text, &ToolChoice::Required, "response_format").unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("tool_choice"));
     }
 }

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::generate::{check_model, job, parse_body, run_turn, stream_turn, submit, Fields, Parsed, RequestLog, Turn, TurnEnd};
-use super::openai::{check_constraints, render};
+use super::openai::{constraint, render};
 use super::{ApiError, AppState};
 use crate::runtime::Finished;
 use crate::server::openai::{IncompleteDetails, OutputContent, OutputItem, ReasoningPart, ResponseObject, ResponseStreamEvent, ResponseUsage, ResponsesRequest};
@@ -211,9 +211,10 @@ pub async fn responses(State(st): State<Arc<AppState>>, body: Result<Bytes, Byte
         let r: ResponsesRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
         let req = r.validate()?;
-        check_constraints(&req.output_format, &req.prompt.tool_choice, "text.format")?;
         let rendered = render(&st, &req.prompt, "input")?;
-        let job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "input", max_tokens: "max_output_tokens" })?;
+        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "text.format.schema")?;
+        let mut job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "input", max_tokens: "max_output_tokens" })?;
+        job.constraint = constraint;
         let parser = req.prompt.parser_options(&rendered.text, format!("call_{tag}_"));
         Ok::<_, ApiError>((r, req, job, parser))
     })();

@@ -122,6 +122,9 @@ pub fn prompt_ends_in_reasoning(prompt: &str) -> bool {
 pub struct ToolSchemas {
     /// Function name → parameter name → declared type.
     functions: HashMap<String, HashMap<String, ParamType>>,
+    /// The functions in the request's order with their `parameters` schemas, for the
+    /// grammar of a forced call ([`crate::grammar`]).
+    declared: Vec<(String, Option<Json>)>,
 }
 
 impl ToolSchemas {
@@ -139,6 +142,19 @@ impl ToolSchemas {
             .map(|props| props.iter().map(|(k, v)| (k.clone(), ParamType::of(v))).collect())
             .unwrap_or_default();
         self.functions.insert(name.to_string(), types);
+        self.declared.retain(|(n, _)| n != name);
+        self.declared.push((name.to_string(), parameters.cloned()));
+    }
+
+    /// The functions in the order they were added, with their `parameters` schemas.
+    pub fn functions(&self) -> impl Iterator<Item = (&str, Option<&Json>)> {
+        self.declared.iter().map(|(n, p)| (n.as_str(), p.as_ref()))
+    }
+
+    /// Whether the parser reads a value of the property schema `schema` as raw text (a
+    /// string, or a schema without a type it knows) rather than as JSON.
+    pub fn is_text_param(schema: &Json) -> bool {
+        ParamType::of(schema).kind == Kind::String
     }
 
     /// Number of functions.

@@ -89,10 +89,124 @@ class Chat(unittest.TestCase):
             oai().chat.completions.create(model=MODEL, messages=history, max_tokens=2)
         self.assertEqual(e.exception.body["param"], "messages[1].tool_calls[0].function.arguments")
 
-    def test_forced_tool_choice_is_refused_until_enforced(self):
+# Constrained decoding: random weights write garbage unless constrained, so every string the
+# schemas allow is bounded (maxLength, enum) and the outputs end on their own (EOS).
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "word": {"type": "string", "maxLength": 6}}, "required": ["n", "word"], "additionalProperties": False}
+FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+WEATHER = {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 9}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["days", "unit"]}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}, "seconds": {"type": "boolean"}}, "required": ["zone"]}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}, {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+
+
+def check_schema(test, text):
+    """`text` is JSON of SCHEMA (no validator package: the schema is small)."""
+    value = json.loads(text)
+    test.assertEqual(set(value), {"n", "word"}, text)
+    test.assertIsInstance(value["n"], int)
+    test.assertTrue(0 <= value["n"] <= 99, text)
+    test.assertIsInstance(value["word"], str)
+    test.assertLessEqual(len(value["word"]), 6, text)
+
+
+def check_call(test, name, arguments):
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    if name == "get_weather":
+        test.assertEqual(set(args), {"days", "unit"}, args)
+        test.assertIsInstance(args["days"], int)
+        test.assertTrue(1 <= args["days"] <= 9, args)
+        test.assertIn(args["unit"], ("celsius", "fahrenheit"))
+    else:
+        test.assertEqual(name, "get_time")
+        test.assertIn(args["zone"], ("UTC", "CET"))
+        test.assertLessEqual(set(args), {"zone", "seconds"})
+        if "seconds" in args:
+            test.assertIsInstance(args["seconds"], bool)
+
+
+class Constrained(unittest.TestCase):
+    def test_json_schema_output_parses_and_validates_whole_and_streamed(self):
+        kw = dict(model=MODEL, messages=USER, max_tokens=60, temperature=1.0, seed=5, response_format=FORMAT, extra_body=NO_THINK)
+        r = oai().chat.completions.create(n=2, **kw)
+        for c in r.choices:
+            self.assertEqual(c.finish_reason, "stop", c)
+            check_schema(self, c.message.content)
+        streamed, finish = "", None
+        for chunk in oai().chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed += c.delta.content or ""
+                finish = c.finish_reason or finish
+        self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
+
+    def test_json_object_output_is_an_object(self):
+        # Keys are unbounded strings: this seed's object closes early (most run to max_tokens).
+        r = oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=4, response_format={"type": "json_object"}, extra_body=NO_THINK)
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        self.assertIsInstance(json.loads(r.choices[0].message.content), dict)
+
+    def test_required_tool_choice_gives_tool_calls(self):
+        r = oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=2, extra_body=NO_THINK)
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls")
+        self.assertFalse(c.message.content)
+        self.assertEqual(len(c.message.tool_calls), 1)
+        check_call(self, c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+
+    def test_a_named_function_is_called_with_typed_arguments_whole_and_streamed(self):
+        kw = dict(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=120, temperature=1.0, seed=4, extra_body=NO_THINK)
+        r = oai().chat.completions.create(**kw)
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls")
+        calls = c.message.tool_calls
+        self.assertEqual([t.function.name for t in calls], ["get_time"] * len(calls))
+        for t in calls:
+            check_call(self, t.function.name, t.function.arguments)
+        arguments, finish = {}, None
+        for chunk in oai().chat.completions.create(stream=True, **kw):
+            for ch in chunk.choices:
+                for t in ch.delta.tool_calls or []:
+                    arguments[t.index] = arguments.get(t.index, "") + (t.function.arguments or "")
+                finish = ch.finish_reason or finish
+        self.assertEqual(([arguments[i] for i in sorted(arguments)], finish), ([t.function.arguments for t in calls], "tool_calls"))
+
+    def test_responses_text_format_json_schema(self):
+        text = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}}
+        r = oai().responses.create(model=MODEL, input="Pick a number.", max_output_tokens=60, temperature=1.0, store=False, text=text, extra_body={"seed": 6, **NO_THINK})
+        self.assertEqual(r.status, "completed")
+        check_schema(self, r.output_text)
+
+    def test_anthropic_tool_choice_any_and_tool_give_tool_use(self):
+        tools = [{"name": "get_weather", "input_schema": WEATHER}, {"name": "get_time", "input_schema": CLOCK}]
+        base = dict(model=MODEL, max_tokens=120, messages=[{"role": "user", "content": "Weather?"}], tools=tools, extra_body={"temperature": 1.0, "seed": 8, **NO_THINK})
+        m = claude().messages.create(tool_choice={"type": "any", "disable_parallel_tool_use": True}, **base)
+        self.assertEqual(m.stop_reason, "tool_use")
+        uses = [b for b in m.content if b.type == "tool_use"]
+        self.assertEqual(len(uses), 1, m.content)
+        check_call(self, uses[0].name, uses[0].input)
+        m = claude().messages.create(tool_choice={"type": "tool", "name": "get_weather"}, **base)
+        self.assertEqual(m.stop_reason, "tool_use")
+        uses = [b for b in m.content if b.type == "tool_use"]
+        self.assertTrue(uses)
+        for u in uses:
+            self.assertEqual(u.name, "get_weather")
+            check_call(self, u.name, u.input)
+
+    def test_bad_constraints_are_400s_naming_the_field(self):
+        bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"n": {"type": "nonsense"}}}}}
         with self.assertRaises(openai.BadRequestError) as e:
-            oai().chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required", max_tokens=2)
+            oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format=bad)
+        self.assertEqual(e.exception.body["param"], "response_format.json_schema.schema")
+        self.assertIn("nonsense", e.exception.body["message"])
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().responses.create(model=MODEL, input="x", max_output_tokens=2, store=False, text={"format": {"type": "json_schema", "name": "bad", "schema": bad["json_schema"]["schema"]}})
+        self.assertEqual(e.exception.body["param"], "text.format.schema")
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=2)
         self.assertEqual(e.exception.body["param"], "tool_choice")
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=USER, tool_choice="required", max_tokens=2)
+        self.assertEqual(e.exception.body["param"], "tool_choice")
+        with self.assertRaises(anthropic.BadRequestError):
+            claude().messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}], tools=[{"name": "a", "input_schema": CLOCK}], tool_choice={"type": "tool", "name": "b"})
 
 
 class Responses(unittest.TestCase):

@@ -1,0 +1,368 @@
+//! Constrained decoding: the output a request asks for (`response_format` json_object /
+//! json_schema, a forced tool call) as a grammar that masks each sampled row.
+//!
+//! The grammar engine is [`llguidance`] (an Earley parser over a lexer, walking a token trie
+//! to find every allowed id). Two pieces live here:
+//!
+//! - [`Vocabulary`]: the token table (id → bytes, special tokens, EOS ids) built once from our
+//!   [`Tokenizer`] when the server starts, with llguidance's parser factory over it. Shared in
+//!   an `Arc` by every constraint.
+//! - [`Constraint`]: one per sequence (a request's `n` choices clone it), built from the
+//!   request by [`Constraint::build`]: a Lark grammar written here (reasoning prefix, JSON
+//!   through llguidance's JSON-schema compiler, Qwen3.5's tool-call XML as
+//!   [`crate::server::parse`] reads it), then EOS only.
+//!
+//! The runtime applies [`Constraint::mask`] to a copy of the row after `logit_bias` and
+//! before the sequence's sampler, and [`Constraint::advance`]s it with the sampled id; the
+//! logits themselves, and every other row, are untouched (docs/numerics.md).
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::{Matcher, ParserFactory};
+use serde_json::{json, Value as Json};
+use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+
+use crate::server::parse::ToolSchemas;
+use crate::server::{OutputFormat, ToolChoice};
+use crate::tokenizer::{TokenBytes, Tokenizer};
+
+/// What goes wrong building or running a constraint. Messages carry llguidance's own.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GrammarError {
+    /// The tokenizer cannot give a token table (no EOS id, or llguidance rejects it).
+    #[error("constrained decoding is unavailable for this tokenizer: {0}")]
+    Vocabulary(String),
+    /// The output format's schema is not a schema llguidance can enforce.
+    #[error("the JSON schema cannot be enforced: {0}")]
+    Schema(String),
+    /// A tool's `parameters` cannot be enforced for a forced call.
+    #[error("the parameters of tool {name:?} cannot be enforced: {message}")]
+    Tool { name: String, message: String },
+    /// The grammar of a forced call does not compile (a property schema llguidance rejects).
+    #[error("the tools' parameters cannot be enforced: {0}")]
+    Tools(String),
+    /// `tool_choice` names a function that is not among the tools.
+    #[error("no tool named {0:?} in `tools`")]
+    UnknownTool(String),
+    /// `tool_choice` forces a call and there are no tools.
+    #[error("a tool call is required but `tools` is empty")]
+    NoTools,
+    /// The grammar failed while generating (an llguidance error on a sampled id).
+    #[error("constrained decoding failed: {0}")]
+    Runtime(String),
+}
+
+/// The token table of one tokenizer and llguidance's parser factory over it. Build once per
+/// tokenizer ([`Vocabulary::of`]); every [`Constraint`] shares it.
+pub struct Vocabulary {
+    factory: ParserFactory,
+    /// Ids the table has (`Tokenizer::vocab_size`): the mask's length.
+    size: usize,
+    eos_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for Vocabulary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vocabulary").field("size", &self.size).field("eos_ids", &self.eos_ids).finish_non_exhaustive()
+    }
+}
+
+impl Vocabulary {
+    /// The table of `tokenizer`: each id's bytes ([`Tokenizer::token_bytes`]), special tokens
+    /// under llguidance's 0xFF marker (so no text grammar allows them), the tokenizer's EOS
+    /// ids as the ids allowed once the grammar is complete. Takes a while on a large vocabulary
+    /// (bench/results/grammar.md): build it at start, not per request.
+    ///
+    /// # Errors
+    /// [`GrammarError::Vocabulary`] when the tokenizer has no EOS id or llguidance rejects the
+    /// table.
+    pub fn of(tokenizer: &Tokenizer) -> Result<Self, GrammarError> {
+        let eos_ids = tokenizer.eos_ids().to_vec();
+        let Some(&first_eos) = eos_ids.first() else {
+            return Err(GrammarError::Vocabulary("the tokenizer declares no end-of-sequence id".into()));
+        };
+        let words: Vec<Vec<u8>> = tokenizer
+            .token_bytes()
+            .into_iter()
+            .map(|t| match t {
+                TokenBytes::Text(b) => b,
+                TokenBytes::Special(s) => {
+                    let mut b = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+                    b.extend_from_slice(s.as_bytes());
+                    b
+                }
+                TokenBytes::None => Vec::new(),
+            })
+            .collect();
+        let size = words.len();
+        if eos_ids.iter().any(|&id| id as usize >= size) {
+            return Err(GrammarError::Vocabulary(format!("an end-of-sequence id of {eos_ids:?} is outside the vocabulary ({size} ids)")));
+        }
+        let mut info = TokRxInfo::new(size as u32, first_eos);
+        info.tok_end_of_turn = Some(first_eos);
+        let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos_ids);
+        // Greedy tokenization is llguidance's fallback for forcing text; masks never use it.
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| GrammarError::Vocabulary(e.to_string()))?;
+        factory.quiet();
+        Ok(Self { factory, size, eos_ids })
+    }
+
+    /// Ids in the table.
+    pub fn len(&self) -> usize {
+        self.size
+    }
+
+    /// Whether the table is empty.
+    pub fn is_empty(&self) -> bool {
+        self.size == 0
+    }
+
+    /// The ids allowed once a grammar is complete.
+    pub fn eos_ids(&self) -> &[u32] {
+        &self.eos_ids
+    }
+}
+
+/// What a request asks of its output, as far as constraining goes.
+#[derive(Debug, Clone, Copy)]
+pub struct Spec<'a> {
+    /// `response_format` / `text.format`.
+    pub format: &'a OutputFormat,
+    /// The request's tools (names and `parameters` schemas).
+    pub tools: &'a ToolSchemas,
+    /// The request's tool choice: `required` or a named function force a call.
+    pub tool_choice: &'a ToolChoice,
+    /// Whether a forced turn may hold several calls.
+    pub parallel_tool_calls: bool,
+    /// The prompt leaves the model inside `<think>` (read from the rendered prompt's tail):
+    /// free text runs until `</think>`, the constraint applies after it.
+    pub starts_in_reasoning: bool,
+}
+
+/// The grammar state of one sequence: which ids may come next. `Clone` gives an independent
+/// copy at the same state (one per choice of a request).
+#[derive(Clone)]
+pub struct Constraint {
+    matcher: Matcher,
+    /// Ids the mask covers; ids past it (padding of the logits row) are never allowed.
+    size: usize,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint").field("size", &self.size).field("stopped", &self.matcher.is_stopped()).finish_non_exhaustive()
+    }
+}
+
+/// The JSON encoding the template's `tojson` writes (Python's separators), without free
+/// whitespace between tokens, so a constrained value cannot run on as blank space.
+fn json_layout() -> Json {
+    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
+/// `schema` with the layout above, unless it sets its own (`x-guidance`).
+fn with_layout(schema: &Json) -> Result<Json, String> {
+    match schema {
+        Json::Object(o) => {
+            let mut o = o.clone();
+            o.entry("x-guidance").or_insert_with(json_layout);
+            Ok(Json::Object(o))
+        }
+        Json::Bool(true) => Ok(json!({"x-guidance": json_layout()})),
+        _ => Err("a JSON schema must be an object (or `true`)".into()),
+    }
+}
+
+/// A Lark string literal of `s` (JSON's escapes are Lark's).
+fn literal(s: &str) -> String {
+    Json::String(s.to_string()).to_string()
+}
+
+/// The Lark rule of a call of `name` with `parameters`: its header, then each property of the
+/// schema in its order (required ones present, others optional), then `</function>`.
+fn call_rule(rule: &str, name: &str, parameters: Option<&Json>, out: &mut String) -> Result<(), String> {
+    let props = parameters.and_then(|p| p.get("properties")).and_then(Json::as_object);
+    let required: Vec<&str> = parameters.and_then(|p| p.get("required")).and_then(Json::as_array).map(|r| r.iter().filter_map(Json::as_str).collect()).unwrap_or_default();
+    if let Some(missing) = required.iter().find(|r| !props.is_some_and(|p| p.contains_key(**r))) {
+        return Err(format!("required parameter {missing:?} is not among `properties`"));
+    }
+    let mut body = format!("{rule}: {}", literal(&format!("<function={name}>\n")));
+    for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
+        let value = if ToolSchemas::is_text_param(schema) {
+            text_value(schema)
+        } else {
+            format!("%json {} {END_PARAM}", with_layout(schema).map_err(|e| format!("parameter {key:?}: {e}"))?)
+        };
+        let param = format!("{rule}_{j}");
+        out.push_str(&format!("{param}: {} {value}\n", literal(&format!("<parameter={key}>\n"))));
+        body.push(' ');
+        body.push_str(&param);
+        if !required.contains(&key.as_str()) {
+            body.push('?');
+        }
+    }
+    out.push_str(&body);
+    out.push('\n');
+    Ok(())
+}
+
+/// The grammar of a text (string-typed) parameter's value, written raw as the template writes
+/// it: one of its `enum` strings; at most `maxLength` characters (no newline or `<`, so the
+/// value's end is never in doubt); otherwise any text up to the first `\n</parameter>`.
+fn text_value(schema: &Json) -> String {
+    if let Some(options) = schema.get("enum").and_then(Json::as_array) {
+        let alts: Vec<String> = options.iter().filter_map(Json::as_str).map(literal).collect();
+        if !alts.is_empty() {
+            return format!("({}) {END_PARAM}", alts.join(" | "));
+        }
+    }
+    if let Some(max) = schema.get("maxLength").and_then(Json::as_u64) {
+        let min = schema.get("minLength").and_then(Json::as_u64).unwrap_or(0).min(max);
+        return format!("/[^<\\n]{{{min},{max}}}/ {END_PARAM}");
+    }
+    // The lazy lexeme takes its own end.
+    "text_value".into()
+}
+
+/// The end of a parameter, as the template writes it.
+const END_PARAM: &str = "\"\\n</parameter>\\n\"";
+
+/// The Lark grammar of `spec`, `None` when it constrains nothing.
+fn lark(spec: &Spec<'_>) -> Result<Option<String>, GrammarError> {
+    let mut g = String::new();
+    let forced = match spec.tool_choice {
+        ToolChoice::Required => Some(None),
+        ToolChoice::Function(name) => Some(Some(name.as_str())),
+        ToolChoice::Auto | ToolChoice::None => None,
+    };
+    if let Some(only) = forced {
+        if spec.tools.is_empty() {
+            return Err(GrammarError::NoTools);
+        }
+        if let Some(name) = only {
+            if !spec.tools.functions().any(|(n, _)| n == name) {
+                return Err(GrammarError::UnknownTool(name.to_string()));
+            }
+        }
+        let mut alts = Vec::new();
+        for (i, (name, parameters)) in spec.tools.functions().enumerate() {
+            if only.is_some_and(|o| o != name) {
+                continue;
+            }
+            let rule = format!("fn_{i}");
+            call_rule(&rule, name, parameters, &mut g).map_err(|message| GrammarError::Tool { name: name.to_string(), message })?;
+            alts.push(rule);
+        }
+        g.push_str(&format!("call: \"<tool_call>\\n\" ({}) \"</function>\\n</tool_call>\"\n", alts.join(" | ")));
+        g.push_str(if spec.parallel_tool_calls { "body: call (\"\\n\" call)*\n" } else { "body: call\n" });
+        g.push_str("text_value[lazy]: /(.|\\n)*\\n<\\/parameter>\\n/\n");
+    } else {
+        let schema = match spec.format {
+            OutputFormat::Text => return Ok(None),
+            OutputFormat::JsonObject => json!({"type": "object"}),
+            OutputFormat::JsonSchema { schema, .. } => schema.clone().unwrap_or(Json::Bool(true)),
+        };
+        let schema = with_layout(&schema).map_err(GrammarError::Schema)?;
+        g.push_str(&format!("body: %json {schema}\n"));
+    }
+    if spec.starts_in_reasoning {
+        // The reasoning is free text up to its first `</think>`; then, as the model writes it,
+        // a little whitespace before the answer.
+        g.push_str("start: reasoning SEP? body\nreasoning[lazy]: /(.|\\n)*<\\/think>/\nSEP: /[ \\n]{1,4}/\n");
+    } else {
+        g.push_str("start: body\n");
+    }
+    Ok(Some(g))
+}
+
+/// llguidance's compile error without what is ours, not the client's: the position in the
+/// Lark text written here and its quoted lines (`at 1(7): failed to compile JSON schema:
+/// Invalid type: nonsense\n   1 | body: ...` → `failed to compile JSON schema: Invalid type: nonsense`).
+fn compile_message(message: &str) -> String {
+    let first = message.lines().next().unwrap_or(message);
+    let body = match first.strip_prefix("at ").and_then(|r| r.split_once(": ")) {
+        Some((pos, rest)) if pos.chars().all(|c| c.is_ascii_digit() || "()".contains(c)) => rest,
+        _ => first,
+    };
+    body.trim().to_string()
+}
+
+impl Constraint {
+    /// The constraint `spec` asks for over `vocab`; `None` when the output is free (text, tool
+    /// choice `auto`/`none`). A forced tool call wins over a JSON format (its turn has no
+    /// content).
+    ///
+    /// # Errors
+    /// [`GrammarError::Schema`] (a format schema llguidance cannot compile, with its message),
+    /// [`GrammarError::Tool`] / [`GrammarError::Tools`] (a forced tool's parameters), [`GrammarError::UnknownTool`],
+    /// [`GrammarError::NoTools`].
+    pub fn build(vocab: &Arc<Vocabulary>, spec: &Spec<'_>) -> Result<Option<Self>, GrammarError> {
+        let Some(grammar) = lark(spec)? else {
+            return Ok(None);
+        };
+        let forced = matches!(spec.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
+        // A schema is the client's: should the compiler panic on one, that is its refusal.
+        let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vocab.factory.create_parser(TopLevelGrammar::from_lark(grammar))))
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the grammar compiler failed on it")));
+        let parser = compiled.map_err(|e| {
+            let message = compile_message(&e.to_string());
+            if forced {
+                GrammarError::Tools(message)
+            } else {
+                GrammarError::Schema(message)
+            }
+        })?;
+        Ok(Some(Self { matcher: Matcher::new(Ok(parser)), size: vocab.size }))
+    }
+
+    /// Sets every id the grammar does not allow next to −∞ in `row` (a copy of a logits row,
+    /// `row[id]`; ids past the vocabulary, the row's padding, too). Allowed entries keep their
+    /// bits. Once the grammar is complete only the EOS ids are allowed.
+    ///
+    /// # Errors
+    /// [`GrammarError::Runtime`] when llguidance fails (its error state, a parser limit).
+    pub fn mask(&mut self, row: &mut [f32]) -> Result<(), GrammarError> {
+        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(e.to_string()))?;
+        let n = row.len().min(self.size);
+        let words = allowed.as_slice();
+        for (w, chunk) in row[..n].chunks_mut(32).enumerate() {
+            let bits = words.get(w).copied().unwrap_or(0);
+            if bits == u32::MAX && chunk.len() == 32 {
+                continue;
+            }
+            for (b, x) in chunk.iter_mut().enumerate() {
+                if bits >> b & 1 == 0 {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
+        for x in &mut row[n..] {
+            *x = f32::NEG_INFINITY;
+        }
+        Ok(())
+    }
+
+    /// Moves the grammar past `id` (the id sampled from the masked row).
+    ///
+    /// # Errors
+    /// [`GrammarError::Runtime`] when the grammar does not allow `id`.
+    pub fn advance(&mut self, id: u32) -> Result<(), GrammarError> {
+        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(e.to_string()))
+    }
+
+    /// How many of `ids`, from the current state, the grammar accepts in a row (the state is
+    /// not changed). For checks and tests.
+    pub fn accepts_prefix(&mut self, ids: &[u32]) -> usize {
+        self.matcher.validate_tokens(ids).unwrap_or(0)
+    }
+
+    /// Whether the output so far is a complete match (EOS may come now).
+    pub fn is_complete(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,235 @@
+//! Constraints on the real Qwen3.5 tokenizer: what they accept, what they reject, and the
+//! tool-call text they accept parsing back through the server's output parser.
+
+use std::sync::{Arc, OnceLock};
+
+use serde_json::json;
+
+use super::*;
+use crate::server::parse::{OutputParser, ParserOptions};
+use crate::testutil::shared;
+
+fn tokenizer() -> &'static Tokenizer {
+    static T: OnceLock<Tokenizer> = OnceLock::new();
+    T.get_or_init(|| Tokenizer::from_dir(&shared("tokenizers/qwen3.5")).expect("the Qwen3.5 tokenizer loads"))
+}
+
+fn vocab() -> &'static Arc<Vocabulary> {
+    static V: OnceLock<Arc<Vocabulary>> = OnceLock::new();
+    V.get_or_init(|| Arc::new(Vocabulary::of(tokenizer()).expect("the token table builds")))
+}
+
+fn ids(text: &str) -> Vec<u32> {
+    tokenizer().encode_with(text, false).expect("encodes")
+}
+
+fn im_end() -> u32 {
+    tokenizer().token_to_id("<|im_end|>").expect("<|im_end|> is a token")
+}
+
+fn tools() -> ToolSchemas {
+    let mut t = ToolSchemas::new();
+    t.insert(
+        "get_weather",
+        Some(&json!({"type": "object", "properties": {
+            "city": {"type": "string"},
+            "days": {"type": "integer", "minimum": 1},
+            "metric": {"type": "boolean"},
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+            "code": {"type": "string", "maxLength": 3}
+        }, "required": ["city", "days"]})),
+    );
+    t.insert("now", Some(&json!({"type": "object", "properties": {}})));
+    t
+}
+
+fn spec<'a>(format: &'a OutputFormat, tools: &'a ToolSchemas, choice: &'a ToolChoice, reasoning: bool) -> Spec<'a> {
+    Spec { format, tools, tool_choice: choice, parallel_tool_calls: false, starts_in_reasoning: reasoning }
+}
+
+fn schema_format() -> OutputFormat {
+    OutputFormat::JsonSchema {
+        name: "n".into(),
+        schema: Some(json!({"type": "object", "properties": {"n": {"type": "integer"}, "tag": {"enum": ["a", "b"]}}, "required": ["n"], "additionalProperties": false})),
+        strict: true,
+    }
+}
+
+fn build(spec: &Spec<'_>) -> Constraint {
+    Constraint::build(vocab(), spec).expect("builds").expect("constrains")
+}
+
+/// Whether the constraint accepts all of `text` and is complete after it, then takes EOS.
+fn accepts_whole(c: &Constraint, text: &str) -> bool {
+    let mut c = c.clone();
+    let t = ids(text);
+    if c.accepts_prefix(&t) != t.len() {
+        return false;
+    }
+    for &id in &t {
+        c.advance(id).expect("accepted ids advance");
+    }
+    let mut row = vec![0.0f32; vocab().len()];
+    c.mask(&mut row).expect("masks");
+    c.is_complete() && row[im_end() as usize] == 0.0
+}
+
+#[test]
+fn the_table_marks_special_tokens_and_keeps_text_tokens() {
+    let v = vocab();
+    assert_eq!(v.len(), tokenizer().vocab_size());
+    assert_eq!(v.eos_ids(), tokenizer().eos_ids());
+    assert!(v.eos_ids().contains(&im_end()));
+    // Byte-level pieces map back to bytes: " the" is one token whose bytes start with a space.
+    let the = ids(" the");
+    assert_eq!(the.len(), 1);
+    match &tokenizer().token_bytes()[the[0] as usize] {
+        TokenBytes::Text(b) => assert_eq!(b, b" the"),
+        other => panic!("{other:?}"),
+    }
+    match &tokenizer().token_bytes()[im_end() as usize] {
+        TokenBytes::Special(s) => assert_eq!(s, "<|im_end|>"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn free_output_has_no_constraint() {
+    let t = tools();
+    assert!(Constraint::build(vocab(), &spec(&OutputFormat::Text, &t, &ToolChoice::Auto, false)).unwrap().is_none());
+    assert!(Constraint::build(vocab(), &spec(&OutputFormat::Text, &t, &ToolChoice::None, true)).unwrap().is_none());
+}
+
+#[test]
+fn a_json_schema_accepts_matching_json_and_rejects_the_rest() {
+    let (f, t) = (schema_format(), ToolSchemas::new());
+    let c = build(&spec(&f, &t, &ToolChoice::Auto, false));
+    assert!(accepts_whole(&c, r#"{"n": 42}"#));
+    assert!(accepts_whole(&c, r#"{"n": -7, "tag": "b"}"#));
+    assert!(!accepts_whole(&c, r#"{"m": 42}"#), "unknown key");
+    assert!(!accepts_whole(&c, r#"{"n": "42"}"#), "wrong type");
+    assert!(!accepts_whole(&c, r#"{"tag": "a"}"#), "missing required key");
+    assert!(!accepts_whole(&c, r#"{"n": 1, "tag": "c"}"#), "not in the enum");
+    assert!(!accepts_whole(&c, r#"{"n": 42"#), "incomplete");
+    assert!(!accepts_whole(&c, r#"Sure: {"n": 42}"#), "text before the JSON");
+}
+
+#[test]
+fn json_object_is_any_object() {
+    let t = ToolSchemas::new();
+    let c = build(&spec(&OutputFormat::JsonObject, &t, &ToolChoice::Auto, false));
+    assert!(accepts_whole(&c, r#"{"a": [1, 2.5, null], "b": {"c": "d"}}"#));
+    assert!(accepts_whole(&c, "{}"));
+    assert!(!accepts_whole(&c, "[1, 2]"));
+    assert!(!accepts_whole(&c, "\"text\""));
+}
+
+#[test]
+fn the_mask_keeps_allowed_bits_and_ends_on_eos_only() {
+    let (f, t) = (schema_format(), ToolSchemas::new());
+    let mut c = build(&spec(&f, &t, &ToolChoice::Auto, false));
+    let v = vocab().len();
+    // A row wider than the vocabulary, as the model's padded logits are.
+    let row: Vec<f32> = (0..v + 100).map(|i| (i % 97) as f32 * 0.25 - 3.0).collect();
+    let mut masked = row.clone();
+    c.mask(&mut masked).unwrap();
+    let open = ids("{")[0] as usize;
+    assert_eq!(masked[open].to_bits(), row[open].to_bits(), "`{{` is allowed and keeps its bits");
+    assert_eq!(masked[ids("hello")[0] as usize], f32::NEG_INFINITY);
+    assert_eq!(masked[im_end() as usize], f32::NEG_INFINITY, "EOS before the JSON");
+    assert!(masked[v..].iter().all(|&x| x == f32::NEG_INFINITY), "padding ids");
+    for id in ids(r#"{"n": 5}"#) {
+        c.advance(id).unwrap();
+    }
+    let mut masked = row.clone();
+    c.mask(&mut masked).unwrap();
+    let finite: Vec<usize> = (0..masked.len()).filter(|&i| masked[i].is_finite()).collect();
+    let eos: Vec<usize> = vocab().eos_ids().iter().map(|&i| i as usize).collect();
+    assert_eq!(finite, eos, "a complete object allows only EOS");
+    assert!(c.advance(ids("x")[0]).is_err(), "text after the end is an error");
+}
+
+#[test]
+fn reasoning_runs_free_until_think_closes() {
+    let (f, t) = (schema_format(), ToolSchemas::new());
+    let c = build(&spec(&f, &t, &ToolChoice::Auto, true));
+    assert!(accepts_whole(&c, "The user wants n.\nSo {\"n\": 1} maybe.\n</think>\n\n{\"n\": 3}"));
+    assert!(accepts_whole(&c, "</think>{\"n\": 3}"));
+    assert!(!accepts_whole(&c, "{\"n\": 3}"), "the JSON alone is still reasoning: no end yet");
+    assert!(!accepts_whole(&c, "ok\n</think>\n\nnot json"));
+}
+
+const CALL: &str = "<tool_call>\n<function=get_weather>\n<parameter=city>\nSan José </parameter> stays\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>";
+
+#[test]
+fn a_forced_call_accepts_what_the_output_parser_reads() {
+    let t = tools();
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    assert!(accepts_whole(&c, CALL));
+    assert!(accepts_whole(&c, "<tool_call>\n<function=now>\n</function>\n</tool_call>"));
+    assert!(accepts_whole(&c, &CALL.replace("<parameter=days>\n3\n</parameter>\n", "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n")));
+    let unit = |u: &str| CALL.replace("</function>", &format!("<parameter=unit>\n{u}\n</parameter>\n</function>"));
+    assert!(accepts_whole(&c, &unit("fahrenheit")));
+    assert!(!accepts_whole(&c, &unit("kelvin")), "not in the enum");
+    let code = |v: &str| CALL.replace("</function>", &format!("<parameter=code>\n{v}\n</parameter>\n</function>"));
+    assert!(accepts_whole(&c, &code("AB1")));
+    assert!(!accepts_whole(&c, &code("ABCD")), "over maxLength");
+    let parsed = OutputParser::parse(CALL, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() });
+    assert_eq!(parsed.tool_calls.len(), 1);
+    assert_eq!(parsed.tool_calls[0].name, "get_weather");
+    let args: Json = serde_json::from_str(&parsed.tool_calls[0].arguments).unwrap();
+    assert_eq!(args, json!({"city": "San José </parameter> stays", "days": 3}));
+    assert!(parsed.content.is_empty());
+}
+
+#[test]
+fn a_forced_call_rejects_unknown_names_keys_and_bad_values() {
+    let t = tools();
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    assert!(!accepts_whole(&c, &CALL.replace("get_weather", "get_time")), "unknown function");
+    assert!(!accepts_whole(&c, &CALL.replace("<parameter=city>", "<parameter=town>")), "unknown key");
+    assert!(!accepts_whole(&c, &CALL.replace("\n3\n", "\nthree\n")), "an integer parameter takes JSON");
+    assert!(!accepts_whole(&c, &CALL.replace("\n3\n", "\n0\n")), "below the schema's minimum");
+    assert!(!accepts_whole(&c, &CALL.replace("<parameter=days>\n3\n</parameter>\n", "")), "a required key is missing");
+    assert!(!accepts_whole(&c, &format!("Let me check.\n\n{CALL}")), "text before the call");
+    assert!(!accepts_whole(&c, &format!("{CALL}\n{CALL}")), "one call when parallel_tool_calls is false");
+    let mut parallel = spec(&OutputFormat::Text, &t, &ToolChoice::Required, false);
+    parallel.parallel_tool_calls = true;
+    assert!(accepts_whole(&build(&parallel), &format!("{CALL}\n{CALL}")));
+}
+
+#[test]
+fn a_named_function_allows_only_that_function() {
+    let t = tools();
+    let named = ToolChoice::Function("now".into());
+    let c = build(&spec(&OutputFormat::Text, &t, &named, false));
+    assert!(accepts_whole(&c, "<tool_call>\n<function=now>\n</function>\n</tool_call>"));
+    assert!(!accepts_whole(&c, CALL));
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, true));
+    assert!(accepts_whole(&c, &format!("I need the weather.\n</think>\n\n{CALL}")));
+}
+
+#[test]
+fn bad_requests_are_errors_naming_the_cause() {
+    let t = tools();
+    let none = ToolSchemas::new();
+    let err = |f: &OutputFormat, t: &ToolSchemas, c: &ToolChoice| Constraint::build(vocab(), &spec(f, t, c, false)).unwrap_err();
+    assert_eq!(err(&OutputFormat::Text, &t, &ToolChoice::Function("nope".into())), GrammarError::UnknownTool("nope".into()));
+    assert_eq!(err(&OutputFormat::Text, &none, &ToolChoice::Required), GrammarError::NoTools);
+    let bad = OutputFormat::JsonSchema { name: "x".into(), schema: Some(json!({"type": "object", "properties": {"a": {"type": "nonsense"}}})), strict: true };
+    match err(&bad, &none, &ToolChoice::Auto) {
+        GrammarError::Schema(m) => assert_eq!(m, "failed to compile JSON schema: Invalid type: nonsense"),
+        other => panic!("{other:?}"),
+    }
+    let not_object = OutputFormat::JsonSchema { name: "x".into(), schema: Some(json!([1, 2])), strict: true };
+    assert!(matches!(err(&not_object, &none, &ToolChoice::Auto), GrammarError::Schema(_)));
+    let mut broken = ToolSchemas::new();
+    broken.insert("f", Some(&json!({"type": "object", "properties": {}, "required": ["x"]})));
+    assert!(matches!(err(&OutputFormat::Text, &broken, &ToolChoice::Required), GrammarError::Tool { .. }));
+    let mut bad_param = ToolSchemas::new();
+    bad_param.insert("g", Some(&json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}})));
+    match err(&OutputFormat::Text, &bad_param, &ToolChoice::Required) {
+        GrammarError::Tools(m) => assert!(!m.contains('\n'), "{m}"),
+        other => panic!("{other:?}"),
+    }
+}
