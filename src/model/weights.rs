@@ -269,6 +269,14 @@ pub enum Ffn<M = Matrix> {
 }
 
 impl<M> Ffn<M> {
+    /// The dense MLP, if this block is one.
+    pub fn dense(&self) -> Option<&MlpWeights<M>> {
+        match self {
+            Ffn::Dense(m) => Some(m),
+            Ffn::Moe(_) => None,
+        }
+    }
+
     /// Every matrix of the block in forward order (router and shared expert before the routed
     /// experts, in expert order).
     pub fn matrices(&self) -> Vec<&M> {
