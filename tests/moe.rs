@@ -274,3 +274,43 @@ fn nested_and_flat_configs_parse_alike() {
     let err = ModelConfig::from_json(&path, &bad).unwrap_err().to_string();
     assert!(err.contains("field `mlp_only_layers` ([0]) is not supported"), "{err}");
 }
+
+/// Every tensor of a directory's `model*.safetensors`: name → (dtype, shape, bytes).
+fn weight_tensors(dir: &Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let mut out = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("model")) && p.extension().is_some_and(|x| x == "safetensors") {
+            let bytes = std::fs::read(&p).unwrap();
+            for (n, v) in SafeTensors::deserialize(&bytes).unwrap().tensors() {
+                out.insert(n, (format!("{:?}", v.dtype()), v.shape().to_vec(), v.data().to_vec()));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn convert_writes_what_mlx_lm_convert_wrote() {
+    // tests/data/moe/mlx-q4 is mlx_lm.convert's output from hf/ (4 bits, group 64; the router and
+    // shared-expert gate at 8 bits by its predicate; the fused experts split into switch_mlp).
+    use tensorfold::config::QuantParams;
+    use tensorfold::convert::{convert, ConvertOptions};
+    let out = TempDir::new("moe-convert");
+    let dir = out.path().join("q4");
+    let opts = ConvertOptions { src_dir: data("hf"), out_dir: dir.clone(), quant: QuantParams { group_size: 64, bits: 4 }, overrides: Vec::new(), base_model: None };
+    convert(&opts, &mut |_, _| {}).unwrap();
+    let (ours, theirs) = (weight_tensors(&dir), weight_tensors(&data("mlx-q4")));
+    assert_eq!(ours.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>());
+    for (name, t) in &theirs {
+        assert!(&ours[name] == t, "{name}: dtype, shape or bytes differ from mlx-lm's");
+    }
+    for f in ["config.json", "model.safetensors.index.json"] {
+        assert_eq!(std::fs::read_to_string(dir.join(f)).unwrap(), std::fs::read_to_string(data("mlx-q4").join(f)).unwrap(), "{f}");
+    }
+    // Per-expert tensors are refused, naming one (mlx-lm converts only the fused layout).
+    let split = hf_copy("moe-convert-split", split_experts);
+    let opts = ConvertOptions { src_dir: split.path().to_path_buf(), out_dir: out.path().join("split"), ..opts };
+    let err = convert(&opts, &mut |_, _| {}).unwrap_err().to_string();
+    assert!(err.contains("`model.language_model.layers.0.mlp.experts.0.down_proj.weight` is a per-expert tensor"), "{err}");
+}
