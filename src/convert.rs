@@ -508,11 +508,11 @@ fn plan<'a>(ck: &'a Checkpoint, host: &HostModel, root: &Map<String, Value>, opt
                 return Err(ConvertError::NotHfBf16 { path: file(), reason: format!("matrix `{}` is {:?}, not BF16", t.name, t.dtype) });
             }
             let cols = *shape.last().expect("a matrix has dimensions");
-            if cols % opts.quant.group_size != 0 {
+            if !cols.is_multiple_of(opts.quant.group_size) {
                 return Ok(false);
             }
             let (q, _) = module_params(module, opts, moe);
-            if cols % q.group_size != 0 {
+            if !cols.is_multiple_of(q.group_size) {
                 return Err(ConvertError::Indivisible { file: file(), module: module.to_string(), group_size: q.group_size, cols });
             }
             let scale_dtype = cast.unwrap_or(t.dtype);

@@ -314,3 +314,22 @@ fn convert_writes_what_mlx_lm_convert_wrote() {
     let err = convert(&opts, &mut |_, _| {}).unwrap_err().to_string();
     assert!(err.contains("`model.language_model.layers.0.mlp.experts.0.down_proj.weight` is a per-expert tensor"), "{err}");
 }
+
+#[test]
+fn eight_bit_conversion_matches_mlx_lm_teacher_forced() {
+    // mlx-lm's 8-bit conversion of hf/ is not shipped, its logits are (mlx_q8_full); tensorfold's
+    // converter writes the same bytes as mlx_lm.convert, so its 8-bit output is that checkpoint.
+    use tensorfold::config::QuantParams;
+    use tensorfold::convert::{convert, ConvertOptions};
+    let out = TempDir::new("moe-q8");
+    let dir = out.path().join("q8");
+    let opts = ConvertOptions { src_dir: data("hf"), out_dir: dir.clone(), quant: QuantParams { group_size: 64, bits: 8 }, overrides: Vec::new(), base_model: None };
+    convert(&opts, &mut |_, _| {}).unwrap();
+    let model = load(&dir);
+    let r = reference();
+    let got = logits_in_chunks(&model, &r.ids, r.ids.len());
+    let score = Reference::score(&got, &reference_array("mlx_q8_full"));
+    println!("moe/mlx-q8: max |tensorfold − mlx_q8_full| / std = {score:.2e}");
+    assert!(score < BOUND, "{score:.2e}");
+    assert!(same_bits(&got, &logits_in_chunks(&model, &r.ids, 1)), "8-bit: the whole prompt and token by token differ");
+}

@@ -116,6 +116,16 @@ def main():
     assert np.array_equal(full, step), "mlx-lm's one-pass and stepwise logits differ"
     arrays = {"ids": np.array(ids, dtype=np.int32), "positions": np.arange(len(ids), dtype=np.int32),
               "mlx_full": full.astype(np.float32), "hf_full": hf_full.astype(np.float32)}
+    # mlx-lm's 8-bit conversion (group 64) is not shipped, only its float32 logits (mlx_q8_full): a test
+    # converts hf/ at 8 bits with tensorfold's converter, which writes the same bytes as mlx_lm.convert.
+    from mlx_lm.convert import convert
+    q8 = OUT / "mlx-q8"
+    convert(str(OUT / "hf"), str(q8), quantize=True, q_group_size=64, q_bits=8)
+    q8_full, q8_step = mf.mlx_logits(q8, ids, f32=True)
+    assert np.array_equal(q8_full, q8_step), "mlx-lm's one-pass and stepwise 8-bit logits differ"
+    arrays["mlx_q8_full"] = q8_full.astype(np.float32)
+    if "KEEP_Q8" not in __import__("os").environ:
+        shutil.rmtree(q8)
     save_file(arrays, str(OUT / "reference.safetensors"))
     # transformers' float32 chunked Gated DeltaNet drifts (fixtures README): a float64 forward of each layout
     # tells an engine's error from a reference's, so it ships too (hf_f64, mlx_f64, rounded to f32).
