@@ -70,6 +70,16 @@ impl Bytes {
     pub fn is_empty(&self) -> bool {
         self.range.is_empty()
     }
+
+    /// Bytes `r` of these bytes (relative to their start), sharing the same storage: one
+    /// expert's rows of a stacked 3-D tensor.
+    ///
+    /// # Panics
+    /// If `r` reaches past the end (callers slice whole rows of a tensor whose size they checked).
+    pub fn slice(&self, r: Range<usize>) -> Self {
+        assert!(r.start <= r.end && r.end <= self.range.len(), "Bytes::slice {r:?} of {} bytes", self.range.len());
+        Self { store: self.store.clone(), range: self.range.start + r.start..self.range.start + r.end }
+    }
 }
 
 impl std::fmt::Debug for Bytes {

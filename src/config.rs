@@ -9,7 +9,11 @@
 //! - `rope_parameters` (with `rope_type` or mlx-lm's `type`, optional `mrope_section`), the older
 //!   `rope_scaling` block, or flat `rope_theta` / `partial_rotary_factor` keys; a scaled RoPE
 //!   (`yarn`, `linear`, ...) or blocks that disagree are errors naming the key;
-//! - a `quantization` (mlx-lm) or `quantization_config` block with per-module overrides.
+//! - a `quantization` (mlx-lm) or `quantization_config` block with per-module overrides;
+//! - the mixture-of-experts sizes (`model_type` `qwen3_5_moe` / `qwen3_5_moe_text`,
+//!   transformers `models/qwen3_5_moe/configuration_qwen3_5_moe.py`): `num_experts`,
+//!   `num_experts_per_tok`, `moe_intermediate_size`, `shared_expert_intermediate_size`, and
+//!   mlx-lm's optional `norm_topk_prob` ([`MoeConfig`]).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -27,7 +31,7 @@ pub enum ConfigError {
     Missing { path: PathBuf, field: String },
     #[error("{path}: field `{field}` {problem}")]
     Invalid { path: PathBuf, field: String, problem: String },
-    #[error("{path}: unsupported model_type `{model_type}` (tensorfold runs qwen3_5 / qwen3_5_text models)")]
+    #[error("{path}: unsupported model_type `{model_type}` (tensorfold runs qwen3_5 / qwen3_5_text / qwen3_5_moe / qwen3_5_moe_text models)")]
     UnsupportedModelType { path: PathBuf, model_type: String },
     #[error("{path}: unsupported quantization mode `{mode}` (supported: affine, bits 4 or 8)")]
     UnsupportedQuantization { path: PathBuf, mode: String },
@@ -69,6 +73,23 @@ impl QuantConfig {
     }
 }
 
+/// The mixture-of-experts block of a `qwen3_5_moe` model (every layer's MLP is one: transformers'
+/// `Qwen3_5MoeDecoderLayer` has no dense layers). Keys as `Qwen3_5MoeTextConfig` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// E: routed experts per layer.
+    pub num_experts: usize,
+    /// k: experts each token is routed to (`1..=E`).
+    pub num_experts_per_tok: usize,
+    /// I_e: width of one routed expert's SwiGLU.
+    pub moe_intermediate_size: usize,
+    /// I_s: width of the shared expert's SwiGLU.
+    pub shared_expert_intermediate_size: usize,
+    /// Whether the k chosen probabilities are divided by their sum. transformers'
+    /// `Qwen3_5MoeTopKRouter` always does; mlx-lm reads the key with default `true`.
+    pub norm_topk_prob: bool,
+}
+
 /// The largest `max_position_embeddings` accepted: 2048 times Qwen3.5's 262,144. Positions
 /// travel as `u32` in a step ([`crate::backend::SeqRows`]), the RoPE table's sin/cos reduction
 /// covers angles below 1e9 (a position times at most 1), and a device may size tables by the
@@ -84,7 +105,8 @@ pub struct ModelConfig {
     /// D: width of the residual stream.
     pub hidden_size: usize,
     pub num_hidden_layers: usize,
-    /// I: width of the SwiGLU MLP.
+    /// I: width of the dense SwiGLU MLP (0 for a mixture-of-experts model, whose configs have no
+    /// `intermediate_size`: its widths are in [`ModelConfig::moe`]).
     pub intermediate_size: usize,
     /// Hq: query heads of the gated attention layers.
     pub num_attention_heads: usize,
@@ -116,6 +138,8 @@ pub struct ModelConfig {
     /// EOS ids named by config.json (the tokenizer adds those of the other files).
     pub eos_token_id: Vec<u32>,
     pub quantization: QuantConfig,
+    /// The experts of a `qwen3_5_moe` model; `None` for a dense one.
+    pub moe: Option<MoeConfig>,
 }
 
 impl ModelConfig {
@@ -136,9 +160,12 @@ impl ModelConfig {
             Some(_) => return Err(ConfigError::Invalid { path: p(), field: "text_config".into(), problem: "is not an object".into() }),
             None => root,
         };
+        let mut moe_type = false;
         for mt in [outer_type, text.get("model_type").and_then(Value::as_str)].into_iter().flatten() {
-            if !matches!(mt, "qwen3_5" | "qwen3_5_text") {
-                return Err(ConfigError::UnsupportedModelType { path: p(), model_type: mt.into() });
+            match mt {
+                "qwen3_5" | "qwen3_5_text" => {}
+                "qwen3_5_moe" | "qwen3_5_moe_text" => moe_type = true,
+                _ => return Err(ConfigError::UnsupportedModelType { path: p(), model_type: mt.into() }),
             }
         }
         // Look a key up in text_config first, then at the top level.
@@ -151,6 +178,9 @@ impl ModelConfig {
             }
         };
         let usize_or = |k: &str, d: usize| if get(k).is_some() { usize_field(k) } else { Ok(d) };
+        let nested = !std::ptr::eq(text, root);
+        // Where `get` found a key, as the error messages spell it.
+        let key_path = |k: &str| if nested && text.get(k).is_some_and(|v| !v.is_null()) { format!("text_config.{k}") } else { k.to_string() };
         let f64_of = |k: &str, v: &Value| -> Result<f64, ConfigError> {
             v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| ConfigError::Invalid { path: p(), field: k.into(), problem: format!("must be a number, found {v}") })
         };
@@ -166,7 +196,54 @@ impl ModelConfig {
         let linear_key_head_dim = usize_field("linear_key_head_dim")?;
         let linear_value_head_dim = usize_field("linear_value_head_dim")?;
         let linear_conv_kernel_dim = usize_or("linear_conv_kernel_dim", 4)?;
-        let intermediate_size = usize_field("intermediate_size")?;
+        let moe = if moe_type {
+            let moe = MoeConfig {
+                num_experts: usize_field("num_experts")?,
+                num_experts_per_tok: usize_field("num_experts_per_tok")?,
+                moe_intermediate_size: usize_field("moe_intermediate_size")?,
+                shared_expert_intermediate_size: usize_field("shared_expert_intermediate_size")?,
+                norm_topk_prob: match get("norm_topk_prob") {
+                    None => true,
+                    Some(Value::Bool(b)) => *b,
+                    Some(v) => return Err(ConfigError::Invalid { path: p(), field: key_path("norm_topk_prob"), problem: format!("must be true or false, found {v}") }),
+                },
+            };
+            if moe.num_experts_per_tok > moe.num_experts {
+                return Err(ConfigError::Invalid {
+                    path: p(),
+                    field: key_path("num_experts_per_tok"),
+                    problem: format!("({}) must be at most num_experts ({})", moe.num_experts_per_tok, moe.num_experts),
+                });
+            }
+            // Neither transformers' qwen3_5_moe nor mlx-lm reads these (every layer is sparse
+            // there); a config that asks for dense layers would silently run differently.
+            if let Some(v) = get("mlp_only_layers").filter(|v| v.as_array().is_none_or(|a| !a.is_empty())) {
+                return Err(ConfigError::Invalid {
+                    path: p(),
+                    field: key_path("mlp_only_layers"),
+                    problem: format!("({v}) is not supported: qwen3_5_moe makes every layer's MLP sparse"),
+                });
+            }
+            if let Some(v) = get("decoder_sparse_step").filter(|v| v.as_u64() != Some(1)) {
+                return Err(ConfigError::Invalid {
+                    path: p(),
+                    field: key_path("decoder_sparse_step"),
+                    problem: format!("({v}) is not supported: qwen3_5_moe makes every layer's MLP sparse (step 1)"),
+                });
+            }
+            Some(moe)
+        } else {
+            if let Some(v) = get("num_experts").filter(|v| v.as_u64() != Some(0)) {
+                return Err(ConfigError::Invalid {
+                    path: p(),
+                    field: key_path("num_experts"),
+                    problem: format!("({v}) is set but model_type is a dense one (qwen3_5 / qwen3_5_text); mixture-of-experts models are qwen3_5_moe"),
+                });
+            }
+            None
+        };
+        // A mixture-of-experts config has no dense MLP width.
+        let intermediate_size = if moe.is_some() { usize_or("intermediate_size", 0)? } else { usize_field("intermediate_size")? };
         let vocab_size = usize_field("vocab_size")?;
         let max_position_embeddings = usize_or("max_position_embeddings", 262_144)?;
         if max_position_embeddings > MAX_POSITIONS {
@@ -248,9 +325,6 @@ impl ModelConfig {
         // keys. Both blocks may say how positions are scaled; only unscaled RoPE is implemented,
         // so another rope_type, or two blocks that disagree, is an error naming the key: a
         // scaling dropped silently gives wrong logits with no sign of it.
-        let nested = !std::ptr::eq(text, root);
-        // Where `get` found a key, as the error messages spell it.
-        let key_path = |k: &str| if nested && text.get(k).is_some_and(|v| !v.is_null()) { format!("text_config.{k}") } else { k.to_string() };
         // A block present: where it was found, and its keys.
         type Block<'a> = (String, &'a Map<String, Value>);
         let block = |k: &str| -> Result<Option<Block>, ConfigError> {
@@ -346,6 +420,7 @@ impl ModelConfig {
             layer_types,
             eos_token_id,
             quantization,
+            moe,
         })
     }
 

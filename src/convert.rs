@@ -6,6 +6,11 @@
 //! * **Names** (`qwen3_5.py` `Model.sanitize`): `model.language_model.X` (or the flat `model.X`)
 //!   becomes `language_model.model.X`, `lm_head.weight` becomes `language_model.lm_head.weight`;
 //!   the vision tower and `mtp.*` are dropped, and so is a tied checkpoint's `lm_head.weight`.
+//! * **Experts** (`qwen3_5_moe.py` `Model.sanitize`): the fused `mlp.experts.gate_up_proj`
+//!   `[E, 2I, D]` becomes `mlp.switch_mlp.gate_proj.weight` (rows `..I` of each expert) and
+//!   `mlp.switch_mlp.up_proj.weight` (rows `I..`), `mlp.experts.down_proj` becomes
+//!   `mlp.switch_mlp.down_proj.weight`; 3-D, quantized like a matrix of `E·rows` rows. mlx-lm
+//!   reads no per-expert tensors (`mlp.experts.{e}.*`) for this model, so they are refused here.
 //! * **Layout**: `conv1d.weight` `[C, 1, K]` becomes `[C, K, 1]` (the same bytes); when it had
 //!   to, the RMSNorm weights ending in `.input_layernorm`, `.post_attention_layernorm`,
 //!   `model.norm`, `.q_norm`, `.k_norm` (not the gated `linear_attn.norm`) are stored as `1 + w`,
@@ -17,8 +22,8 @@
 //!   `Embedding` (here: every 2-D `.weight` but the conv) whose input width the default group
 //!   size divides, at the default bits/group size or a per-module override; the others stay as
 //!   they are. Norms, conv1d, `A_log`, `dt_bias` are not modules that quantize. Dense Qwen3.5 has
-//!   no `quant_predicate` (the 8-bit `mlp.gate`/`shared_expert_gate` rule is for MoE, which
-//!   tensorfold does not run). Overrides are written into `config.json`'s `quantization` block
+//!   no `quant_predicate`; a mixture of experts has one (`qwen3_5.py`): the router `mlp.gate` and
+//!   `mlp.shared_expert_gate` at 8 bits, group size 64 (a `--q-override` that matches wins). Overrides are written into `config.json`'s `quantization` block
 //!   as `{"group_size", "bits"}` under the module path, in model order, as mlx-lm writes the
 //!   dicts a predicate returns.
 //! * **`mx.quantize`** (affine, mlx `backend/cpu/quantized.cpp`), per group of `group_size`
@@ -38,7 +43,8 @@
 //!   `chat_template` string of `tokenizer_config.json` is also written to `chat_template.jinja`
 //!   (where transformers 5 saves it, and which takes precedence when both exist).
 //!
-//! Checked against mlx-lm's own output (`tests/convert.rs`): `shared/fixtures/tiny/mlx-q4` and
+//! Checked against mlx-lm's own output (`tests/convert.rs`, and `tests/moe.rs` for a mixture of
+//! experts: `tests/data/moe/mlx-q4`): `shared/fixtures/tiny/mlx-q4` and
 //! the 8-bit, group-32/128 and per-module-override variants in `tests/data/quant` are reproduced
 //! tensor for tensor, byte for byte, with the same `config.json` and index bytes.
 //!
@@ -266,6 +272,16 @@ enum Op {
     },
 }
 
+/// Which source rows an output tensor reads when not all of them in order: output row `r` is
+/// source row `(r / len) · block + offset + r mod len` (the gate or up half of each expert of a
+/// fused `gate_up_proj`, rows counted over the flattened leading dimensions).
+#[derive(Clone, Copy, Debug)]
+struct RowMap {
+    block: usize,
+    offset: usize,
+    len: usize,
+}
+
 /// One tensor of the output.
 struct Planned<'a> {
     name: String,
@@ -273,6 +289,7 @@ struct Planned<'a> {
     shape: Vec<usize>,
     src: &'a TensorEntry,
     op: Op,
+    rows: Option<RowMap>,
 }
 
 impl Planned<'_> {
@@ -297,7 +314,7 @@ fn cast_dtype(root: &Map<String, Value>) -> Option<Dtype> {
 /// writes per-module entries): the embedding, each layer's mixer projections and MLP in
 /// definition order, the head.
 fn module_order(module: &str) -> (u8, usize, u8, String) {
-    const IN_LAYER: [&str; 12] = [
+    const IN_LAYER: [&str; 20] = [
         "self_attn.q_proj",
         "self_attn.k_proj",
         "self_attn.v_proj",
@@ -310,6 +327,14 @@ fn module_order(module: &str) -> (u8, usize, u8, String) {
         "mlp.gate_proj",
         "mlp.down_proj",
         "mlp.up_proj",
+        "mlp.gate",
+        "mlp.switch_mlp.gate_proj",
+        "mlp.switch_mlp.up_proj",
+        "mlp.switch_mlp.down_proj",
+        "mlp.shared_expert.gate_proj",
+        "mlp.shared_expert.up_proj",
+        "mlp.shared_expert.down_proj",
+        "mlp.shared_expert_gate",
     ];
     if module.ends_with("embed_tokens") {
         return (0, 0, 0, String::new());
@@ -323,6 +348,24 @@ fn module_order(module: &str) -> (u8, usize, u8, String) {
         }
     }
     (2, 0, 0, module.to_string())
+}
+
+/// mlx-lm's `quant_predicate` for a mixture-of-experts Qwen3.5 (`qwen3_5.py`): the router and
+/// the shared expert's gate at 8 bits, group size 64.
+fn moe_predicate(module: &str) -> Option<QuantParams> {
+    (module.ends_with("mlp.gate") || module.ends_with("shared_expert_gate")).then_some(QuantParams { group_size: 64, bits: 8 })
+}
+
+/// The parameters module `module` is quantized with: a matching `--q-override`, else mlx-lm's
+/// MoE predicate (for an MoE model), else the default.
+fn module_params(module: &str, opts: &ConvertOptions, moe: bool) -> (QuantParams, bool) {
+    if let Some(o) = opts.overrides.iter().find(|o| o.matches(module)) {
+        return (o.params, true);
+    }
+    match moe.then(|| moe_predicate(module)).flatten() {
+        Some(q) => (q, true),
+        None => (opts.quant, false),
+    }
 }
 
 /// The output name of a source tensor, or `None` when mlx-lm drops it.
@@ -415,13 +458,13 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
             // module itself, and quantized modules count their codes unpacked.
             Op::Float { .. } if p.name.ends_with(".A_log") || p.name.ends_with(".dt_bias") => None,
             Op::Float { .. } => Some(p.shape.iter().product::<usize>() as u64),
-            Op::Codes(q) => Some((p.shape[0] * p.shape[1] * 32 / q.bits as usize) as u64),
+            Op::Codes(q) => Some((p.shape.iter().product::<usize>() * 32 / q.bits as usize) as u64),
             Op::Scales(_) | Op::Biases(_) => None,
         })
         .sum();
     let index = json!({ "metadata": { "total_size": tensor_bytes, "total_parameters": parameters }, "weight_map": weight_map });
     writer::write_json_like_python(&d.join("model.safetensors.index.json"), &index)?;
-    writer::write_json_like_python(&d.join("config.json"), &mlx_config(root, src, &plan, opts))?;
+    writer::write_json_like_python(&d.join("config.json"), &mlx_config(root, src, &plan, opts, host.config.moe.is_some()))?;
     copy_side_files(src, d)?;
     let mut card = String::from("---\n");
     if let Some(b) = &opts.base_model {
@@ -451,27 +494,71 @@ fn plan<'a>(ck: &'a Checkpoint, host: &HostModel, root: &Map<String, Value>, opt
     let cast = cast_dtype(root);
     // mlx-lm shifts the norms only when a conv1d weight is still in the HF layout.
     let shift_norms = ck.tensors().any(|t| t.name.ends_with("conv1d.weight") && t.shape.last() != Some(&1));
+    let moe = host.config.moe.is_some();
     let mut out = Vec::new();
     for t in ck.tensors() {
         let Some(name) = mlx_name(&t.name, layout, tied) else { continue };
         let file = || ck.path_of(t).to_path_buf();
         let module = name.strip_suffix(".weight");
         let is_conv = name.ends_with("conv1d.weight");
-        if let (Some(module), [rows, cols], false) = (module, t.shape.as_slice(), is_conv) {
+        // A matrix (2-D, or the experts' 3-D stacks): quantized when the default group size
+        // divides its input width (`quantize_model` skips the others), else a float tensor.
+        let matrix = |module: &str, shape: Vec<usize>, rows: Option<RowMap>, out: &mut Vec<Planned<'a>>| -> Result<bool, ConvertError> {
             if t.dtype != Dtype::BF16 {
                 return Err(ConvertError::NotHfBf16 { path: file(), reason: format!("matrix `{}` is {:?}, not BF16", t.name, t.dtype) });
             }
-            // `quantize_model` skips modules the default group size does not divide.
-            if cols % opts.quant.group_size == 0 {
-                let q = opts.overrides.iter().find(|o| o.matches(module)).map_or(opts.quant, |o| o.params);
-                if cols % q.group_size != 0 {
-                    return Err(ConvertError::Indivisible { file: file(), module: module.to_string(), group_size: q.group_size, cols: *cols });
+            let cols = *shape.last().expect("a matrix has dimensions");
+            if !cols.is_multiple_of(opts.quant.group_size) {
+                return Ok(false);
+            }
+            let (q, _) = module_params(module, opts, moe);
+            if !cols.is_multiple_of(q.group_size) {
+                return Err(ConvertError::Indivisible { file: file(), module: module.to_string(), group_size: q.group_size, cols });
+            }
+            let scale_dtype = cast.unwrap_or(t.dtype);
+            let lead = &shape[..shape.len() - 1];
+            let with_last = |last: usize| lead.iter().copied().chain([last]).collect::<Vec<usize>>();
+            out.push(Planned { name: format!("{module}.weight"), dtype: Dtype::U32, shape: with_last(cols * q.bits as usize / 32), src: t, op: Op::Codes(q), rows });
+            out.push(Planned { name: format!("{module}.scales"), dtype: scale_dtype, shape: with_last(cols / q.group_size), src: t, op: Op::Scales(q), rows });
+            out.push(Planned { name: format!("{module}.biases"), dtype: scale_dtype, shape: with_last(cols / q.group_size), src: t, op: Op::Biases(q), rows });
+            Ok(true)
+        };
+        // transformers 5's fused experts become mlx-lm's switch_mlp stacks.
+        if let Some(prefix) = name.strip_suffix("experts.gate_up_proj").filter(|_| moe) {
+            let [e, two_i, d] = t.shape[..] else {
+                return Err(ConvertError::NotHfBf16 {
+                    path: file(), reason: format!("`{}` has shape {:?}, not [experts, 2·moe_intermediate_size, hidden_size]", t.name, t.shape)
+                });
+            };
+            let i = two_i / 2;
+            for (part, offset) in [("gate_proj", 0), ("up_proj", i)] {
+                let module = format!("{prefix}switch_mlp.{part}");
+                let rows = Some(RowMap { block: two_i, offset, len: i });
+                if !matrix(&module, vec![e, i, d], rows, &mut out)? {
+                    let dtype = cast.unwrap_or(t.dtype);
+                    out.push(Planned { name: format!("{module}.weight"), dtype, shape: vec![e, i, d], src: t, op: Op::Float { shift: false }, rows });
                 }
-                let scale_dtype = cast.unwrap_or(t.dtype);
-                let groups = vec![*rows, cols / q.group_size];
-                out.push(Planned { name: format!("{module}.weight"), dtype: Dtype::U32, shape: vec![*rows, cols * q.bits as usize / 32], src: t, op: Op::Codes(q) });
-                out.push(Planned { name: format!("{module}.scales"), dtype: scale_dtype, shape: groups.clone(), src: t, op: Op::Scales(q) });
-                out.push(Planned { name: format!("{module}.biases"), dtype: scale_dtype, shape: groups, src: t, op: Op::Biases(q) });
+            }
+            continue;
+        }
+        if let Some(prefix) = name.strip_suffix("experts.down_proj").filter(|_| moe) {
+            let module = format!("{prefix}switch_mlp.down_proj");
+            if !matrix(&module, t.shape.clone(), None, &mut out)? {
+                out.push(Planned { name: format!("{module}.weight"), dtype: cast.unwrap_or(t.dtype), shape: t.shape.clone(), src: t, op: Op::Float { shift: false }, rows: None });
+            }
+            continue;
+        }
+        if moe && name.contains(".mlp.experts.") {
+            return Err(ConvertError::NotHfBf16 {
+                path: file(),
+                reason: format!(
+                    "`{}` is a per-expert tensor; mlx-lm converts the fused `mlp.experts.gate_up_proj` / `down_proj` that transformers 5 saves (load and save the model with transformers first)",
+                    t.name
+                ),
+            });
+        }
+        if let (Some(module), [_, _], false) = (module, t.shape.as_slice(), is_conv) {
+            if matrix(module, t.shape.clone(), None, &mut out)? {
                 continue;
             }
         }
@@ -481,14 +568,14 @@ fn plan<'a>(ck: &'a Checkpoint, host: &HostModel, root: &Map<String, Value>, opt
         };
         let dtype = if name.ends_with(".A_log") { t.dtype } else { cast.unwrap_or(t.dtype) };
         let shift = shift_norms && t.shape.len() == 1 && SHIFTED_NORMS.iter().any(|s| name.ends_with(s));
-        out.push(Planned { name, dtype, shape, src: t, op: Op::Float { shift } });
+        out.push(Planned { name, dtype, shape, src: t, op: Op::Float { shift }, rows: None });
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
 }
 
 /// mlx-lm's `config.json` for the converted model (module docs, "Files").
-fn mlx_config(root: &Map<String, Value>, src: &Path, plan: &[Planned], opts: &ConvertOptions) -> Value {
+fn mlx_config(root: &Map<String, Value>, src: &Path, plan: &[Planned], opts: &ConvertOptions, moe: bool) -> Value {
     let mut c = root.clone();
     // `load_config`: a truthy eos_token_id of generation_config.json replaces config.json's.
     if let Ok(Value::Object(g)) = config::read_json(&src.join("generation_config.json")) {
@@ -513,7 +600,7 @@ fn mlx_config(root: &Map<String, Value>, src: &Path, plan: &[Planned], opts: &Co
         .filter_map(|p| match p.op {
             Op::Codes(qp) => {
                 let m = p.name.trim_end_matches(".weight");
-                opts.overrides.iter().any(|o| o.matches(m)).then_some((m, qp))
+                module_params(m, opts, moe).1.then_some((m, qp))
             }
             _ => None,
         })
@@ -611,13 +698,29 @@ impl Lazy<'_> {
     fn fill(&self, out: &mut [u8]) -> Result<(), ConvertError> {
         let p = self.planned;
         let t = p.src;
-        let src = self.ck.bytes(t);
-        let src = src.as_slice();
+        let bytes = self.ck.bytes(t);
+        // The rows this output reads, gathered when they are not the whole source in order.
+        let gathered: Vec<u8>;
+        let src = match p.rows {
+            None => bytes.as_slice(),
+            Some(m) => {
+                let rb = t.shape.last().copied().unwrap_or(1) * dtype_bytes(t.dtype);
+                let n = p.shape[..p.shape.len() - 1].iter().product::<usize>();
+                let all = bytes.as_slice();
+                gathered = (0..n)
+                    .flat_map(|r| {
+                        let sr = (r / m.len) * m.block + m.offset + r % m.len;
+                        all[sr * rb..(sr + 1) * rb].iter().copied()
+                    })
+                    .collect();
+                &gathered[..]
+            }
+        };
         let non_finite = || ConvertError::NonFinite { file: self.ck.path_of(t).to_path_buf(), name: t.name.clone() };
         match p.op {
             Op::Float { shift } => {
                 let (from, to) = (t.dtype, p.dtype);
-                let n: usize = t.shape.iter().product();
+                let n: usize = p.shape.iter().product();
                 let (fb, tb) = (dtype_bytes(from), dtype_bytes(to));
                 if !shift && from == to {
                     out.copy_from_slice(&src[..n * fb]);
@@ -633,7 +736,7 @@ impl Lazy<'_> {
                 Ok(())
             }
             Op::Codes(q) | Op::Scales(q) | Op::Biases(q) => {
-                let cols = t.shape[1];
+                let cols = *t.shape.last().expect("a matrix has dimensions");
                 let groups = cols / q.group_size;
                 let cast = self.cast.unwrap_or(t.dtype);
                 let per_word = 32 / q.bits as usize;

@@ -12,7 +12,12 @@
 //!   affine 4-bit (`weight` U32 `[out, in/8]`, element 0 in the low nibble; `scales`/`biases`
 //!   BF16 `[out, in/group]`); `conv1d.weight` BF16 `[C, K, 1]`; RMSNorm weights BF16 stored
 //!   pre-shifted (`1 + w`); `linear_attn.norm.weight` BF16 plain; `A_log` F32; `dt_bias` BF16;
-//!   `model.safetensors.index.json` even for one shard; `chat_template.jinja`.
+//!   `model.safetensors.index.json` even for one shard; `chat_template.jinja`. The
+//!   mixture-of-experts presets (35B-A3B, 122B-A10B) have the routed experts stacked 3-D as
+//!   mlx-lm's `switch_mlp` (`weight` U32 `[E, out, in/8]`, `scales`/`biases` `[E, out, in/group]`),
+//!   `mlp.gate`, `mlp.shared_expert.*` and `mlp.shared_expert_gate`; unlike mlx-lm, which stores
+//!   the router and shared-expert gate at 8 bits, they are 4-bit here like every other matrix
+//!   (under 0.1% of the bytes a token reads). They are written in this layout only.
 //! * [`SynthLayout::HfBf16`]: what Qwen releases (§5.1; `shared/fixtures/tiny/hf`):
 //!   `model.language_model.*` names, BF16 except `A_log` and `linear_attn.norm.weight` (F32),
 //!   zero-centred RMSNorm weights (the model uses `1 + w`), `conv1d.weight` `[C, 1, K]`, no
@@ -151,15 +156,23 @@ pub enum Preset {
     /// Qwen3.5-27B, the largest dense size: D 5120, 64 layers, I 17408, 24/4 heads, GDN 16/48
     /// heads, untied `lm_head`.
     Qwen35_27B,
+    /// Qwen3.5-35B-A3B, mixture of experts: D 2048, 40 layers, 16/2 heads, GDN 16/32 heads,
+    /// 256 experts of 512, top-8, a shared expert of 512, untied `lm_head`.
+    Qwen35_35B_A3B,
+    /// Qwen3.5-122B-A10B, mixture of experts: D 3072, 48 layers, 32/2 heads, GDN 16/64 heads,
+    /// 256 experts of 1024, top-8, a shared expert of 1024, untied `lm_head` (see [`Preset::dims`]
+    /// for which numbers are published).
+    Qwen35_122B_A10B,
 }
 
 impl Preset {
-    /// Every preset, smallest first: the dense Qwen3.5 sizes (the MoE ones, 35B-A3B and up,
-    /// are another architecture).
+    /// Every dense preset, smallest first (the mixture-of-experts ones are [`Preset::MOE`]).
     pub const ALL: [Preset; 5] = [Preset::Qwen35_0_8B, Preset::Qwen35_2B, Preset::Qwen35_4B, Preset::Qwen35_9B, Preset::Qwen35_27B];
+    /// The mixture-of-experts sizes (`qwen3_5_moe`); written in the MLX layout only.
+    pub const MOE: [Preset; 2] = [Preset::Qwen35_35B_A3B, Preset::Qwen35_122B_A10B];
 
     /// The name [`FromStr`] accepts: `qwen3.5-0.8b`, `qwen3.5-2b`, `qwen3.5-4b`, `qwen3.5-9b`,
-    /// `qwen3.5-27b`.
+    /// `qwen3.5-27b`, `qwen3.5-35b-a3b`, `qwen3.5-122b-a10b`.
     pub fn name(self) -> &'static str {
         match self {
             Preset::Qwen35_0_8B => "qwen3.5-0.8b",
@@ -167,19 +180,34 @@ impl Preset {
             Preset::Qwen35_4B => "qwen3.5-4b",
             Preset::Qwen35_9B => "qwen3.5-9b",
             Preset::Qwen35_27B => "qwen3.5-27b",
+            Preset::Qwen35_35B_A3B => "qwen3.5-35b-a3b",
+            Preset::Qwen35_122B_A10B => "qwen3.5-122b-a10b",
         }
     }
 
     /// Dimensions of the text decoder: spec §1 table; 27B from its published `config.json`
     /// (the `text_config` of https://huggingface.co/Qwen/Qwen3.5-27B as reproduced in public
     /// code, agreeing with the model card's architecture table).
+    ///
+    /// The MoE sizes: 35B-A3B is transformers 5.24's `Qwen3_5MoeTextConfig` defaults, which its
+    /// docs give as the Qwen/Qwen3.5-35B-A3B configuration. For 122B-A10B the published model
+    /// description gives 48 layers, hidden size 3072, 32 attention heads, 256 experts with 8
+    /// routed and 1 shared per token; the KV heads (2), GDN heads (16/64), expert and shared widths
+    /// (1024) are not in a source found here and follow the family's pattern (an estimate).
     fn dims(self) -> Dims {
+        let moe = match self {
+            Preset::Qwen35_35B_A3B => Some(SynthMoe { experts: 256, per_tok: 8, expert: 512, shared: 512 }),
+            Preset::Qwen35_122B_A10B => Some(SynthMoe { experts: 256, per_tok: 8, expert: 1024, shared: 1024 }),
+            _ => None,
+        };
         let (hidden, layers, intermediate, heads, kv_heads, lin_v_heads, tied) = match self {
             Preset::Qwen35_0_8B => (1024, 24, 3584, 8, 2, 16, true),
             Preset::Qwen35_2B => (2048, 24, 6144, 8, 2, 16, true),
             Preset::Qwen35_4B => (2560, 32, 9216, 16, 4, 32, true),
             Preset::Qwen35_9B => (4096, 32, 12288, 16, 4, 32, false),
             Preset::Qwen35_27B => (5120, 64, 17408, 24, 4, 48, false),
+            Preset::Qwen35_35B_A3B => (2048, 40, 0, 16, 2, 32, false),
+            Preset::Qwen35_122B_A10B => (3072, 48, 0, 32, 2, 64, false),
         };
         Dims {
             hidden,
@@ -196,6 +224,7 @@ impl Preset {
             vocab: VOCAB_SIZE,
             live_rows: TOKENIZER_IDS,
             tied,
+            moe,
         }
     }
 }
@@ -209,10 +238,10 @@ impl fmt::Display for Preset {
 impl FromStr for Preset {
     type Err = SynthError;
 
-    /// Parses `qwen3.5-0.8b` | `qwen3.5-2b` | `qwen3.5-4b` | `qwen3.5-9b` | `qwen3.5-27b`
-    /// (ASCII case ignored).
+    /// Parses `qwen3.5-0.8b` | `qwen3.5-2b` | `qwen3.5-4b` | `qwen3.5-9b` | `qwen3.5-27b` |
+    /// `qwen3.5-35b-a3b` | `qwen3.5-122b-a10b` (ASCII case ignored).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        Preset::ALL.into_iter().find(|p| p.name().eq_ignore_ascii_case(s.trim())).ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
+        Preset::ALL.into_iter().chain(Preset::MOE).find(|p| p.name().eq_ignore_ascii_case(s.trim())).ok_or_else(|| SynthError::UnknownPreset(s.to_string()))
     }
 }
 
@@ -280,7 +309,7 @@ pub struct SynthSummary {
 /// Errors of [`write_checkpoint`] and the parsers of this module.
 #[derive(Debug, thiserror::Error)]
 pub enum SynthError {
-    #[error("unknown preset {0:?}: expected one of qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b")]
+    #[error("unknown preset {0:?}: expected one of qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b, qwen3.5-35b-a3b, qwen3.5-122b-a10b")]
     UnknownPreset(String),
     #[error("invalid {option}: {reason}")]
     InvalidOption { option: &'static str, reason: String },
@@ -341,11 +370,27 @@ pub fn write_checkpoint(opts: &SynthOptions, progress: &mut dyn FnMut(u64, u64))
         }
         dims.layers = n;
     }
+    if dims.moe.is_some() && opts.layout == SynthLayout::HfBf16 {
+        return Err(SynthError::InvalidOption {
+            option: "layout",
+            reason: format!("{} is a mixture of experts, written in the MLX layout only (its HF fused expert tensors are not generated)", opts.preset),
+        });
+    }
     write_dims(&dims, opts, progress)
 }
 
 // ---------------------------------------------------------------------------------------------
 // Dimensions and configs
+
+/// The experts of a mixture-of-experts size (`text_config` keys `num_experts`,
+/// `num_experts_per_tok`, `moe_intermediate_size`, `shared_expert_intermediate_size`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SynthMoe {
+    experts: usize,
+    per_tok: usize,
+    expert: usize,
+    shared: usize,
+}
 
 /// Text-decoder dimensions, named after the `text_config` keys.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -365,6 +410,8 @@ struct Dims {
     /// Embedding rows below this are random; rows at and past it are zero (padding).
     live_rows: usize,
     tied: bool,
+    /// The experts of a `qwen3_5_moe` size (`intermediate` is then unused).
+    moe: Option<SynthMoe>,
 }
 
 impl Dims {
@@ -384,6 +431,20 @@ impl Dims {
 }
 
 fn text_config(d: &Dims) -> Value {
+    let mut c = dense_text_config(d);
+    if let (Some(m), Some(o)) = (d.moe, c.as_object_mut()) {
+        o.shift_remove("intermediate_size");
+        o.insert("model_type".into(), "qwen3_5_moe_text".into());
+        o.insert("moe_intermediate_size".into(), m.expert.into());
+        o.insert("num_experts".into(), m.experts.into());
+        o.insert("num_experts_per_tok".into(), m.per_tok.into());
+        o.insert("router_aux_loss_coef".into(), 0.001.into());
+        o.insert("shared_expert_intermediate_size".into(), m.shared.into());
+    }
+    c
+}
+
+fn dense_text_config(d: &Dims) -> Value {
     let layer_types: Vec<&str> = (0..d.layers).map(|l| if d.is_full_attention(l) { "full_attention" } else { "linear_attention" }).collect();
     json!({
         "attention_bias": false,
@@ -469,11 +530,12 @@ fn mlx_config(d: &Dims, group_size: usize) -> Value {
         }
     }
     let q = json!({ "group_size": group_size, "bits": 4, "mode": "affine" });
+    let (arch, model_type) = if d.moe.is_some() { ("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe") } else { ("Qwen3_5ForConditionalGeneration", "qwen3_5") };
     json!({
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "architectures": [arch],
         "eos_token_id": [IM_END_ID, ENDOFTEXT_ID],
         "image_token_id": IMAGE_TOKEN_ID,
-        "model_type": "qwen3_5",
+        "model_type": model_type,
         "quantization": q.clone(),
         "quantization_config": q,
         "text_config": tc,
@@ -530,6 +592,10 @@ impl Logical {
     fn elements(&self) -> u64 {
         self.shape.iter().map(|&n| n as u64).product()
     }
+    /// Input width of a matrix (the last dimension, also of the experts' 3-D stacks).
+    fn cols(&self) -> usize {
+        *self.shape.last().expect("a tensor has dimensions")
+    }
 }
 
 fn logical_tensors(d: &Dims) -> Vec<Logical> {
@@ -571,9 +637,26 @@ fn logical_tensors(d: &Dims) -> Vec<Logical> {
             push(format!("{a}norm"), Init::GatedNorm, vec![d.lin_v_dim]);
             push(format!("{a}out_proj"), out_lin(d.value_dim()), vec![dm, d.value_dim()]);
         }
-        push(format!("{p}mlp.gate_proj"), lin(dm), vec![d.intermediate, dm]);
-        push(format!("{p}mlp.up_proj"), lin(dm), vec![d.intermediate, dm]);
-        push(format!("{p}mlp.down_proj"), out_lin(d.intermediate), vec![dm, d.intermediate]);
+        match d.moe {
+            None => {
+                push(format!("{p}mlp.gate_proj"), lin(dm), vec![d.intermediate, dm]);
+                push(format!("{p}mlp.up_proj"), lin(dm), vec![d.intermediate, dm]);
+                push(format!("{p}mlp.down_proj"), out_lin(d.intermediate), vec![dm, d.intermediate]);
+            }
+            Some(m) => {
+                // mlx-lm's layout: the router, the experts stacked 3-D [E, out, in], the shared
+                // expert and its gate. Each token's MLP output is a weighted mean of experts
+                // plus the gated shared expert, so the experts take the dense scales.
+                push(format!("{p}mlp.gate"), lin(dm), vec![m.experts, dm]);
+                push(format!("{p}mlp.switch_mlp.gate_proj"), lin(dm), vec![m.experts, m.expert, dm]);
+                push(format!("{p}mlp.switch_mlp.up_proj"), lin(dm), vec![m.experts, m.expert, dm]);
+                push(format!("{p}mlp.switch_mlp.down_proj"), out_lin(m.expert), vec![m.experts, dm, m.expert]);
+                push(format!("{p}mlp.shared_expert.gate_proj"), lin(dm), vec![m.shared, dm]);
+                push(format!("{p}mlp.shared_expert.up_proj"), lin(dm), vec![m.shared, dm]);
+                push(format!("{p}mlp.shared_expert.down_proj"), out_lin(m.shared), vec![dm, m.shared]);
+                push(format!("{p}mlp.shared_expert_gate"), lin(dm), vec![1, dm]);
+            }
+        }
     }
     push("norm".into(), Init::ShiftedNorm { gain: LOGIT_STD }, vec![dm]);
     if !d.tied {
@@ -629,11 +712,13 @@ fn stored_tensors(logical: &[Logical], layout: SynthLayout) -> Vec<Stored> {
         };
         match (layout, t.init) {
             (SynthLayout::Mlx4Bit { group_size }, _) if t.quantized() => {
-                let (rows, cols) = (t.shape[0], t.shape[1]);
-                push(name(".weight"), Dtype::U32, vec![rows, cols / 8], Part::Codes);
+                // [out, in] or the experts' [E, out, in]: the last dimension is packed.
+                let (lead, cols) = (&t.shape[..t.shape.len() - 1], t.cols());
+                let with_last = |n: usize| lead.iter().copied().chain([n]).collect::<Vec<usize>>();
+                push(name(".weight"), Dtype::U32, with_last(cols / 8), Part::Codes);
                 let g = cols / group_size;
-                push(name(".scales"), Dtype::BF16, vec![rows, g], Part::Scales { group: group_size });
-                push(name(".biases"), Dtype::BF16, vec![rows, g], Part::Biases { group: group_size });
+                push(name(".scales"), Dtype::BF16, with_last(g), Part::Scales { group: group_size });
+                push(name(".biases"), Dtype::BF16, with_last(g), Part::Biases { group: group_size });
             }
             (SynthLayout::HfBf16, _) if t.quantized() => push(name(".weight"), Dtype::BF16, t.shape.clone(), Part::Dequant),
             (SynthLayout::Mlx4Bit { .. }, Init::Conv) => push(name(weight), Dtype::BF16, vec![t.shape[0], t.shape[1], 1], Part::Values),
@@ -749,7 +834,7 @@ impl Generator<'_> {
         match t.part {
             Part::Codes => {
                 let codes = stream("codes");
-                let draws_per_row = l.shape[1] / 16; // one u64 = 16 nibbles = two U32 words
+                let draws_per_row = l.cols() / 16; // one u64 = 16 nibbles = two U32 words
                 par_rows(out, draws_per_row * 8, self.threads, |row, buf| {
                     if row >= live_rows {
                         return; // zero codes
@@ -762,7 +847,7 @@ impl Generator<'_> {
             }
             Part::Scales { group } | Part::Biases { group } => {
                 let scales = stream("scales");
-                let gpr = l.shape[1] / group;
+                let gpr = l.cols() / group;
                 let want_scale = matches!(t.part, Part::Scales { .. });
                 par_rows(out, gpr * 2, self.threads, |row, buf| {
                     for (g, chunk) in buf.chunks_exact_mut(2).enumerate() {
@@ -774,7 +859,7 @@ impl Generator<'_> {
             }
             Part::Dequant => {
                 let (codes, scales) = (stream("codes"), stream("scales"));
-                let cols = l.shape[1];
+                let cols = l.cols();
                 let gpr = cols / HF_GROUP_SIZE;
                 let draws_per_row = cols / 16;
                 par_rows(out, cols * 2, self.threads, |row, buf| {
@@ -903,8 +988,8 @@ fn write_dims(dims: &Dims, opts: &SynthOptions, progress: &mut dyn FnMut(u64, u6
         SynthLayout::HfBf16 => HF_GROUP_SIZE,
     };
     for t in logical.iter().filter(|t| t.quantized()) {
-        if t.shape[1] % group != 0 || t.shape[1] % 16 != 0 {
-            return Err(SynthError::InvalidOption { option: "group_size", reason: format!("{group} does not divide the input dim {} of {}", t.shape[1], t.key) });
+        if t.cols() % group != 0 || t.cols() % 16 != 0 {
+            return Err(SynthError::InvalidOption { option: "group_size", reason: format!("{group} does not divide the input dim {} of {}", t.cols(), t.key) });
         }
     }
     let out_dir = &opts.out_dir;
@@ -1086,6 +1171,7 @@ mod tests {
             vocab: 2048,
             live_rows: 2048 - 33 + 33,
             tied: true,
+            moe: None,
         }
     }
 
@@ -1222,6 +1308,28 @@ mod tests {
                 assert_eq!((c.num_full_layers(), c.rotary_dim()), (d.layers / 4, 64), "{p} {layout}");
             }
         }
+    }
+
+    #[test]
+    fn moe_presets_have_their_published_sizes() {
+        // The names give total and active parameters: 35B-A3B and 122B-A10B (active: every
+        // tensor but the 256 − 8 routed experts a token does not use, embedding and head included).
+        for (p, total, active) in [(Preset::Qwen35_35B_A3B, 34.66, 3.45), (Preset::Qwen35_122B_A10B, 122.11, 9.77)] {
+            let d = p.dims();
+            let m = d.moe.expect("an MoE preset");
+            let n: u64 = logical_tensors(&d).iter().map(Logical::elements).sum();
+            let unused = (d.layers * (m.experts - m.per_tok) * 3 * m.expert * d.hidden) as u64;
+            assert!((n as f64 / 1e9 - total).abs() < 0.005 && ((n - unused) as f64 / 1e9 - active).abs() < 0.005, "{p}: {n} total, {} active", n - unused);
+            let c = crate::config::ModelConfig::from_json(Path::new("config.json"), &mlx_config(&d, 64)).unwrap_or_else(|e| panic!("{p}: {e}"));
+            let cm = c.moe.expect("the config is a mixture of experts");
+            assert_eq!((cm.num_experts, cm.num_experts_per_tok, cm.moe_intermediate_size, cm.shared_expert_intermediate_size), (m.experts, m.per_tok, m.expert, m.shared), "{p}");
+            assert_eq!((c.hidden_size, c.num_hidden_layers, c.intermediate_size), (d.hidden, d.layers, 0), "{p}");
+            assert_eq!(p.name().parse::<Preset>().unwrap(), p);
+        }
+        let dir = std::env::temp_dir().join(format!("tensorfold-synth-moe-hf-{}", std::process::id()));
+        let err = write_checkpoint(&opts(Preset::Qwen35_35B_A3B, SynthLayout::HfBf16, 1, dir.clone()), &mut |_, _| {}).unwrap_err().to_string();
+        assert!(err.contains("qwen3.5-35b-a3b is a mixture of experts, written in the MLX layout only"), "{err}");
+        assert!(!dir.exists(), "a refused layout touched the disk");
     }
 
     #[test]
@@ -1556,6 +1664,32 @@ mod tests {
         assert!(hf.names().contains(&"lm_head.weight"));
         assert!(mlx.names().contains(&"language_model.lm_head.scales"));
         assert_eq!(json_of(&hf_dir.join("config.json"))["tie_word_embeddings"], false);
+    }
+
+    /// A small MoE written in the MLX layout loads as the engine reads it (every expert tensor
+    /// checked against the config), with routed experts stacked 3-D, and runs.
+    #[test]
+    fn moe_mlx_layout_loads_and_runs() {
+        use crate::backend::{cpu::Cpu, Backend, Batch};
+        let scratch = Scratch::new("moe");
+        let mut dims = fixture_tiny_dims();
+        dims.moe = Some(SynthMoe { experts: 8, per_tok: 2, expert: 128, shared: 64 });
+        let dir = scratch.join("mlx");
+        write_dims(&dims, &opts(Preset::Qwen35_35B_A3B, SynthLayout::default(), 5, dir.clone()), &mut |_, _| {}).unwrap();
+        let header = header_of(&dir.join("model.safetensors"));
+        assert_eq!(header["language_model.model.layers.0.mlp.switch_mlp.down_proj.weight"], (Dtype::U32, vec![8, 256, 16]));
+        assert_eq!(header["language_model.model.layers.0.mlp.switch_mlp.gate_proj.scales"], (Dtype::BF16, vec![8, 128, 4]));
+        let host = crate::model::HostModel::open(&dir).unwrap();
+        assert!(host.loaded.ignored.is_empty(), "{:?}", host.loaded.ignored);
+        let model = crate::model::Model::new(&host, Cpu::new()).unwrap();
+        let mut states = model.backend.new_states(&model.config).unwrap();
+        let slot = model.backend.alloc_slot(&mut states).unwrap();
+        let mut sc = model.scratch(4, 4).unwrap();
+        model.step(&Batch::single(slot, 0, &[1, 2, 3, 4], true), &mut states, &mut sc).unwrap();
+        let mut logits = Vec::new();
+        model.backend.read_tensor(&sc.logits, 4, &mut logits).unwrap();
+        let (mean, sd) = mean_std(&logits);
+        assert!(logits.iter().all(|x| x.is_finite()) && mean.abs() < sd && sd > 0.5 && sd < 20.0, "logits mean {mean}, std {sd}");
     }
 
     #[test]

@@ -21,10 +21,10 @@ fn embed(w: &Weights) -> &Matrix {
     &w.embed_tokens
 }
 fn down_proj_0(w: &Weights) -> &Matrix {
-    &w.layers[0].mlp.down_proj
+    &w.layers[0].mlp.dense().expect("a dense fixture").down_proj
 }
 fn up_proj_2(w: &Weights) -> &Matrix {
-    &w.layers[2].mlp.up_proj
+    &w.layers[2].mlp.dense().expect("a dense fixture").up_proj
 }
 fn gdn_out_proj_1(w: &Weights) -> &Matrix {
     match &w.layers[1].mixer {

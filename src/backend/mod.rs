@@ -13,7 +13,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::config::ModelConfig;
-use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix, MoeWeights};
 
 /// A failure inside a backend (allocation, device errors, a request the state cannot hold).
 #[derive(Debug, thiserror::Error)]
@@ -184,6 +184,11 @@ pub trait Backend {
     fn max_slots(&self) -> usize {
         usize::MAX
     }
+    /// Refuses a model this backend cannot run, before any weight is uploaded
+    /// ([`crate::model::Model::new`] asks first). The default runs every model.
+    fn check_model(&self, _cfg: &ModelConfig) -> Result<(), BackendError> {
+        Ok(())
+    }
     fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix, BackendError>;
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor, BackendError>;
@@ -272,6 +277,16 @@ pub trait Backend {
         self.rms_norm_matmul(x, w, eps, rows, u, &mut [(gate_w, &mut *gate), (up_w, &mut *up)]);
         self.swiglu(gate, up, rows, act);
     }
+    /// The mixture-of-experts block after its norm (transformers `Qwen3_5MoeSparseMoeBlock`,
+    /// docs/numerics.md §7.1): per row of `u`, the router's softmax over `E` experts, the top
+    /// `num_experts_per_tok` (ties to the lower index), their weights renormalised when
+    /// `norm_topk_prob`; `y = Σ_e w_e · expert_e(u)` in increasing expert index, plus
+    /// `sigmoid(shared_expert_gate · u) · shared_expert(u)`; then the residual add `h = h + y`.
+    /// Each row's bits depend on that row alone, however rows are grouped by expert. Writes `y`
+    /// and `h` (`[rows, D]`). A backend that has no MoE kernels refuses such a model in
+    /// [`Backend::check_model`] and is never asked.
+    #[allow(clippy::too_many_arguments)]
+    fn moe(&self, w: &MoeWeights<Self::Matrix>, cfg: &ModelConfig, rows: usize, u: &Self::Tensor, y: &mut Self::Tensor, h: &mut Self::Tensor);
     /// The Gated DeltaNet mixer after its input projections, spec (G2)–(G12): causal conv,
     /// SiLU, q/k L2 norms, gates, delta rule, gated RMSNorm. `layer` indexes the GDN layers.
     #[allow(clippy::too_many_arguments)]

@@ -39,7 +39,20 @@ pub fn info(a: InfoArgs) -> Result<()> {
     };
     println!("layout           {layout} (norms stored as {})", if host.loaded.norm_offsets { "zero-centred offsets, used as 1 + w" } else { "1 + w" });
     println!("layers           {} ({} Gated DeltaNet, {} full attention at {:?})", c.num_hidden_layers, c.num_linear_layers(), c.num_full_layers(), full);
-    println!("hidden_size      {}   intermediate_size {}   vocab_size {}", c.hidden_size, c.intermediate_size, c.vocab_size);
+    match &c.moe {
+        None => println!("hidden_size      {}   intermediate_size {}   vocab_size {}", c.hidden_size, c.intermediate_size, c.vocab_size),
+        Some(m) => {
+            println!("hidden_size      {}   vocab_size {}", c.hidden_size, c.vocab_size);
+            println!(
+                "experts          {} per layer, {} per token{}, moe_intermediate_size {}, shared expert {} (sigmoid-gated)",
+                m.num_experts,
+                m.num_experts_per_tok,
+                if m.norm_topk_prob { " (weights renormalised)" } else { "" },
+                m.moe_intermediate_size,
+                m.shared_expert_intermediate_size
+            );
+        }
+    }
     println!(
         "attention        {} q heads, {} kv heads, head_dim {}, rotary dim {} (theta {})",
         c.num_attention_heads,
@@ -62,11 +75,14 @@ pub fn info(a: InfoArgs) -> Result<()> {
     };
     println!("quantization     {quant}");
     println!("parameters       {} ({:.3} B)", costs.parameters, costs.parameters as f64 / 1e9);
+    if c.moe.is_some() {
+        println!("active params    {} ({:.3} B) per token", costs.active_parameters, costs.active_parameters as f64 / 1e9);
+    }
     println!("checkpoint files {}", mib(host.checkpoint.file_bytes()));
     println!(
         "decode token     {} at context 0 ({} weights incl. LM head {}, state r+w {}), + {} per context token (KV read)",
         mib(costs.decode_bytes(0)),
-        mib(costs.matrix_bytes + costs.embedding_row_bytes + costs.vector_bytes),
+        mib(costs.active_matrix_bytes + costs.embedding_row_bytes + costs.vector_bytes),
         mib(costs.lm_head_bytes),
         mib(2 * (costs.conv_state_bytes + costs.recurrent_state_bytes)),
         mib(costs.kv_bytes_per_token)

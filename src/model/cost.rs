@@ -2,17 +2,24 @@
 //! move. These definitions are the ones ARCHITECTURE.md states and `tensorfold info` and
 //! `tensorfold bench` print.
 
-use super::weights::{Matrix, Mixer, Weights};
+use super::weights::{Ffn, Matrix, Mixer, Weights};
 use crate::config::ModelConfig;
 
 /// Sizes that do not depend on the context length, in bytes unless named otherwise.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Costs {
-    /// Logical parameters (matrix elements and vector elements of the text model).
+    /// Logical parameters (matrix elements and vector elements of the text model), every
+    /// expert of a mixture-of-experts model included.
     pub parameters: u64,
+    /// The parameters one token uses: [`Costs::parameters`] less the routed experts it is not
+    /// sent to (`num_experts − num_experts_per_tok` per layer). Equal for a dense model.
+    pub active_parameters: u64,
     /// Bytes of every projection matrix as stored (codes, scales, biases), LM head included,
     /// embedding table excluded unless it is the (tied) LM head.
     pub matrix_bytes: u64,
+    /// The part of [`Costs::matrix_bytes`] one decode token reads: all but the routed experts
+    /// it is not sent to (every expert of a layer has the same size).
+    pub active_matrix_bytes: u64,
     /// Bytes of one embedding row as stored (what the token lookup reads).
     pub embedding_row_bytes: u64,
     /// Bytes of the LM head as stored (the whole embedding table when tied).
@@ -25,8 +32,8 @@ pub struct Costs {
     pub recurrent_state_bytes: u64,
     /// KV cache of one sequence per token of context, f32: `L_attn · 2 · Hkv · Dh · 4`.
     pub kv_bytes_per_token: u64,
-    /// Multiply-adds of every layer's projections for one token (`Σ rows · cols`; the LM head
-    /// and the embedding excluded).
+    /// Multiply-adds of every layer's projections for one token (`Σ rows · cols`, over the
+    /// `num_experts_per_tok` routed experts a token uses; the LM head and the embedding excluded).
     pub layer_macs_per_token: u64,
     /// Multiply-adds of the LM head for one logits row (`vocab_size · hidden_size`).
     pub lm_head_macs: u64,
@@ -51,6 +58,7 @@ impl Costs {
             parameters += (h.rows * h.cols) as u64;
         }
         let mut layer_macs = 0u64;
+        let (mut inactive_bytes, mut inactive_params) = (0u64, 0u64);
         let mut count = |m: &Matrix| layer_macs += (m.rows * m.cols) as u64;
         for l in &w.layers {
             vector_elems += (l.input_layernorm.len() + l.post_attention_layernorm.len()) as u64;
@@ -70,9 +78,32 @@ impl Costs {
                     vector_elems += (a.q_norm.len() + a.k_norm.len()) as u64;
                 }
             }
-            for m in [&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj] {
-                matrix_bytes += mat(m);
-                count(m);
+            match &l.mlp {
+                Ffn::Dense(m) => {
+                    for m in [&m.gate_proj, &m.up_proj, &m.down_proj] {
+                        matrix_bytes += mat(m);
+                        count(m);
+                    }
+                }
+                Ffn::Moe(moe) => {
+                    for m in [&moe.gate, &moe.shared_expert_gate, &moe.shared_expert.gate_proj, &moe.shared_expert.up_proj, &moe.shared_expert.down_proj] {
+                        matrix_bytes += mat(m);
+                        count(m);
+                    }
+                    // A token runs k of the E experts: all are stored, k are read and multiplied.
+                    let k = cfg.moe.map_or(0, |c| c.num_experts_per_tok);
+                    for (i, e) in moe.experts.iter().enumerate() {
+                        for m in [&e.gate_proj, &e.up_proj, &e.down_proj] {
+                            matrix_bytes += mat(m);
+                            if i < k {
+                                count(m);
+                            } else {
+                                inactive_bytes += mat(m);
+                                inactive_params += (m.rows * m.cols) as u64;
+                            }
+                        }
+                    }
+                }
             }
         }
         let lm_head_bytes = mat(w.lm_head());
@@ -80,8 +111,10 @@ impl Costs {
         let n_lin = cfg.num_linear_layers() as u64;
         let n_full = cfg.num_full_layers() as u64;
         Self {
-            parameters: parameters + layer_macs + vector_elems,
+            parameters: parameters + layer_macs + inactive_params + vector_elems,
+            active_parameters: parameters + layer_macs + vector_elems,
             matrix_bytes,
+            active_matrix_bytes: matrix_bytes - inactive_bytes,
             embedding_row_bytes: w.embed_tokens.row_bytes() as u64,
             lm_head_bytes,
             vector_bytes: 4 * vector_elems,
@@ -107,11 +140,15 @@ impl Costs {
     }
 
     /// Bytes one decode token must move at `context` tokens already in the cache: every weight
-    /// byte it reads (all projections and the whole LM head, one embedding row, the f32
-    /// vectors), the conv and recurrent state read and written, the KV cache read (`context`
-    /// rows) and the new KV row written.
+    /// byte it reads (all projections but the routed experts it is not sent to, the whole LM
+    /// head, one embedding row, the f32 vectors), the conv and recurrent state read and written,
+    /// the KV cache read (`context` rows) and the new KV row written.
     pub fn decode_bytes(&self, context: usize) -> u64 {
-        self.matrix_bytes + self.embedding_row_bytes + self.vector_bytes + 2 * (self.conv_state_bytes + self.recurrent_state_bytes) + self.kv_bytes_per_token * (context as u64 + 1)
+        self.active_matrix_bytes
+            + self.embedding_row_bytes
+            + self.vector_bytes
+            + 2 * (self.conv_state_bytes + self.recurrent_state_bytes)
+            + self.kv_bytes_per_token * (context as u64 + 1)
     }
 
     /// State bytes of one sequence holding `tokens` tokens of context.

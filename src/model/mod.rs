@@ -2,7 +2,7 @@
 //!
 //! [`forward`] reads like qwen35-spec.md §3, top to bottom: embedding, then per layer an RMSNorm,
 //! the token mixer (Gated DeltaNet or gated attention), a residual add, an RMSNorm, the SwiGLU
-//! MLP and a residual add; then the final norm and the LM head. Each norm is one operation with
+//! MLP (or, in a `qwen3_5_moe` model, the routed experts and the shared expert) and a residual add; then the final norm and the LM head. Each norm is one operation with
 //! the projections that read it, each residual add one with the product that ends its block, so
 //! a device can fuse them. Each line is one [`Backend`]
 //! operation; the arithmetic inside them is fixed by docs/numerics.md.
@@ -16,7 +16,7 @@ use std::path::Path;
 use crate::backend::{Backend, BackendError, Batch};
 use crate::checkpoint::{Checkpoint, CheckpointError};
 use crate::config::{ConfigError, LayerType, ModelConfig};
-use weights::{Loaded, Mixer, Weights, WeightsError};
+use weights::{Ffn, Loaded, Mixer, Weights, WeightsError};
 
 /// Why a model could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -60,6 +60,7 @@ pub struct Model<B: Backend> {
 impl<B: Backend> Model<B> {
     /// Uploads host weights to `backend`.
     pub fn new(host: &HostModel, backend: B) -> Result<Self, BackendError> {
+        backend.check_model(&host.config)?;
         let weights = host.loaded.weights.map(&mut |m| backend.upload_matrix(m), &mut |v| backend.upload_vector(v))?;
         let (mut lin, mut full) = (0, 0);
         let kind_index = host
@@ -235,14 +236,26 @@ pub fn forward_probed<B: Backend>(m: &Model<B>, batch: &Batch, states: &mut B::S
             }
         }
         probe(l, "residual (mixer)", &s.x);
-        // (E4) u = RMSNorm(h; post_attention_layernorm); (M1) act = silu(W_gate·u) ⊙ (W_up·u)
-        b.rms_norm_matmul_swiglu(&s.x, &layer.post_attention_layernorm, eps, n, &mut s.u, &layer.mlp.gate_proj, &layer.mlp.up_proj, &mut s.gate, &mut s.up, &mut s.act);
-        probe(l, "post_attention_layernorm", &s.u);
-        probe(l, "mlp.gate_proj", &s.gate);
-        probe(l, "mlp (swiglu)", &s.act);
-        // (M1) y = W_down · act; (E4) x = h + y
-        b.matmul_residual(&s.act, n, &layer.mlp.down_proj, &mut s.y, &mut s.x);
-        probe(l, "mlp.down_proj", &s.y);
+        match &layer.mlp {
+            Ffn::Dense(mlp) => {
+                // (E4) u = RMSNorm(h; post_attention_layernorm); (M1) act = silu(W_gate·u) ⊙ (W_up·u)
+                b.rms_norm_matmul_swiglu(&s.x, &layer.post_attention_layernorm, eps, n, &mut s.u, &mlp.gate_proj, &mlp.up_proj, &mut s.gate, &mut s.up, &mut s.act);
+                probe(l, "post_attention_layernorm", &s.u);
+                probe(l, "mlp.gate_proj", &s.gate);
+                probe(l, "mlp (swiglu)", &s.act);
+                // (M1) y = W_down · act; (E4) x = h + y
+                b.matmul_residual(&s.act, n, &mlp.down_proj, &mut s.y, &mut s.x);
+                probe(l, "mlp.down_proj", &s.y);
+            }
+            Ffn::Moe(moe) => {
+                // (E4) u = RMSNorm(h; post_attention_layernorm); router, top-k experts and the
+                // gated shared expert (numerics §7.1); x = h + y
+                b.rms_norm(&s.x, &layer.post_attention_layernorm, eps, n, &mut s.u);
+                probe(l, "post_attention_layernorm", &s.u);
+                b.moe(moe, cfg, n, &s.u, &mut s.y, &mut s.x);
+                probe(l, "mlp (experts)", &s.y);
+            }
+        }
         probe(l, "residual (mlp)", &s.x);
     }
 

@@ -9,13 +9,22 @@
 //! weights are offsets. Vision (`model.visual.*`, `vision_tower.*`) and MTP (`mtp.*`) tensors are
 //! skipped.
 //!
+//! Mixture-of-experts layers (`qwen3_5_moe`) carry a router `mlp.gate` `[E, D]`, a shared expert
+//! `mlp.shared_expert.{gate,up,down}_proj` and its gate `mlp.shared_expert_gate` `[1, D]`, and the
+//! routed experts in one of three layouts: transformers 5's fused 3-D `mlp.experts.gate_up_proj`
+//! `[E, 2·I, D]` (gate rows first) and `mlp.experts.down_proj` `[E, D, I]`; the per-expert
+//! `mlp.experts.{e}.{gate,up,down}_proj.weight` of the checkpoints as released (which transformers'
+//! `conversion_mapping` fuses on load); mlx-lm's stacked `mlp.switch_mlp.{gate,up,down}_proj`, 3-D
+//! and usually quantized (`weight` U32 `[E, out, in·bits/32]`, `scales`/`biases` `[E, out, in/group]`).
+//! Each expert becomes its own [`Matrix`] over its rows of the stacked tensor, in place.
+//!
 //! Projection matrices stay in the memory map ([`Matrix`]); the small per-channel vectors (norm
 //! scales, conv taps, decay parameters) are decoded to f32 once here.
 
 use std::path::PathBuf;
 
 use crate::checkpoint::{Bytes, Checkpoint, Dtype, TensorEntry};
-use crate::config::{LayerType, ModelConfig, QuantParams};
+use crate::config::{LayerType, ModelConfig, MoeConfig, QuantParams};
 use crate::numerics::{bf16_to_f32, exp, f16_to_f32};
 
 /// A tensor that does not fit the model the config describes. Every variant names the tensor
@@ -95,6 +104,26 @@ pub struct Matrix {
 }
 
 impl Matrix {
+    /// Rows `r0 .. r0 + n` as a matrix of their own over the same bytes (one expert of a stacked
+    /// tensor, or the gate half of a fused `gate_up_proj`), named `name`.
+    ///
+    /// # Panics
+    /// If the rows reach past the matrix (the loader slices shapes it has checked).
+    pub fn row_range(&self, r0: usize, n: usize, name: String) -> Matrix {
+        assert!(r0 + n <= self.rows, "row_range {r0}+{n} of {} rows", self.rows);
+        let part = |b: &crate::checkpoint::Bytes| {
+            let per_row = b.len() / self.rows;
+            b.slice(r0 * per_row..(r0 + n) * per_row)
+        };
+        let data = match &self.data {
+            MatrixData::Float { dtype, data } => MatrixData::Float { dtype: *dtype, data: part(data) },
+            MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } => {
+                MatrixData::Affine { bits: *bits, group_size: *group_size, weight: part(weight), scales: part(scales), biases: part(biases), scale_dtype: *scale_dtype }
+            }
+        };
+        Matrix { name, rows: n, cols: self.cols, data }
+    }
+
     /// Elements per 32-bit storage word: the unit the canonical dot product assigns to one
     /// lane (docs/numerics.md §2): 8 (4-bit), 4 (8-bit), 2 (f16/bf16), 1 (f32).
     pub fn elems_per_word(&self) -> usize {
@@ -211,6 +240,71 @@ pub struct MlpWeights<M = Matrix> {
     pub down_proj: M,
 }
 
+impl<M> MlpWeights<M> {
+    fn map<M2, E>(&self, fm: &mut impl FnMut(&M) -> Result<M2, E>) -> Result<MlpWeights<M2>, E> {
+        Ok(MlpWeights { gate_proj: fm(&self.gate_proj)?, up_proj: fm(&self.up_proj)?, down_proj: fm(&self.down_proj)? })
+    }
+}
+
+/// A sparse mixture-of-experts block (transformers `Qwen3_5MoeSparseMoeBlock`): a router, `E`
+/// routed SwiGLU experts of width `moe_intermediate_size`, and a shared expert whose output is
+/// scaled by a sigmoid gate. The routing arithmetic is docs/numerics.md §7.1.
+#[derive(Clone, Debug)]
+pub struct MoeWeights<M = Matrix> {
+    /// The router `[E, D]` (`mlp.gate`): its logits are softmaxed over the experts.
+    pub gate: M,
+    /// Expert `e`: gate/up `[I_e, D]`, down `[D, I_e]`.
+    pub experts: Vec<MlpWeights<M>>,
+    /// The shared expert: gate/up `[I_s, D]`, down `[D, I_s]`.
+    pub shared_expert: MlpWeights<M>,
+    /// `[1, D]`: the logit of the shared expert's sigmoid gate.
+    pub shared_expert_gate: M,
+}
+
+/// The feed-forward block of a layer: a dense SwiGLU MLP or a mixture of experts.
+#[derive(Clone, Debug)]
+pub enum Ffn<M = Matrix> {
+    Dense(MlpWeights<M>),
+    Moe(MoeWeights<M>),
+}
+
+impl<M> Ffn<M> {
+    /// The dense MLP, if this block is one.
+    pub fn dense(&self) -> Option<&MlpWeights<M>> {
+        match self {
+            Ffn::Dense(m) => Some(m),
+            Ffn::Moe(_) => None,
+        }
+    }
+
+    /// Every matrix of the block in forward order (router and shared expert before the routed
+    /// experts, in expert order).
+    pub fn matrices(&self) -> Vec<&M> {
+        match self {
+            Ffn::Dense(m) => vec![&m.gate_proj, &m.up_proj, &m.down_proj],
+            Ffn::Moe(m) => {
+                let mut v = vec![&m.gate, &m.shared_expert_gate, &m.shared_expert.gate_proj, &m.shared_expert.up_proj, &m.shared_expert.down_proj];
+                for e in &m.experts {
+                    v.extend([&e.gate_proj, &e.up_proj, &e.down_proj]);
+                }
+                v
+            }
+        }
+    }
+
+    fn map<M2, E>(&self, fm: &mut impl FnMut(&M) -> Result<M2, E>) -> Result<Ffn<M2>, E> {
+        Ok(match self {
+            Ffn::Dense(m) => Ffn::Dense(m.map(fm)?),
+            Ffn::Moe(m) => Ffn::Moe(MoeWeights {
+                gate: fm(&m.gate)?,
+                experts: m.experts.iter().map(|e| e.map(fm)).collect::<Result<_, E>>()?,
+                shared_expert: m.shared_expert.map(fm)?,
+                shared_expert_gate: fm(&m.shared_expert_gate)?,
+            }),
+        })
+    }
+}
+
 /// One decoder layer.
 #[derive(Clone, Debug)]
 pub struct LayerWeights<M = Matrix, V = Vec<f32>> {
@@ -219,7 +313,7 @@ pub struct LayerWeights<M = Matrix, V = Vec<f32>> {
     pub mixer: Mixer<M, V>,
     /// Effective RMSNorm scale `[D]` before the MLP.
     pub post_attention_layernorm: V,
-    pub mlp: MlpWeights<M>,
+    pub mlp: Ffn<M>,
 }
 
 /// Every tensor of the text model, generic over where matrices (`M`) and f32 vectors (`V`)
@@ -267,12 +361,7 @@ impl<M, V> Weights<M, V> {
                     k_norm: fv(&a.k_norm)?,
                 }),
             };
-            layers.push(LayerWeights {
-                input_layernorm: fv(&l.input_layernorm)?,
-                mixer,
-                post_attention_layernorm: fv(&l.post_attention_layernorm)?,
-                mlp: MlpWeights { gate_proj: fm(&l.mlp.gate_proj)?, up_proj: fm(&l.mlp.up_proj)?, down_proj: fm(&l.mlp.down_proj)? },
-            });
+            layers.push(LayerWeights { input_layernorm: fv(&l.input_layernorm)?, mixer, post_attention_layernorm: fv(&l.post_attention_layernorm)?, mlp: l.mlp.map(fm)? });
         }
         Ok(Weights {
             embed_tokens: fm(&self.embed_tokens)?,
@@ -293,7 +382,7 @@ impl<M, V> Weights<M, V> {
                 Mixer::GatedDeltaNet(g) => v.extend([&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a, &g.out_proj]),
                 Mixer::Attention(a) => v.extend([&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]),
             }
-            v.extend([&l.mlp.gate_proj, &l.mlp.up_proj, &l.mlp.down_proj]);
+            v.extend(l.mlp.matrices());
         }
         if let Some(h) = &self.lm_head {
             v.push(h);
@@ -374,7 +463,23 @@ impl<'a> Loader<'a> {
 
     /// A `[rows, cols]` projection, quantized (MLX affine triple) or float.
     fn matrix(&mut self, module: &str, rows: usize, cols: usize, why: &str) -> Result<Matrix, WeightsError> {
-        let wname = format!("{module}.weight");
+        self.matrix_at(&format!("{module}.weight"), module, None, rows, cols, why)
+    }
+
+    /// The `[rows, cols]` matrices of `experts` stacked in the 3-D tensor `wname`
+    /// (`[experts, rows, cols]`, or MLX affine `[experts, rows, cols·bits/32]` with `module`'s
+    /// scales and biases `[experts, rows, cols/group_size]`), one per expert, in place.
+    fn stacked(&mut self, wname: &str, module: &str, experts: usize, rows: usize, cols: usize, why: &str) -> Result<Vec<Matrix>, WeightsError> {
+        let all = self.matrix_at(wname, module, Some(experts), rows, cols, why)?;
+        Ok((0..experts).map(|e| all.row_range(e * rows, rows, format!("{wname}[{e}]"))).collect())
+    }
+
+    /// [`Loader::matrix`] for the tensor `wname` (scales and biases at `{module}.scales` /
+    /// `.biases`), with a leading `stack` dimension when given; the matrix has `stack · rows` rows.
+    fn matrix_at(&mut self, wname: &str, module: &str, stack: Option<usize>, rows: usize, cols: usize, why: &str) -> Result<Matrix, WeightsError> {
+        let wname = wname.to_string();
+        let shape = |last: &[usize]| -> Vec<usize> { stack.into_iter().chain(last.iter().copied()).collect() };
+        let all_rows = stack.unwrap_or(1) * rows;
         let e = self.entry(&wname, why)?;
         let file = self.ck.path_of(e).to_path_buf();
         if e.dtype == Dtype::U32 {
@@ -388,14 +493,14 @@ impl<'a> Loader<'a> {
                 return Err(WeightsError::Quantization { file, name: wname, problem: format!("gives group_size {} that does not divide the {cols} input columns", q.group_size) });
             }
             let qwhy = format!("{why}; {} bits, group_size {}", q.bits, q.group_size);
-            self.check_shape(e, &[rows, cols / per_word], &qwhy)?;
+            self.check_shape(e, &shape(&[rows, cols / per_word]), &qwhy)?;
             let weight = self.ck.bytes(e);
             let sname = format!("{module}.scales");
             let bname = format!("{module}.biases");
             let se = self.entry(&sname, &qwhy)?;
-            self.check_shape(se, &[rows, cols / q.group_size], &qwhy)?;
+            self.check_shape(se, &shape(&[rows, cols / q.group_size]), &qwhy)?;
             let be = self.entry(&bname, &qwhy)?;
-            self.check_shape(be, &[rows, cols / q.group_size], &qwhy)?;
+            self.check_shape(be, &shape(&[rows, cols / q.group_size]), &qwhy)?;
             let st = self.float_type(se)?;
             let bt = self.float_type(be)?;
             if st != bt {
@@ -403,14 +508,14 @@ impl<'a> Loader<'a> {
             }
             Ok(Matrix {
                 name: wname,
-                rows,
+                rows: all_rows,
                 cols,
                 data: MatrixData::Affine { bits: q.bits, group_size: q.group_size, weight, scales: self.ck.bytes(se), biases: self.ck.bytes(be), scale_dtype: st },
             })
         } else {
             let ft = self.float_type(e)?;
-            self.check_shape(e, &[rows, cols], why)?;
-            Ok(Matrix { name: wname, rows, cols, data: MatrixData::Float { dtype: ft, data: self.ck.bytes(e) } })
+            self.check_shape(e, &shape(&[rows, cols]), why)?;
+            Ok(Matrix { name: wname, rows: all_rows, cols, data: MatrixData::Float { dtype: ft, data: self.ck.bytes(e) } })
         }
     }
 }
@@ -496,10 +601,13 @@ pub fn load(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Loaded, WeightsError> 
             input_layernorm: ld.vector(&format!("{p}input_layernorm.weight"), &[d], &why)?,
             mixer,
             post_attention_layernorm: ld.vector(&format!("{p}post_attention_layernorm.weight"), &[d], &why)?,
-            mlp: MlpWeights {
-                gate_proj: ld.matrix(&format!("{p}mlp.gate_proj"), cfg.intermediate_size, d, "[intermediate_size, hidden_size]")?,
-                up_proj: ld.matrix(&format!("{p}mlp.up_proj"), cfg.intermediate_size, d, "[intermediate_size, hidden_size]")?,
-                down_proj: ld.matrix(&format!("{p}mlp.down_proj"), d, cfg.intermediate_size, "[hidden_size, intermediate_size]")?,
+            mlp: match &cfg.moe {
+                None => Ffn::Dense(MlpWeights {
+                    gate_proj: ld.matrix(&format!("{p}mlp.gate_proj"), cfg.intermediate_size, d, "[intermediate_size, hidden_size]")?,
+                    up_proj: ld.matrix(&format!("{p}mlp.up_proj"), cfg.intermediate_size, d, "[intermediate_size, hidden_size]")?,
+                    down_proj: ld.matrix(&format!("{p}mlp.down_proj"), d, cfg.intermediate_size, "[hidden_size, intermediate_size]")?,
+                }),
+                Some(moe) => Ffn::Moe(load_moe(&mut ld, &format!("{p}mlp."), l, moe, d)?),
             },
         });
     }
@@ -533,6 +641,55 @@ pub fn load(ck: &Checkpoint, cfg: &ModelConfig) -> Result<Loaded, WeightsError> 
 
     let ignored: Vec<String> = ck.tensors().map(|t| t.name.clone()).filter(|n| !ld.used.contains(n) && !SKIPPED.iter().any(|s| n.starts_with(s))).collect();
     Ok(Loaded { weights: Weights { embed_tokens, layers, norm, lm_head }, layout, norm_offsets: offsets, ignored })
+}
+
+/// The mixture-of-experts block of layer `l` under `mp` (`...layers.{l}.mlp.`), in whichever of
+/// the three expert layouts the checkpoint has (module docs).
+fn load_moe(ld: &mut Loader, mp: &str, l: usize, moe: &MoeConfig, d: usize) -> Result<MoeWeights, WeightsError> {
+    let (ne, ie, is) = (moe.num_experts, moe.moe_intermediate_size, moe.shared_expert_intermediate_size);
+    let why = |what: &str| format!("layer {l} is a mixture of experts; {what}");
+    let gate = ld.matrix(&format!("{mp}gate"), ne, d, &why("router [num_experts, hidden_size]"))?;
+    let shared_expert = MlpWeights {
+        gate_proj: ld.matrix(&format!("{mp}shared_expert.gate_proj"), is, d, &why("[shared_expert_intermediate_size, hidden_size]"))?,
+        up_proj: ld.matrix(&format!("{mp}shared_expert.up_proj"), is, d, &why("[shared_expert_intermediate_size, hidden_size]"))?,
+        down_proj: ld.matrix(&format!("{mp}shared_expert.down_proj"), d, is, &why("[hidden_size, shared_expert_intermediate_size]"))?,
+    };
+    let shared_expert_gate = ld.matrix(&format!("{mp}shared_expert_gate"), 1, d, &why("[1, hidden_size]"))?;
+    let sw = format!("{mp}switch_mlp.");
+    let fused = format!("{mp}experts.gate_up_proj");
+    let experts = if ld.ck.get(&format!("{sw}gate_proj.weight")).is_some() {
+        // mlx-lm: gate, up and down stacked separately.
+        let stacked = |ld: &mut Loader, name: &str, rows: usize, cols: usize, what: &str| {
+            let module = format!("{sw}{name}");
+            ld.stacked(&format!("{module}.weight"), &module, ne, rows, cols, &why(what))
+        };
+        let g = stacked(ld, "gate_proj", ie, d, "[num_experts, moe_intermediate_size, hidden_size]")?;
+        let u = stacked(ld, "up_proj", ie, d, "[num_experts, moe_intermediate_size, hidden_size]")?;
+        let dn = stacked(ld, "down_proj", d, ie, "[num_experts, hidden_size, moe_intermediate_size]")?;
+        g.into_iter().zip(u).zip(dn).map(|((gate_proj, up_proj), down_proj)| MlpWeights { gate_proj, up_proj, down_proj }).collect()
+    } else if ld.ck.get(&fused).is_some() {
+        // transformers 5: gate and up fused along the output rows (gate first), no `.weight`.
+        let gu = ld.stacked(&fused, &fused, ne, 2 * ie, d, &why("[num_experts, 2·moe_intermediate_size, hidden_size] (gate rows, then up rows)"))?;
+        let down = format!("{mp}experts.down_proj");
+        let dn = ld.stacked(&down, &down, ne, d, ie, &why("[num_experts, hidden_size, moe_intermediate_size]"))?;
+        gu.into_iter()
+            .zip(dn)
+            .map(|(gu, down_proj)| MlpWeights { gate_proj: gu.row_range(0, ie, format!("{} gate", gu.name)), up_proj: gu.row_range(ie, ie, format!("{} up", gu.name)), down_proj })
+            .collect()
+    } else {
+        // The released checkpoints: one tensor per expert and projection.
+        let mut v = Vec::with_capacity(ne);
+        for e in 0..ne {
+            let ep = format!("{mp}experts.{e}.");
+            v.push(MlpWeights {
+                gate_proj: ld.matrix(&format!("{ep}gate_proj"), ie, d, &why("expert [moe_intermediate_size, hidden_size]"))?,
+                up_proj: ld.matrix(&format!("{ep}up_proj"), ie, d, &why("expert [moe_intermediate_size, hidden_size]"))?,
+                down_proj: ld.matrix(&format!("{ep}down_proj"), d, ie, &why("expert [hidden_size, moe_intermediate_size]"))?,
+            });
+        }
+        v
+    };
+    Ok(MoeWeights { gate, experts, shared_expert, shared_expert_gate })
 }
 
 /// What [`load`] found.

@@ -373,3 +373,48 @@ pub fn attention_group(
         simd::sigmoid_mul(isa, &mut out[i * dh..(i + 1) * dh], &row[h * 2 * dh + dh..(h + 1) * 2 * dh]);
     }
 }
+
+/// The router of a mixture-of-experts block for one row (numerics §7.1, transformers
+/// `Qwen3_5MoeTopKRouter`): from the `E` router logits, the `k` chosen experts and their
+/// weights, written to `chosen` in increasing expert index.
+///
+/// Softmax: `m = max l` (the first largest), `e_i = exp(l_i − m)`, `s` their sequential sum in
+/// increasing `i`, `p_i = e_i / s`. Top-k: the `k` largest `p`, a tie going to the lower index.
+/// When `norm_topk_prob`, `w = p / t` with `t` the sequential sum of the chosen `p` in rank
+/// order (largest first); else `w = p`. `probs` is scratch (`E` values).
+pub fn moe_route(logits: &[f32], k: usize, norm_topk_prob: bool, probs: &mut Vec<f32>, chosen: &mut Vec<(u32, f32)>) {
+    let m = logits.iter().copied().fold(f32::NEG_INFINITY, |m, x| if x > m { x } else { m });
+    probs.clear();
+    let mut s = 0.0f32;
+    for &l in logits {
+        let e = exp(l - m);
+        probs.push(e);
+        s += e;
+    }
+    for p in probs.iter_mut() {
+        *p /= s;
+    }
+    // k passes of selection: each takes the largest p not yet taken, the lowest index first
+    // among equals (`>` keeps the earlier one).
+    chosen.clear();
+    for _ in 0..k.min(logits.len()) {
+        let mut best: Option<usize> = None;
+        for (i, &p) in probs.iter().enumerate() {
+            if chosen.iter().any(|&(e, _)| e as usize == i) {
+                continue;
+            }
+            if best.is_none_or(|b| p > probs[b]) {
+                best = Some(i);
+            }
+        }
+        let b = best.expect("fewer experts than k were checked");
+        chosen.push((b as u32, probs[b]));
+    }
+    if norm_topk_prob {
+        let t = chosen.iter().fold(0.0f32, |t, &(_, p)| t + p);
+        for c in chosen.iter_mut() {
+            c.1 /= t;
+        }
+    }
+    chosen.sort_unstable_by_key(|&(e, _)| e);
+}

@@ -13,7 +13,7 @@ pub mod simd;
 use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
-use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix};
+use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix, MlpWeights, MoeWeights};
 use columns::ColumnsMut;
 use pool::ThreadPool;
 use simd::{Isa, Transposed};
@@ -104,6 +104,16 @@ impl Cpu {
 }
 
 impl Cpu {
+    /// `out = W_down · (silu(W_gate · x) ⊙ (W_up · x))` over `rows` rows (width `inter`): one
+    /// expert of a mixture-of-experts block, with the dense MLP's operations.
+    fn swiglu_mlp(&self, w: &MlpWeights, x: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
+        let t = || Tensor { data: vec![0.0; rows * inter], rows, cols: inter };
+        let (mut gate, mut up, mut act) = (t(), t(), t());
+        self.matmul(x, rows, &mut [(&w.gate_proj, &mut gate), (&w.up_proj, &mut up)]);
+        self.swiglu(&gate, &up, rows, &mut act);
+        self.matmul(&act, rows, &mut [(&w.down_proj, out)]);
+    }
+
     /// `f(r0, r1)` over blocks of `rows` rows: on every thread for a prompt, in one call on
     /// this thread for decode (row-wise work: the split changes no bit).
     fn row_blocks(&self, rows: usize, f: &(dyn Fn(usize, usize) + Sync)) {
@@ -373,6 +383,59 @@ impl Backend for Cpu {
             let o = unsafe { std::slice::from_raw_parts_mut(out_p.get().add(i0), i1 - i0) };
             simd::swiglu(isa, &gate.data[i0..i1], &up.data[i0..i1], o);
         });
+    }
+
+    fn moe(&self, w: &MoeWeights, cfg: &ModelConfig, rows: usize, u: &Tensor, y: &mut Tensor, h: &mut Tensor) {
+        let moe = cfg.moe.expect("a mixture-of-experts layer in a model whose config has no experts");
+        let d = u.cols;
+        assert!(y.cols == d && h.cols == d && rows * d <= y.data.len() && rows * d <= h.data.len(), "moe: {rows} rows of {d}");
+        if rows == 0 {
+            return;
+        }
+        let t = |r: usize, c: usize| Tensor { data: vec![0.0; r * c], rows: r, cols: c };
+        // Router logits and the shared expert's gate logit: two products reading u.
+        let (mut logits, mut gate_logit) = (t(rows, moe.num_experts), t(rows, 1));
+        self.matmul(u, rows, &mut [(&w.gate, &mut logits), (&w.shared_expert_gate, &mut gate_logit)]);
+        let mut shared = t(rows, d);
+        self.swiglu_mlp(&w.shared_expert, u, rows, moe.shared_expert_intermediate_size, &mut shared);
+        // Each row's experts, then each expert's rows (in row order) with their weights.
+        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.num_experts];
+        let (mut probs, mut chosen) = (Vec::new(), Vec::new());
+        for r in 0..rows {
+            kernels::moe_route(logits.row(r), moe.num_experts_per_tok, moe.norm_topk_prob, &mut probs, &mut chosen);
+            for &(e, wt) in &chosen {
+                by_expert[e as usize].push((r, wt));
+            }
+        }
+        // acc[r] = Σ_e w_e · expert_e(u[r]), expert by expert in increasing index: a row's terms
+        // are added in that order whatever other rows an expert serves (numerics §7.1).
+        let mut acc = t(rows, d);
+        for (e, list) in by_expert.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            let n = list.len();
+            let mut xe = t(n, d);
+            for (i, &(r, _)) in list.iter().enumerate() {
+                xe.data[i * d..(i + 1) * d].copy_from_slice(u.row(r));
+            }
+            let mut ye = t(n, d);
+            self.swiglu_mlp(&w.experts[e], &xe, n, moe.moe_intermediate_size, &mut ye);
+            for (i, &(r, wt)) in list.iter().enumerate() {
+                for (a, &v) in acc.data[r * d..(r + 1) * d].iter_mut().zip(ye.row(i)) {
+                    *a += v * wt;
+                }
+            }
+        }
+        // y = acc + sigmoid(gate) · shared; h = h + y.
+        for r in 0..rows {
+            let g = crate::numerics::sigmoid(gate_logit.data[r]);
+            let (yr, hr) = (&mut y.data[r * d..(r + 1) * d], &mut h.data[r * d..(r + 1) * d]);
+            for j in 0..d {
+                yr[j] = acc.data[r * d + j] + g * shared.data[r * d + j];
+                hr[j] += yr[j];
+            }
+        }
     }
 
     fn gated_delta_net(

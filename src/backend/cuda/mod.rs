@@ -27,7 +27,7 @@ use crate::backend::cpu::kernels::ATTENTION_TILE;
 use crate::backend::{Backend, BackendError, Batch, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
-use crate::model::weights::{AttentionWeights, FloatType, GatedDeltaNetWeights, Matrix, MatrixData};
+use crate::model::weights::{AttentionWeights, FloatType, GatedDeltaNetWeights, Matrix, MatrixData, MoeWeights};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError::Device(format!("CUDA: {what}: {e:?}"))
@@ -1397,6 +1397,23 @@ impl Backend for Cuda {
 
     fn max_slots(&self) -> usize {
         MAX_SLOTS
+    }
+
+    fn check_model(&self, cfg: &ModelConfig) -> Result<(), BackendError> {
+        // Issue 16, second half: the expert kernels. Until then refuse before uploading anything.
+        if let Some(m) = &cfg.moe {
+            return Err(BackendError::Device(format!(
+                "{}: this is a mixture-of-experts model ({} experts, {} per token); the CUDA backend does not run those yet: use --device cpu",
+                cfg.path.display(),
+                m.num_experts,
+                m.num_experts_per_tok
+            )));
+        }
+        Ok(())
+    }
+
+    fn moe(&self, _w: &MoeWeights<CudaMatrix>, _cfg: &ModelConfig, _rows: usize, _u: &CudaTensor, _y: &mut CudaTensor, _h: &mut CudaTensor) {
+        unreachable!("check_model refuses a mixture-of-experts model before it reaches the CUDA backend")
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<CudaMatrix, BackendError> {
