@@ -255,7 +255,7 @@ env_sweep() {
 # concurrent requests (128-token prompts, 128 generated) and batch-1 decode for comparison.
 runtime_checks() {
   PRESETS=2b synth_models
-  for m in fixtures/tiny/mlx-q4 fixtures/heads/mlx-q4 fixtures/vocab/mlx-q4; do
+  for m in ${RUNTIME_FIXTURES:-fixtures/tiny/mlx-q4 fixtures/heads/mlx-q4 fixtures/vocab/mlx-q4}; do
     log "verify --concurrency ${CONC:-64} $m"
     $TF verify -m $TENSORFOLD_SHARED/$m --device cuda --concurrency ${CONC:-64} --steps 32 2>&1 | tail -4 | tee -a "$OUT/summary.txt"
   done
