@@ -72,7 +72,7 @@ impl Vocabulary {
     /// The table of `tokenizer`: each id's bytes ([`Tokenizer::token_bytes`]), special tokens
     /// under llguidance's 0xFF marker (so no text grammar allows them), the tokenizer's EOS
     /// ids as the ids allowed once the grammar is complete. Takes a while on a large vocabulary
-    /// (bench/results/grammar.md): build it at start, not per request.
+    /// (bench/results/2026-12-02-grammar-mask.md): build it at start, not per request.
     ///
     /// # Errors
     /// [`GrammarError::Vocabulary`] when the tokenizer has no EOS id or llguidance rejects the

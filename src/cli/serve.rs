@@ -137,7 +137,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     };
     let state = Arc::new(AppState::new(runtime, tokenizer, cfg));
     // Constrained decoding's token table, once, before the first request (a second or so on a
-    // 248k vocabulary: bench/results/grammar.md) rather than inside one.
+    // 248k vocabulary: bench/results/2026-12-02-grammar-mask.md) rather than inside one.
     let t = std::time::Instant::now();
     match state.vocabulary() {
         Ok(v) => tracing::info!(target: "tensorfold::serve", "constrained decoding: token table of {} ids built in {:.0} ms", v.len(), t.elapsed().as_secs_f64() * 1e3),
