@@ -106,6 +106,8 @@ class Soak:
         env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "info"))
         self.log = open(self.a.log, "w") if self.a.log else subprocess.DEVNULL
         cmd = [self.a.binary, "serve", "-m", self.a.model, "--device", "cpu", "--port", "0", "--max-seqs", str(self.a.max_seqs)]
+        if self.a.snapshot_budget is not None:
+            cmd += ["--snapshot-budget", str(self.a.snapshot_budget)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
         deadline = time.time() + 300
         self.url = None
@@ -382,6 +384,8 @@ def main():
     ap.add_argument("--max-seqs", type=int, default=16)
     ap.add_argument("--pool", type=int, default=16, help="distinct prompts of each kind")
     ap.add_argument("--rss-tolerance", type=float, default=0.05)
+    ap.add_argument("--snapshot-budget", type=int, default=None, metavar="MiB",
+                    help="the server's prefix snapshot budget (default: the server's); one the cache fills within the first hundred requests makes the memory check measure leaks alone")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--log", default=None, help="write the server's log here")
     a = ap.parse_args()
