@@ -320,7 +320,10 @@ pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, By
         } else {
             None
         };
-        let job = job(&st, &req.sampling, ids, Fields { prompt: "prompt", max_tokens: "max_tokens" })?;
+        // A text prompt has no tools and no reasoning prefix: only the output format constrains.
+        let constraint = constraint(&st, &req.output_format, &ChatPrompt::default(), "", "response_format.json_schema.schema")?;
+        let mut job = job(&st, &req.sampling, ids, Fields { prompt: "prompt", max_tokens: "max_tokens" })?;
+        job.constraint = constraint;
         Ok::<_, ApiError>((req, job, echo))
     })();
     let (req, job, echo) = match prepared {

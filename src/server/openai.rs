@@ -935,6 +935,10 @@ pub struct CompletionRequest {
     /// Generate past end-of-sequence tokens.
     #[serde(default)]
     pub ignore_eos: Option<bool>,
+    /// json_object or json_schema: the completion is constrained to it (vLLM and llama.cpp
+    /// accept it here too).
+    #[serde(default)]
+    pub response_format: Option<ResponseFormat>,
     /// Stream chunks.
     #[serde(default)]
     pub stream: Option<bool>,
@@ -957,6 +961,8 @@ pub struct TextCompletionJob {
     pub sampling: SamplingOptions,
     /// Prepend each prompt to its text.
     pub echo: bool,
+    /// What each completion must be (`response_format`).
+    pub output_format: OutputFormat,
     /// Stream chunks.
     pub stream: bool,
     /// Send usage in the stream.
@@ -1025,6 +1031,7 @@ impl CompletionRequest {
             prompts,
             sampling,
             echo: self.echo.unwrap_or(false),
+            output_format: self.response_format.as_ref().map(Into::into).unwrap_or_default(),
             stream,
             include_usage: self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false),
         })

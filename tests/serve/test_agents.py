@@ -168,6 +168,14 @@ class Constrained(unittest.TestCase):
                 finish = ch.finish_reason or finish
         self.assertEqual(([arguments[i] for i in sorted(arguments)], finish), ([t.function.arguments for t in calls], "tool_calls"))
 
+    def test_completions_response_format_json_schema(self):
+        kw = dict(model=MODEL, prompt="A number: ", max_tokens=60, temperature=1.0, seed=5, extra_body={"response_format": FORMAT})
+        r = oai().completions.create(**kw)
+        self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0])
+        check_schema(self, r.choices[0].text)
+        streamed = "".join(c.choices[0].text for c in oai().completions.create(stream=True, **kw) if c.choices)
+        self.assertEqual(streamed, r.choices[0].text)
+
     def test_responses_text_format_json_schema(self):
         text = {"format": {"type": "json_schema", "name": "pick", "schema": SCHEMA, "strict": True}}
         r = oai().responses.create(model=MODEL, input="Pick a number.", max_output_tokens=60, temperature=1.0, store=False, text=text, extra_body={"seed": 6, **NO_THINK})
@@ -199,6 +207,9 @@ class Constrained(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as e:
             oai().responses.create(model=MODEL, input="x", max_output_tokens=2, store=False, text={"format": {"type": "json_schema", "name": "bad", "schema": bad["json_schema"]["schema"]}})
         self.assertEqual(e.exception.body["param"], "text.format.schema")
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"response_format": bad})
+        self.assertEqual(e.exception.body["param"], "response_format.json_schema.schema")
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=2)
         self.assertEqual(e.exception.body["param"], "tool_choice")
