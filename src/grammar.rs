@@ -188,6 +188,10 @@ fn call_rule(rule: &str, name: &str, parameters: Option<&Json>, out: &mut String
     if let Some(missing) = required.iter().find(|r| !props.is_some_and(|p| p.contains_key(**r))) {
         return Err(format!("required parameter {missing:?} is not among `properties`"));
     }
+    // OpenAI's rule for function names; the call's XML could not be read back otherwise.
+    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+        return Err("a forced call needs a name of 1 to 64 letters, digits, `_`, `-` or `.`".into());
+    }
     let mut body = format!("{rule}: {}", literal(&format!("<function={name}>\n")));
     for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
         let value = if ToolSchemas::is_text_param(schema) {
@@ -277,6 +281,12 @@ fn lark(spec: &Spec<'_>) -> Result<Option<String>, GrammarError> {
     Ok(Some(g))
 }
 
+/// The first line of an llguidance runtime error (it appends a dump of the parser's state, one
+/// item per line: not for a client, and not for a one-line request log).
+fn runtime_message(message: &str) -> String {
+    message.lines().next().unwrap_or(message).trim().to_string()
+}
+
 /// llguidance's compile error without what is ours, not the client's: the position in the
 /// Lark text written here and its quoted lines (`at 1(7): failed to compile JSON schema:
 /// Invalid type: nonsense\n   1 | body: ...` → `failed to compile JSON schema: Invalid type: nonsense`).
@@ -314,7 +324,18 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher: Matcher::new(Ok(parser)), size: vocab.size }))
+        let mut matcher = Matcher::new(Ok(parser));
+        // Some grammars compile and then cannot give a first mask (a schema whose `$ref` only
+        // refers to itself): that too is the request's to hear about, not a failed generation.
+        matcher.compute_mask_or_eos().map_err(|e| {
+            let message = format!("it allows no first token ({})", runtime_message(&e.to_string()));
+            if forced {
+                GrammarError::Tools(message)
+            } else {
+                GrammarError::Schema(message)
+            }
+        })?;
+        Ok(Some(Self { matcher, size: vocab.size }))
     }
 
     /// Sets every id the grammar does not allow next to −∞ in `row` (a copy of a logits row,
@@ -324,7 +345,7 @@ impl Constraint {
     /// # Errors
     /// [`GrammarError::Runtime`] when llguidance fails (its error state, a parser limit).
     pub fn mask(&mut self, row: &mut [f32]) -> Result<(), GrammarError> {
-        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(e.to_string()))?;
+        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
         let n = row.len().min(self.size);
         let words = allowed.as_slice();
         for (w, chunk) in row[..n].chunks_mut(32).enumerate() {
@@ -349,7 +370,7 @@ impl Constraint {
     /// # Errors
     /// [`GrammarError::Runtime`] when the grammar does not allow `id`.
     pub fn advance(&mut self, id: u32) -> Result<(), GrammarError> {
-        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(e.to_string()))
+        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))
     }
 
     /// How many of `ids`, from the current state, the grammar accepts in a row (the state is

@@ -99,8 +99,9 @@ pub struct SnapshotArgs {
     #[arg(long = "snapshot-budget", value_name = "MiB", default_value_t = 1024)]
     pub budget: u64,
     /// Device memory the snapshots may hold on a GPU, in MiB: taking and resuming one is then a
-    /// copy on the device; past it the least recently used move to host memory. (On the CPU the
-    /// states already are in host memory: --snapshot-budget alone applies.)
+    /// copy on the device; past it the least recently used are dropped, and while nothing runs
+    /// the oldest move to host memory. (On the CPU the states already are in host memory:
+    /// --snapshot-budget alone applies.)
     #[arg(long = "snapshot-device-budget", value_name = "MiB", default_value_t = 4096)]
     pub device_budget: u64,
 }

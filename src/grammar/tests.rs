@@ -232,4 +232,14 @@ fn bad_requests_are_errors_naming_the_cause() {
         GrammarError::Tools(m) => assert!(!m.contains('\n'), "{m}"),
         other => panic!("{other:?}"),
     }
+    // Compiles, but allows no first token: refused when built, not at the first mask.
+    let self_ref = OutputFormat::JsonSchema { name: "c".into(), schema: Some(json!({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})), strict: true };
+    match err(&self_ref, &none, &ToolChoice::Auto) {
+        GrammarError::Schema(m) => assert!(m.starts_with("it allows no first token") && !m.contains('\n'), "{m}"),
+        other => panic!("{other:?}"),
+    }
+    // A name the call's XML could not carry back.
+    let mut odd = ToolSchemas::new();
+    odd.insert("we\"ird>\nname", Some(&json!({"type": "object", "properties": {}})));
+    assert!(matches!(err(&OutputFormat::Text, &odd, &ToolChoice::Required), GrammarError::Tool { .. }));
 }

@@ -386,7 +386,8 @@ impl Runtime {
                 let mut engine = match make() {
                     Ok(e) => e,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(e.to_string()));
+                        // `{:#}`: an anyhow error's causes too ("opening CUDA device 0: no driver").
+                        let _ = ready_tx.send(Err(format!("{e:#}")));
                         return;
                     }
                 };
