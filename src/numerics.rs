@@ -92,6 +92,112 @@ pub fn rsqrt(v: f32) -> f32 {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Integer-exact products (docs/numerics.md §2.2)
+
+/// Elements per activation block: one scale `d` per block of the input row.
+pub const ACT_BLOCK: usize = 64;
+
+/// The largest |xi| a block's scale aims at: 127·128², so `xi` splits into three int8 planes
+/// (base-256 digits, the top one within ±32) and Σ q·xi over 64 elements of 4-bit codes fits i32.
+pub const ACT_LEVELS: f32 = 2_080_768.0;
+
+/// Chunks of the fold over a row's units: chunk `c` holds units `⌊c·U/8⌋ .. ⌊(c+1)·U/8⌋`.
+pub const PRODUCT_CHUNKS: usize = 8;
+
+/// The scale of one activation block: `max|x| / 127·128²` (an IEEE division); NaN when any
+/// element is NaN, so a NaN reaches the outputs it feeds.
+#[inline]
+pub fn act_scale(block: &[f32]) -> f32 {
+    if block.iter().any(|v| v.is_nan()) {
+        return f32::NAN;
+    }
+    block.iter().fold(0.0f32, |m, &v| m.max(v.abs())) / ACT_LEVELS
+}
+
+/// An activation as an integer of its block: `round_half_even(x / d)` (an IEEE division) when
+/// `d` is a normal number, else 0 (a block of zeros or of values below 2.4e-32, or a NaN or
+/// infinite block, whose outputs [`unit_value`] then makes 0 or NaN). With a normal `d`,
+/// |result| ≤ 2 080 768.
+#[inline]
+pub fn act_quant(x: f32, d: f32) -> i32 {
+    if d.is_normal() {
+        (x / d).round_ties_even() as i32
+    } else {
+        0
+    }
+}
+
+/// The three int8 planes of `xi`: base-256 digits with the lower two in `-128..=127`, so
+/// `xi = p0 + 256·p1 + 65536·p2` exactly.
+#[inline]
+pub fn act_planes(xi: i32) -> [i8; 3] {
+    let p0 = ((xi + 128) & 255) - 128;
+    let r1 = (xi - p0) >> 8;
+    let p1 = ((r1 + 128) & 255) - 128;
+    let p2 = (r1 - p1) >> 8;
+    [p0 as i8, p1 as i8, p2 as i8]
+}
+
+/// Elements per unit of an affine product: the intersection of a weight group and an
+/// activation block (`min(group_size, 64)`; group sizes are powers of two from 32).
+#[inline]
+pub fn unit_len(group_size: usize) -> usize {
+    group_size.min(ACT_BLOCK)
+}
+
+/// One unit's value: `fma(s·d, f32(I), b·(d·f32(S)))`, with `I = Σ q·xi` and `S = Σ xi` exact
+/// integers and every product rounded (integers to f32 round to nearest even).
+#[inline]
+pub fn unit_value(scale: f32, bias: f32, d: f32, i: i64, sum: i32) -> f32 {
+    fma(scale * d, i as f32, bias * (d * sum as f32))
+}
+
+/// Units `start .. end` of chunk `c` of a row of `units` units.
+#[inline]
+pub fn chunk_units(units: usize, c: usize) -> (usize, usize) {
+    (c * units / PRODUCT_CHUNKS, (c + 1) * units / PRODUCT_CHUNKS)
+}
+
+/// The fold of a row's unit values: each chunk sums its units in order from +0.0, and the
+/// result sums the chunks in order from +0.0.
+#[inline]
+pub fn fold_units(units: usize, mut v: impl FnMut(usize) -> f32) -> f32 {
+    let mut y = 0.0f32;
+    for c in 0..PRODUCT_CHUNKS {
+        let (a, b) = chunk_units(units, c);
+        let mut acc = 0.0f32;
+        for u in a..b {
+            acc += v(u);
+        }
+        y += acc;
+    }
+    y
+}
+
+/// The integer-exact product of one affine weight row with `x` (numerics §2.2): `code(k)` is
+/// the stored code of element `k`, `scale(g)` / `bias(g)` the widened scale and bias of group
+/// `g`. The scalar reference every fast path (CPU SIMD, CUDA) is tested against.
+///
+/// # Panics
+/// If `group_size` is not a multiple of 32 or does not divide `x.len()`.
+pub fn dot_affine_int(group_size: usize, x: &[f32], code: impl Fn(usize) -> u32, scale: impl Fn(usize) -> f32, bias: impl Fn(usize) -> f32) -> f32 {
+    assert!(group_size.is_multiple_of(32) && x.len().is_multiple_of(group_size));
+    let ul = unit_len(group_size);
+    let d: Vec<f32> = x.chunks(ACT_BLOCK).map(act_scale).collect();
+    fold_units(x.len() / ul, |u| {
+        let (k0, b) = (u * ul, u * ul / ACT_BLOCK);
+        let (mut i, mut sum) = (0i64, 0i32);
+        for (k, &xv) in x.iter().enumerate().skip(k0).take(ul) {
+            let xi = act_quant(xv, d[b]);
+            i += code(k) as i64 * xi as i64;
+            sum += xi;
+        }
+        let g = k0 / group_size;
+        unit_value(scale(g), bias(g), d[b], i, sum)
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
 // exp
 
 // The constants of `exp` are crate-visible so the vector forms (`backend::cpu::simd`) use the

@@ -163,6 +163,27 @@ pub struct RowSampling {
 /// operation acts on the first `batch.rows()` rows (or `batch.logit_rows.len()` for the logits
 /// path). Weights are uploaded once ([`Backend::upload_matrix`]); per-sequence state lives in
 /// [`Backend::States`], addressed by slot.
+/// The arithmetic of the products of affine (quantized) weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Products {
+    /// Decoded weights times f32 activations, 32 lanes of FMAs (docs/numerics.md §2).
+    #[default]
+    F32,
+    /// Activations as exact integers per block, integer sums, one f32 epilogue per unit
+    /// (docs/numerics.md §2.2).
+    Int,
+}
+
+impl Products {
+    /// `TENSORFOLD_PRODUCTS` (`f32` or `int`), else the default.
+    pub fn from_env() -> Self {
+        match std::env::var("TENSORFOLD_PRODUCTS").ok().as_deref() {
+            Some("int") => Products::Int,
+            _ => Products::default(),
+        }
+    }
+}
+
 pub trait Backend {
     /// A weight matrix resident on the device.
     type Matrix;

@@ -5,12 +5,13 @@
 //! [`kernels`], which is the executable form of docs/numerics.md.
 
 pub mod columns;
+pub mod intdot;
 pub mod kernels;
 pub mod machine;
 pub mod pool;
 pub mod simd;
 
-use crate::backend::{Backend, BackendError, Batch, SequenceState};
+use crate::backend::{Backend, BackendError, Batch, Products, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix, MlpWeights, MoeWeights};
@@ -24,6 +25,7 @@ use std::sync::Mutex;
 #[derive(Debug)]
 pub struct Cpu {
     isa: Isa,
+    products: Products,
     pool: ThreadPool,
     /// Buffers reused from step to step (no allocation per operation once warm).
     scratch: Mutex<Scratch>,
@@ -34,6 +36,8 @@ pub struct Cpu {
 struct Scratch {
     /// The input of a product in lane order, one per element width in use.
     xts: Vec<Transposed>,
+    /// The input quantized for integer-exact products, one per plane layout in use.
+    xqs: Vec<intdot::QuantRows>,
     /// `(output, first row, rows)` of each task of a product.
     tasks: Vec<(usize, usize, usize)>,
     /// GDN: `silu(conv)` rows.
@@ -44,6 +48,7 @@ thread_local! {
     /// Per-thread scratch of the kernels: the decoded panel of a product; a GDN head's
     /// normalised q and k and delta-rule outputs; attention's queries and scores.
     static PANEL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static INTDOT: RefCell<intdot::Scratch> = RefCell::new(intdot::Scratch::default());
     static GDN: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static ATTN: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
 }
@@ -73,7 +78,13 @@ impl Cpu {
 
     /// A backend with a given instruction set and thread count (tests compare them).
     pub fn with(isa: Isa, threads: usize) -> Self {
-        Self { isa, pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()) }
+        Self { isa, products: Products::from_env(), pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()) }
+    }
+
+    /// This backend with the given form of the affine products.
+    pub fn with_products(mut self, products: Products) -> Self {
+        self.products = products;
+        self
     }
 
     pub fn isa(&self) -> Isa {
@@ -308,15 +319,36 @@ impl Backend for Cpu {
             return;
         }
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Scratch { xts, tasks, .. } = &mut *guard;
-        // The input in lane order, once per element width (fused products share it).
+        let Scratch { xts, xqs, tasks, .. } = &mut *guard;
+        // Integer-exact products read the input quantized, once per plane layout; the others
+        // read it in lane order, once per element width (fused products share them).
+        let layout = |w: &Matrix| if self.products == Products::Int { intdot::Layout::of(w) } else { None };
         let mut widths: Vec<usize> = Vec::with_capacity(outs.len());
+        let mut layouts: Vec<intdot::Layout> = Vec::new();
         for (w, _) in outs.iter() {
             debug_assert_eq!(w.cols, x.cols);
+            if let Some(l) = layout(w) {
+                if !layouts.contains(&l) {
+                    layouts.push(l);
+                }
+                continue;
+            }
             let pw = w.elems_per_word();
             if !widths.contains(&pw) {
                 widths.push(pw);
             }
+        }
+        if xqs.len() < layouts.len() {
+            xqs.resize(layouts.len(), intdot::QuantRows::default());
+        }
+        for (xq, &l) in xqs.iter_mut().zip(&layouts) {
+            xq.shape(rows, x.cols, l);
+            let base = xq.base();
+            let xq = &*xq;
+            self.row_blocks(rows, &|r0, r1| {
+                // SAFETY: this block writes only rows r0..r1; `base` is this buffer's after `shape`.
+                unsafe { xq.fill_rows(base, &x.data, r0, r1) };
+            });
         }
         if xts.len() < widths.len() {
             xts.resize(widths.len(), Transposed::default());
@@ -355,18 +387,34 @@ impl Backend for Cpu {
             }
         }
         let ys: Vec<(SendPtr, usize, usize)> = outs.iter_mut().map(|(_, y)| (SendPtr(y.data.as_mut_ptr()), y.cols, y.data.len())).collect();
-        let ws: Vec<(&Matrix, usize)> = outs.iter().map(|(w, _)| (&**w, widths.iter().position(|&p| p == w.elems_per_word()).unwrap())).collect();
-        let (isa, tasks, xts) = (self.isa, &*tasks, &*xts);
+        // Each matrix with the input it reads: an index into `xqs` (Ok) or `xts` (Err).
+        let ws: Vec<(&Matrix, Result<usize, usize>)> = outs
+            .iter()
+            .map(|(w, _)| {
+                let input = match layout(w) {
+                    Some(l) => Ok(layouts.iter().position(|&m| m == l).unwrap()),
+                    None => Err(widths.iter().position(|&p| p == w.elems_per_word()).unwrap()),
+                };
+                (&**w, input)
+            })
+            .collect();
+        let (isa, tasks, xts, xqs) = (self.isa, &*tasks, &*xts, &*xqs);
         self.pool.run(tasks.len(), &|k| {
             let (i, n0, count) = tasks[k];
-            let (w, xi) = ws[i];
+            let (w, input) = ws[i];
             let (ptr, ldy, len) = ys[i];
             debug_assert!(rows * ldy <= len && n0 + count <= ldy);
-            PANEL.with(|panel| {
-                // SAFETY: the buffer holds `rows · ldy` floats; task k writes only columns
-                // n0..n0+count of its output, and tasks of one output cover disjoint columns.
-                unsafe { simd::matmul(isa, w, &xts[xi], ptr.get(), ldy, n0, count, &mut panel.borrow_mut()) };
-            });
+            match input {
+                Ok(q) => INTDOT.with(|s| {
+                    // SAFETY: as below.
+                    unsafe { intdot::matmul(isa, w, &xqs[q], ptr.get(), ldy, n0, count, &mut s.borrow_mut()) };
+                }),
+                Err(xi) => PANEL.with(|panel| {
+                    // SAFETY: the buffer holds `rows · ldy` floats; task k writes only columns
+                    // n0..n0+count of its output, and tasks of one output cover disjoint columns.
+                    unsafe { simd::matmul(isa, w, &xts[xi], ptr.get(), ldy, n0, count, &mut panel.borrow_mut()) };
+                }),
+            }
         });
     }
 

@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 
 use crate::backend::cpu::kernels::ATTENTION_TILE;
-use crate::backend::{Backend, BackendError, Batch, SequenceState};
+use crate::backend::{Backend, BackendError, Batch, Products, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
 use crate::model::weights::{AttentionWeights, FloatType, GatedDeltaNetWeights, Matrix, MatrixData, MoeWeights};
@@ -205,6 +205,64 @@ pub struct CudaMatrix {
     sb: CudaSlice<u8>,
 }
 
+/// `IntMat` of matmul_int.cu: one matrix of an integer-exact product.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct IntMatDesc {
+    w: u64,
+    sb: u64,
+    y: u64,
+    res: u64,
+    rows: u32,
+    cols: u32,
+    group: u32,
+    ldy: u32,
+}
+/// `IntIn` of matmul_int.cu: the quantized input rows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct IntInDesc {
+    planes: u64,
+    d: u64,
+    ds64: u64,
+    ds32: u64,
+    tokens: u32,
+    blocks: u32,
+    kpad: u32,
+    pad: u32,
+}
+// SAFETY: plain-old-data with the layout of the C structs in matmul_int.cu.
+unsafe impl DeviceRepr for IntMatDesc {}
+unsafe impl DeviceRepr for IntInDesc {}
+
+/// Device buffers of the quantized input of integer-exact products: `rows` rows of up to
+/// `cols` (a multiple of 64) elements, as `quantize_rows` writes them.
+struct IntScratch {
+    rows: usize,
+    cols: usize,
+    /// `[rows][3][cols]` int8 planes.
+    planes: CudaSlice<i8>,
+    /// `[rows][cols/64]` block scales, and `d·f32(Σxi)` per block.
+    d: CudaSlice<f32>,
+    ds64: CudaSlice<f32>,
+    /// `[rows][cols/32]`: `d·f32(Σxi)` per half block.
+    ds32: CudaSlice<f32>,
+}
+
+impl IntScratch {
+    fn new(stream: &Arc<CudaStream>, rows: usize, cols: usize) -> Result<Self, BackendError> {
+        let e = |e| dev_err("allocating the integer-product input", e);
+        Ok(Self {
+            rows,
+            cols,
+            planes: stream.alloc_zeros::<i8>(rows * 3 * cols).map_err(e)?,
+            d: stream.alloc_zeros::<f32>(rows * cols / 64).map_err(e)?,
+            ds64: stream.alloc_zeros::<f32>(rows * cols / 64).map_err(e)?,
+            ds32: stream.alloc_zeros::<f32>(rows * cols / 32).map_err(e)?,
+        })
+    }
+}
+
 /// An f32 activation buffer on the device.
 pub struct CudaTensor {
     buf: CudaSlice<f32>,
@@ -327,6 +385,8 @@ struct Step {
     rope_rows_on_device: usize,
     /// GDN temporary: silu(conv) `[rows, conv_dim]`.
     gdn_y: Option<CudaSlice<f32>>,
+    /// The input of integer-exact products, quantized (`quantize_rows`).
+    int_in: Option<IntScratch>,
     /// Attention tile partials for eager steps (grown) and for graphs (fixed once captured).
     part_eager: Option<CudaSlice<f32>>,
     part_graph: Option<CudaSlice<f32>>,
@@ -471,6 +531,8 @@ pub struct Cuda {
     /// One-token launches of a single matrix of at least this many rows stream it
     /// (`matmul_t1s`; `TENSORFOLD_T1S_MIN_ROWS`, default 65 536: the LM head).
     t1s_min_rows: usize,
+    /// The arithmetic of affine products ([`Products`]).
+    products: Products,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -540,6 +602,7 @@ impl Cuda {
             rope_host: None,
             rope_rows_on_device: 0,
             gdn_y: None,
+            int_in: None,
             part_eager: None,
             part_graph: None,
             part_graph_tiles: 0,
@@ -594,6 +657,7 @@ impl Cuda {
             sms,
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
+            products: Products::from_env(),
             attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
         })
     }
@@ -940,6 +1004,13 @@ impl Cuda {
         let a = |n: usize| self.stream.alloc_zeros::<f32>(n).map_err(|e| dev_err("allocating GDN temporaries", e));
         // Sized for the largest step seen (at least 256 rows), so graphs keep valid pointers.
         let cap = rows.max(256);
+        if self.products == Products::Int {
+            let cols = Self::product_cols(cfg);
+            if st.int_in.as_ref().is_none_or(|q| q.rows < rows || q.cols < cols) {
+                st.int_in = Some(IntScratch::new(&self.stream, cap, cols)?);
+                st.graphs.clear();
+            }
+        }
         // The conv output goes through memory only when gdn_conv runs on its own.
         if !Self::conv_in_heads(cfg) && need(&st.gdn_y, rows * cfg.conv_dim()) {
             st.gdn_y = Some(a(cap * cfg.conv_dim())?);
@@ -993,9 +1064,70 @@ impl Cuda {
         self.labels_wanted().then(|| format!("{name} {rows}x{cols}{}", if res != 0 { " +res" } else { "" }))
     }
 
+    /// The widest input of any product of `cfg` (what [`IntScratch`] must hold per row).
+    fn product_cols(cfg: &ModelConfig) -> usize {
+        let moe = cfg.moe.as_ref().map_or(0, |m| m.moe_intermediate_size.max(m.shared_expert_intermediate_size));
+        [cfg.hidden_size, cfg.intermediate_size, cfg.value_dim(), cfg.num_attention_heads * cfg.head_dim, moe].into_iter().max().unwrap_or(0).next_multiple_of(64)
+    }
+
+    /// Integer-exact products (numerics §2.2) of the affine matrices among `outs`: `x`
+    /// quantized once, then one `matmul_int` launch per matrix. Returns the matrices left for
+    /// the f32 kernels (float weights).
+    fn matmul_int_rows(&self, x: &CudaTensor, rows: usize, outs: &[(&CudaMatrix, &mut CudaTensor)], res: u64) -> Vec<usize> {
+        let rest: Vec<usize> = (0..outs.len()).filter(|&i| outs[i].0.fmt < 4).collect();
+        if rest.len() == outs.len() {
+            return rest;
+        }
+        let cols = x.cols as u32;
+        let blocks = cols.div_ceil(64);
+        let kpad = 64 * blocks;
+        let x_buf = ptr(&x.buf, &self.stream);
+        self.launch("quantize_rows", |st| {
+            let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
+            assert!(q.rows >= rows && q.cols >= kpad as usize, "quantize_rows: {rows}x{cols} past {}x{}", q.rows, q.cols);
+            let a = self.args().val(x_buf).val(cols).val(cols).val(blocks).val(kpad).buf(&q.planes).buf(&q.d).buf(&q.ds64).buf(&q.ds32);
+            unsafe { self.kernel("quantize_rows", (blocks.div_ceil(8), rows as u32, 1), 256, 0, a) }
+        });
+        for (m, y) in outs.iter().filter(|(m, _)| m.fmt >= 4) {
+            let ul = (m.group as usize).min(64);
+            let small = rows <= 8;
+            let name = format!("matmul_int{}_s{}_u{}_{}", m.fmt, m.sdtype, ul, if small { "small" } else { "large" });
+            let (tr, tt) = if small { (16u32, 8u32) } else { (32, 32) };
+            let desc = IntMatDesc { w: ptr(&m.w, &self.stream), sb: ptr(&m.sb, &self.stream), y: ptr(&y.buf, &self.stream), res, rows: m.rows as u32, cols: m.cols as u32, group: m.group, ldy: y.cols as u32 };
+            let grid = ((m.rows as u32).div_ceil(tr), (rows as u32).div_ceil(tt), 1);
+            let label = self.profile_label(&name, m.rows as u32, m.cols, res);
+            let fname: &'static str = self.funcs.keys().find(|k| **k == name).copied().expect("every matmul_int variant is compiled");
+            self.launch_as(fname, label, |st| {
+                let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
+                let inp = IntInDesc { planes: ptr(&q.planes, &self.stream), d: ptr(&q.d, &self.stream), ds64: ptr(&q.ds64, &self.stream), ds32: ptr(&q.ds32, &self.stream), tokens: rows as u32, blocks, kpad, pad: 0 };
+                unsafe { self.kernel(fname, grid, 256, 0, self.args().val(desc).val(inp)) }
+            });
+        }
+        rest
+    }
+
     /// `y_i = W_i · x` over `rows` tokens (one token, prompt steps, batched decode), adding each output to
     /// `res` when given.
     fn matmul_rows(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)], res: Option<&CudaTensor>) {
+        if rows == 0 {
+            return;
+        }
+        if self.products == Products::Int {
+            let resp = res.map_or(0, |h| ptr(&h.buf, &self.stream));
+            let rest = self.matmul_int_rows(x, rows, outs, resp);
+            if rest.len() < outs.len() {
+                for i in rest {
+                    let (m, y) = &mut outs[i];
+                    self.matmul_rows_f32(x, rows, &mut [(*m, &mut **y)], res);
+                }
+                return;
+            }
+        }
+        self.matmul_rows_f32(x, rows, outs, res)
+    }
+
+    /// [`Cuda::matmul_rows`] with the f32 products of numerics §2 for every matrix.
+    fn matmul_rows_f32(&self, x: &CudaTensor, rows: usize, outs: &mut [(&CudaMatrix, &mut CudaTensor)], res: Option<&CudaTensor>) {
         if rows == 0 {
             return;
         }
@@ -1058,7 +1190,7 @@ impl Cuda {
     #[allow(clippy::too_many_arguments)]
     fn matmul_swiglu_rows(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
         let pair = Self::same_format(gate_w, up_w) && gate_w.rows == up_w.rows && gate.cols == up.cols && gate.cols == act.cols;
-        if rows == 0 || !pair {
+        if rows == 0 || !pair || self.products == Products::Int {
             self.matmul_rows(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)], None);
             self.swiglu_rows(gate, up, rows, act);
             return;

@@ -192,3 +192,35 @@ __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+
+// Byte permute (PRMT): byte i of the result is byte (sel >> 4i) & 7 of a (bytes 0..3) and b (4..7).
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// Scale and bias of group g of a row, of dtype SDT (0 f32, 1 f16, 2 bf16: a template parameter,
+// so the inner loops carry no dtype branch). The upload interleaves them (CudaMatrix::sb), so one
+// load brings both: a 32-bit word (scale in the low half) for 16-bit dtypes, a float2 for f32.
+template <int SDT> struct Sb { typedef u32 T; };
+template <> struct Sb<0> { typedef float2 T; };
+template <int SDT>
+__device__ __forceinline__ typename Sb<SDT>::T load_sb_raw(const u8* row, u32 g) { return ((const typename Sb<SDT>::T*)row)[g]; }
+template <int SDT>
+__device__ __forceinline__ void unpack_sb(typename Sb<SDT>::T v, float& s, float& b) {
+    if constexpr (SDT == 0) {
+        s = v.x;
+        b = v.y;
+    } else if constexpr (SDT == 1) {
+        s = f16_to_f32((u16)(v & 0xffffu));
+        b = f16_to_f32((u16)(v >> 16));
+    } else {
+        s = __uint_as_float(v << 16);
+        b = __uint_as_float(v & 0xffff0000u);
+    }
+}
+template <int SDT>
+__device__ __forceinline__ void load_sb(const u8* row, u32 g, float& s, float& b) { unpack_sb<SDT>(load_sb_raw<SDT>(row, g), s, b); }
+// Bytes of one group's interleaved scale and bias.
+__device__ __forceinline__ u32 sb_size(u32 sdt) { return sdt == 0 ? 8 : 4; }
