@@ -570,4 +570,40 @@ mod tests {
             assert!((c - x.cos()).abs() < 1e-13, "cos({x})");
         }
     }
+
+    #[test]
+    fn act_planes_rebuild_every_integer_in_range() {
+        for xi in (-2_080_768..=2_080_768).step_by(97).chain([-2_080_768, -1, 0, 1, 127, 128, -129, 32767, 2_080_768]) {
+            let [p0, p1, p2] = act_planes(xi);
+            assert_eq!(p0 as i32 + 256 * p1 as i32 + 65536 * p2 as i32, xi);
+            assert!((-32..=32).contains(&p2), "{xi}: top plane {p2}");
+        }
+    }
+
+    #[test]
+    fn act_quant_stays_in_range_and_zeroes_blocks_without_a_normal_scale() {
+        let block: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) * 1.37e3).collect();
+        let d = act_scale(&block);
+        let q: Vec<i32> = block.iter().map(|&x| act_quant(x, d)).collect();
+        assert!(q.iter().all(|v| v.abs() <= 2_080_768) && q.iter().any(|v| v.abs() == 2_080_768));
+        assert_eq!(act_quant(1e-33, act_scale(&[1e-33, -2e-33])), 0); // subnormal scale
+        assert!(act_scale(&[1.0, f32::NAN]).is_nan());
+        assert_eq!(act_quant(1.0, f32::INFINITY), 0);
+    }
+
+    /// Against the exact value in f64, with one element 1000× its block's others.
+    #[test]
+    fn dot_affine_int_is_within_the_activation_rounding() {
+        let n = 256;
+        let x: Vec<f64> = (0..n).map(|i| if i == 70 { 900.0 } else { ((i * 37 % 101) as f64 - 50.0) / 55.0 }).collect();
+        let codes: Vec<u32> = (0..n).map(|i| (i * 7 % 16) as u32).collect();
+        let (s, b) = (|g: usize| 0.01 + 0.001 * g as f32, |g: usize| -0.08 + 0.002 * g as f32);
+        let xf: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+        let got = dot_affine_int(64, &xf, |k| codes[k], s, b) as f64;
+        let exact: f64 = (0..n).map(|k| (s(k / 64) as f64 * codes[k] as f64 + b(k / 64) as f64) * xf[k] as f64).sum();
+        let scale: f64 = (0..n).map(|k| ((s(k / 64) as f64 * codes[k] as f64 + b(k / 64) as f64) * xf[k] as f64).abs()).sum();
+        // Each activation is off by at most half a step of max|x|/2 080 768 in its block; the
+        // block with the outlier carries that outlier's step.
+        assert!((got - exact).abs() <= 1e-5 * scale, "got {got}, exact {exact}");
+    }
 }

@@ -171,3 +171,42 @@ fn every_instruction_set_and_thread_count_gives_the_same_bits() {
         }
     }
 }
+
+/// The integer-exact products (numerics §2.2) on every MLX fixture: within the bound of
+/// mlx-lm's logits, every greedy token, chunks of any size and every instruction set and thread
+/// count giving the same bits.
+#[test]
+fn int_products_keep_the_accuracy_bar_greedy_ids_and_bits() {
+    use tensorfold::backend::cpu::simd::Isa;
+    use tensorfold::backend::Products;
+    for f in MLX {
+        let host = HostModel::open(&shared(&format!("{}/mlx-q4", f.root))).unwrap();
+        let model = Model::new(&host, Cpu::new().with_products(Products::Int)).unwrap();
+        let r = Reference::read(&shared(&format!("{}/reference.safetensors", f.root)));
+        let got = logits_in_chunks(&model, &r.ids, r.ids.len(), &r.positions);
+        let score = Reference::score(&got, &r.mlx_full);
+        println!("{} (integer products): max |tensorfold − mlx_full| / std = {score:.2e}", f.root);
+        assert!(score < BOUND, "{}: {score:.2e}", f.root);
+        // The f32 form gives other bits (a test that both forms ran).
+        let f32_model = Model::new(&host, Cpu::new().with_products(Products::F32)).unwrap();
+        let f32_logits = logits_in_chunks(&f32_model, &r.ids, r.ids.len(), &r.positions);
+        assert!(got.iter().zip(&f32_logits).any(|(a, b)| a.to_bits() != b.to_bits()), "{}: integer and f32 products agree bit for bit", f.root);
+        assert_eq!(greedy_ids(&model, &r.ids[..f.prompt_len], r.ids.len()), r.ids, "{}", f.root);
+    }
+    let host = HostModel::open(&shared("fixtures/heads/mlx-q4")).unwrap();
+    let r = Reference::read(&shared("fixtures/heads/reference.safetensors"));
+    let rows: Vec<usize> = (0..r.ids.len()).collect();
+    let mut first: Option<Vec<f32>> = None;
+    for isa in Isa::available() {
+        for threads in [1, 3] {
+            let model = Model::new(&host, Cpu::with(isa, threads).with_products(Products::Int)).unwrap();
+            for chunk in [1, 7, r.ids.len()] {
+                let l = logits_in_chunks(&model, &r.ids, chunk, &rows);
+                match &first {
+                    None => first = Some(l),
+                    Some(f) => assert!(l.iter().zip(f).all(|(a, b)| a.to_bits() == b.to_bits()), "{isa:?}, {threads} threads, chunks of {chunk}"),
+                }
+            }
+        }
+    }
+}

@@ -227,6 +227,10 @@ pub fn fingerprint(dir: &Path) -> Result<String, String> {
         }
     }
     h.update(&NUMERICS_VERSION.to_le_bytes());
+    // The integer-exact products give other bits (numerics §2.2).
+    if crate::backend::Products::from_env() == crate::backend::Products::Int {
+        h.update(b"integer products");
+    }
     Ok(format!("fp_{:016x}", h.digest()))
 }
 

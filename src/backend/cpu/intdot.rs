@@ -378,7 +378,14 @@ mod tests {
             name: "w".into(),
             rows,
             cols,
-            data: MatrixData::Affine { bits, group_size: gs, weight: Bytes::from_vec(weight), scales: Bytes::from_vec(sc), biases: Bytes::from_vec(bi), scale_dtype: FloatType::BF16 },
+            data: MatrixData::Affine {
+                bits,
+                group_size: gs,
+                weight: Bytes::from_vec(weight),
+                scales: Bytes::from_vec(sc),
+                biases: Bytes::from_vec(bi),
+                scale_dtype: FloatType::BF16,
+            },
         }
     }
 

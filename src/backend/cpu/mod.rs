@@ -187,7 +187,8 @@ impl Backend for Cpu {
 
     fn describe(&self) -> String {
         let t = self.threads();
-        format!("cpu ({}, {t} thread{})", self.isa.name(), if t == 1 { "" } else { "s" })
+        let ints = if self.products == Products::Int { ", integer products" } else { "" };
+        format!("cpu ({}, {t} thread{}{ints})", self.isa.name(), if t == 1 { "" } else { "s" })
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<Matrix, BackendError> {

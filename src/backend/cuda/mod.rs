@@ -217,6 +217,16 @@ struct IntMatDesc {
     cols: u32,
     group: u32,
     ldy: u32,
+    tile0: u32,
+    pad: u32,
+}
+/// `IntMats` of matmul_int.cu: the matrices of one launch.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct IntMatDescs {
+    m: [IntMatDesc; 4],
+    count: u32,
+    pad: [u32; 3],
 }
 /// `IntIn` of matmul_int.cu: the quantized input rows.
 #[repr(C)]
@@ -234,6 +244,7 @@ struct IntInDesc {
 // SAFETY: plain-old-data with the layout of the C structs in matmul_int.cu.
 unsafe impl DeviceRepr for IntMatDesc {}
 unsafe impl DeviceRepr for IntInDesc {}
+unsafe impl DeviceRepr for IntMatDescs {}
 
 /// Device buffers of the quantized input of integer-exact products: `rows` rows of up to
 /// `cols` (a multiple of 64) elements, as `quantize_rows` writes them.
@@ -1082,26 +1093,72 @@ impl Cuda {
         let blocks = cols.div_ceil(64);
         let kpad = 64 * blocks;
         let x_buf = ptr(&x.buf, &self.stream);
-        self.launch("quantize_rows", |st| {
-            let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
-            assert!(q.rows >= rows && q.cols >= kpad as usize, "quantize_rows: {rows}x{cols} past {}x{}", q.rows, q.cols);
-            let a = self.args().val(x_buf).val(cols).val(cols).val(blocks).val(kpad).buf(&q.planes).buf(&q.d).buf(&q.ds64).buf(&q.ds32);
-            unsafe { self.kernel("quantize_rows", (blocks.div_ceil(8), rows as u32, 1), 256, 0, a) }
-        });
-        for (m, y) in outs.iter().filter(|(m, _)| m.fmt >= 4) {
-            let ul = (m.group as usize).min(64);
-            let small = rows <= 8;
-            let name = format!("matmul_int{}_s{}_u{}_{}", m.fmt, m.sdtype, ul, if small { "small" } else { "large" });
-            let (tr, tt) = if small { (16u32, 8u32) } else { (32, 32) };
-            let desc = IntMatDesc { w: ptr(&m.w, &self.stream), sb: ptr(&m.sb, &self.stream), y: ptr(&y.buf, &self.stream), res, rows: m.rows as u32, cols: m.cols as u32, group: m.group, ldy: y.cols as u32 };
-            let grid = ((m.rows as u32).div_ceil(tr), (rows as u32).div_ceil(tt), 1);
-            let label = self.profile_label(&name, m.rows as u32, m.cols, res);
+        // One token is quantized by each block of the product (matmul_int.cu FUSED_COLS).
+        let kind = match rows {
+            1 if cols <= 12288 => "one",
+            2..=8 => "small",
+            1 => "small",
+            _ => "large",
+        };
+        if kind != "one" {
+            self.launch("quantize_rows", |st| {
+                let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
+                assert!(q.rows >= rows && q.cols >= kpad as usize, "quantize_rows: {rows}x{cols} past {}x{}", q.rows, q.cols);
+                let a = self.args().val(x_buf).val(cols).val(cols).val(blocks).val(kpad).buf(&q.planes).buf(&q.d).buf(&q.ds64).buf(&q.ds32);
+                unsafe { self.kernel("quantize_rows", (blocks.div_ceil(8), rows as u32, 1), 256, 0, a) }
+            });
+        }
+        let (tr, tt) = if kind == "large" { (32u32, 32u32) } else { (16, 8) };
+        // Launches of up to four matrices stored alike (format, scale dtype, unit length).
+        let affine: Vec<&(&CudaMatrix, &mut CudaTensor)> = outs.iter().filter(|(m, _)| m.fmt >= 4).collect();
+        let key = |m: &CudaMatrix| (m.fmt, m.sdtype, m.group.min(64));
+        let mut i = 0;
+        while i < affine.len() {
+            let mut j = i + 1;
+            while j < affine.len() && j - i < 4 && key(affine[j].0) == key(affine[i].0) {
+                j += 1;
+            }
+            let (fmt, sdt, ul) = key(affine[i].0);
+            let mut d = IntMatDescs::default();
+            let mut tiles = 0u32;
+            for (k, (m, y)) in affine[i..j].iter().map(|p| (p.0, &p.1)).enumerate() {
+                d.m[k] = IntMatDesc {
+                    w: ptr(&m.w, &self.stream),
+                    sb: ptr(&m.sb, &self.stream),
+                    y: ptr(&y.buf, &self.stream),
+                    res,
+                    rows: m.rows as u32,
+                    cols: m.cols as u32,
+                    group: m.group,
+                    ldy: y.cols as u32,
+                    tile0: tiles,
+                    pad: 0,
+                };
+                tiles += (m.rows as u32).div_ceil(tr);
+            }
+            d.count = (j - i) as u32;
+            let name = format!("matmul_int{fmt}_s{sdt}_u{ul}_{kind}");
+            // One-token launches loop over row tiles (the block's quantization amortized), a
+            // few blocks per multiprocessor.
+            let blocks_x = if kind == "one" { tiles.min(4 * self.sms.max(1)) } else { tiles };
+            let grid = (blocks_x, (rows as u32).div_ceil(tt), 1);
+            let label = self.profile_label(&name, tiles * tr, affine[i].0.cols, res);
             let fname: &'static str = self.funcs.keys().find(|k| **k == name).copied().expect("every matmul_int variant is compiled");
             self.launch_as(fname, label, |st| {
                 let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
-                let inp = IntInDesc { planes: ptr(&q.planes, &self.stream), d: ptr(&q.d, &self.stream), ds64: ptr(&q.ds64, &self.stream), ds32: ptr(&q.ds32, &self.stream), tokens: rows as u32, blocks, kpad, pad: 0 };
-                unsafe { self.kernel(fname, grid, 256, 0, self.args().val(desc).val(inp)) }
+                let inp = IntInDesc {
+                    planes: ptr(&q.planes, &self.stream),
+                    d: ptr(&q.d, &self.stream),
+                    ds64: ptr(&q.ds64, &self.stream),
+                    ds32: ptr(&q.ds32, &self.stream),
+                    tokens: rows as u32,
+                    blocks,
+                    kpad,
+                    pad: 0,
+                };
+                unsafe { self.kernel(fname, grid, 256, 0, self.args().val(d).val(inp).val(x_buf).val(tiles)) }
             });
+            i = j;
         }
         rest
     }
@@ -1520,7 +1577,8 @@ impl Backend for Cuda {
     type States = CudaStates;
 
     fn describe(&self) -> String {
-        format!("cuda ({}, {})", self.name, self.arch)
+        let ints = if self.products == Products::Int { ", integer products" } else { "" };
+        format!("cuda ({}, {}{ints})", self.name, self.arch)
     }
 
     fn max_rows(&self) -> usize {

@@ -79,6 +79,13 @@ struct IntMat {
     float* y;      // [tokens, ldy]
     float* res;    // if set: res += y
     u32 rows, cols, group, ldy;
+    u32 tile0;     // the launch's first row tile of this matrix
+    u32 pad;
+};
+// Up to four matrices of one input (fused projections), their row tiles one after another.
+struct IntMats {
+    IntMat m[4];
+    u32 count, pad0, pad1, pad2;
 };
 struct IntIn {
     const signed char* planes;  // [tokens][3][kpad]
@@ -120,145 +127,290 @@ __device__ __forceinline__ void load_a(const u8* row, u32 u, u32 t, u32 (&lo)[UL
     }
 }
 
-// y = W·x for tokens n0 .. n0 + 8·NT and rows r0 .. r0 + 16·MT of one matrix: grid
-// (ceil(rows / 16·MT), ceil(tokens / 8·NT)), 256 threads (the eight chunks).
-template <int BITS, int SDT, int UL, int MT, int NT>
-__device__ __forceinline__ void matmul_int(const IntMat& m, const IntIn& in) {
-    __shared__ float part[CHUNKS][16 * MT][8 * NT];
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const u32 r0 = blockIdx.x * 16 * MT, n0 = blockIdx.y * 8 * NT;
-    const u32 units = m.cols / UL, ua = warp * units / CHUNKS, ub = (warp + 1) * units / CHUNKS;
-    const u32 rowbytes = m.cols * BITS / 8, groups = m.cols / m.group, sbs = sb_size(SDT);
-    const u8* wrow[MT][2];
-    const u8* sbrow[MT][2];
+// Elements of a row the one-token kernels quantize into shared memory themselves (wider rows
+// take quantize_rows first).
+#define FUSED_COLS 12288
+
+// Twin of quantize_rows for one row into shared memory, by the whole block: warp w takes
+// blocks w, w + 8, ..., four at a time with their loads issued together.
+__device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blocks, signed char* planes, float* d, float* ds64, float* ds32) {
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kpad = 64 * blocks;
+    for (u32 base = warp; base < blocks; base += 32) {
+        float v[4][2];
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            u32 r = min(r0 + 16 * mt + g + 8 * h, m.rows - 1);
-            wrow[mt][h] = m.w + (u64)r * rowbytes;
-            sbrow[mt][h] = m.sb + (u64)r * groups * sbs;
+        for (int i = 0; i < 4; i++) {
+            u32 e0 = (base + 8 * i) * 64 + 2 * lane;
+            v[i][0] = e0 < cols ? xr[e0] : 0.0f;
+            v[i][1] = e0 + 1 < cols ? xr[e0 + 1] : 0.0f;
         }
-    pdl_enter();
-    u32 tok[NT];
 #pragma unroll
-    for (int nt = 0; nt < NT; nt++) tok[nt] = min(n0 + 8 * nt + g, in.tokens - 1);
-    float cacc[MT][NT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) cacc[mt][nt][i] = 0.0f;
-    constexpr int KS = UL / 32;
-    for (u32 u = ua; u < ub; u++) {
-        u32 alo[MT][2][KS], ahi[MT][2][KS];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) load_a<BITS, UL>(wrow[mt][h], u, t, alo[mt][h], ahi[mt][h]);
-        // B fragments: plane p, k-step s of token column tok[nt].
-        u32 b[3][NT][KS][2];
-#pragma unroll
-        for (int p = 0; p < 3; p++)
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                const signed char* pp = in.planes + ((u64)tok[nt] * 3 + p) * in.kpad;
-                if (UL == 64) {
-                    uint4 v = *(const uint4*)(pp + u * 64 + 16 * t);
-                    b[p][nt][0][0] = v.x;
-                    b[p][nt][0][1] = v.y;
-                    b[p][nt][KS - 1][0] = v.z;
-                    b[p][nt][KS - 1][1] = v.w;
-                } else {
-                    uint2 v = *(const uint2*)(pp + u * 32 + 8 * t);
-                    b[p][nt][0][0] = v.x;
-                    b[p][nt][0][1] = v.y;
-                }
+        for (int i = 0; i < 4; i++) {
+            const u32 blk = base + 8 * i;
+            if (blk >= blocks) break;
+            const u32 e0 = blk * 64 + 2 * lane;
+            const float v0 = v[i][0], v1 = v[i][1];
+            float m = fmaxf(fabsf(v0), fabsf(v1));
+            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
+            bool nan = __any_sync(FULL_MASK, isnan(v0) || isnan(v1));
+            float db = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(m, ACT_LEVELS);
+            bool normal = db >= 1.17549435e-38f && db <= 3.40282347e38f;
+            int xs[2] = {normal ? __float2int_rn(__fdiv_rn(v0, db)) : 0, normal ? __float2int_rn(__fdiv_rn(v1, db)) : 0};
+            int sm = xs[0] + xs[1];
+            for (int o = 8; o > 0; o >>= 1) sm += __shfl_xor_sync(FULL_MASK, sm, o);
+            int s_lo = __shfl_sync(FULL_MASK, sm, 0), s_hi = __shfl_sync(FULL_MASK, sm, 16);
+            if (lane == 0) {
+                d[blk] = db;
+                ds64[blk] = db * (float)(s_lo + s_hi);
+                ds32[2 * blk] = db * (float)s_lo;
+                ds32[2 * blk + 1] = db * (float)s_hi;
             }
-        // I per output: 4-bit codes by Horner over the planes in one s32 accumulator (every
-        // partial value stays below 2^31: numerics §2.2); 8-bit codes one accumulator per plane.
-        int acc[BITS == 4 ? 1 : 3][MT][NT][4];
 #pragma unroll
-        for (int q = 0; q < (BITS == 4 ? 1 : 3); q++)
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) acc[q][mt][nt][i] = 0;
-#pragma unroll
-        for (int p = 2; p >= 0; p--) {
-            const int q = BITS == 4 ? 0 : p;
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++)
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++) {
-                    if (BITS == 4 && p < 2) {
-#pragma unroll
-                        for (int i = 0; i < 4; i++) acc[0][mt][nt][i] *= 256;
-                    }
-#pragma unroll
-                    for (int s = 0; s < KS; s++) {
-                        const u32 a[4] = {alo[mt][0][s], alo[mt][1][s], ahi[mt][0][s], ahi[mt][1][s]};
-                        mma_u8s8(acc[q][mt][nt], a, b[p][nt][s][0], b[p][nt][s][1]);
-                    }
-                }
+            for (int k = 0; k < 2; k++) {
+                int xi = xs[k];
+                int p0 = ((xi + 128) & 255) - 128;
+                int r1 = (xi - p0) >> 8;
+                int p1 = ((r1 + 128) & 255) - 128;
+                int p2 = (r1 - p1) >> 8;
+                u32 e = e0 + k, in = e & 7;
+                u32 at = (e & ~7u) + ((in & 1) ? 4 + (in >> 1) : (in >> 1));
+                planes[at] = (signed char)p0;
+                planes[kpad + at] = (signed char)p1;
+                planes[2 * kpad + at] = (signed char)p2;
+            }
         }
-        // The unit's value into each output's chunk sum.
-        const u32 grp = u * UL / m.group, blk = u * UL / 64;
+    }
+}
+
+// Units a warp loads together before their products (more bytes in flight per warp).
+#define BATCH 4
+
+// y = W·x for tokens n0 .. n0 + 8·NT and rows r0 .. r0 + 16·MT of one of the matrices, for
+// each row tile blockIdx.x, blockIdx.x + gridDim.x, ... below `tiles` (Σ ceil(rows / 16·MT)):
+// grid (≤ tiles, ceil(tokens / 8·NT)), 256 threads (the eight chunks). FUSED: one token,
+// quantized once by this block into shared memory (`x` its row) instead of read from `in`.
+template <int BITS, int SDT, int UL, int MT, int NT, bool FUSED>
+__device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, const float* x, u32 tiles) {
+    __shared__ float part[CHUNKS][16 * MT][8 * NT];
+    __shared__ __align__(16) signed char qplanes[FUSED ? 3 * FUSED_COLS : 16];
+    __shared__ float qd[FUSED ? FUSED_COLS / 64 : 1], qds64[FUSED ? FUSED_COLS / 64 : 1], qds32[FUSED ? FUSED_COLS / 32 : 1];
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 n0 = blockIdx.y * 8 * NT;
+    constexpr int KS = UL / 32;
+    // Larger tiles hold one unit at a time (their fragments already fill the registers).
+    constexpr int NB = MT * NT == 1 ? BATCH : 1;
+    // A batch's weights: BATCH units requested together (bytes in flight per warp). The first
+    // batch of the first tile is requested before pdl_enter (weights only), so it arrives while
+    // the previous kernel ends and this block quantizes its input.
+    u32 alo[NB][MT][2][KS], ahi[NB][MT][2][KS];
+    typename Sb<SDT>::T sbc[NB][MT][2];
+    auto geometry = [&](u32 tile, const IntMat*& mp, u32& r0, u32& ua, u32& ub, const u8* (&wrow)[MT][2], const u8* (&sbrow)[MT][2]) {
+        u32 mi = 0;
+        for (u32 i = 1; i < ms.count; i++)
+            if (tile >= ms.m[i].tile0) mi = i;
+        mp = &ms.m[mi];
+        const IntMat& m = *mp;
+        r0 = (tile - m.tile0) * 16 * MT;
+        const u32 units = m.cols / UL;
+        ua = warp * units / CHUNKS;
+        ub = (warp + 1) * units / CHUNKS;
+        const u32 rowbytes = m.cols * BITS / 8, groups = m.cols / m.group, sbs = sb_size(SDT);
 #pragma unroll
         for (int mt = 0; mt < MT; mt++)
 #pragma unroll
             for (int h = 0; h < 2; h++) {
-                float s, bb;
-                load_sb<SDT>(sbrow[mt][h], grp, s, bb);
+                u32 r = min(r0 + 16 * mt + g + 8 * h, m.rows - 1);
+                wrow[mt][h] = m.w + (u64)r * rowbytes;
+                sbrow[mt][h] = m.sb + (u64)r * groups * sbs;
+            }
+    };
+    auto load_batch = [&](u32 u0, u32 ub, u32 group, const u8* (&wrow)[MT][2], const u8* (&sbrow)[MT][2]) {
 #pragma unroll
-                for (int nt = 0; nt < NT; nt++)
+        for (int k = 0; k < NB; k++) {
+            if (u0 + k < ub) {
 #pragma unroll
-                    for (int j = 0; j < 2; j++) {
-                        u32 tk = min(n0 + 8 * nt + 2 * t + j, in.tokens - 1);
-                        float dd = in.d[tk * in.blocks + blk];
-                        float ds = UL == 64 ? in.ds64[tk * in.blocks + u] : in.ds32[tk * 2 * in.blocks + u];
-                        float fi;
-                        if (BITS == 4) {
-                            fi = (float)acc[0][mt][nt][2 * h + j];
-                        } else {
-                            long long ii = (long long)acc[0][mt][nt][2 * h + j] + ((long long)acc[1][mt][nt][2 * h + j] << 8) + ((long long)acc[2][mt][nt][2 * h + j] << 16);
-                            fi = __ll2float_rn(ii);
-                        }
-                        float v = __fmaf_rn(s * dd, fi, bb * ds);
-                        cacc[mt][nt][2 * h + j] = cacc[mt][nt][2 * h + j] + v;
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        load_a<BITS, UL>(wrow[mt][h], u0 + k, t, alo[k][mt][h], ahi[k][mt][h]);
+                        sbc[k][mt][h] = load_sb_raw<SDT>(sbrow[mt][h], (u0 + k) * UL / group);
                     }
             }
+        }
+    };
+    bool prefetched = false;
+    if (blockIdx.x < tiles) {
+        const IntMat* mp;
+        u32 r0, ua, ub;
+        const u8* wrow[MT][2];
+        const u8* sbrow[MT][2];
+        geometry(blockIdx.x, mp, r0, ua, ub, wrow, sbrow);
+        load_batch(ua, ub, mp->group, wrow, sbrow);
+        prefetched = true;
     }
+    pdl_enter();
+    if (FUSED) {
+        quantize_smem(x, ms.m[0].cols, in.blocks, qplanes, qd, qds64, qds32);
+        in.planes = qplanes;
+        in.d = qd;
+        in.ds64 = qds64;
+        in.ds32 = qds32;
+        in.tokens = 1;
+        __syncthreads();
+    }
+    u32 tok[NT];
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++)
+    for (int nt = 0; nt < NT; nt++) tok[nt] = min(n0 + 8 * nt + g, in.tokens - 1);
+    for (u32 tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        const IntMat* mp;
+        u32 r0, ua, ub;
+        const u8* wrow[MT][2];
+        const u8* sbrow[MT][2];
+        geometry(tile, mp, r0, ua, ub, wrow, sbrow);
+        const IntMat& m = *mp;
+        float cacc[MT][NT][4];
 #pragma unroll
-        for (int nt = 0; nt < NT; nt++)
+        for (int mt = 0; mt < MT; mt++)
 #pragma unroll
-            for (int i = 0; i < 4; i++) part[warp][16 * mt + g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = cacc[mt][nt][i];
-    __syncthreads();
-    for (u32 o = threadIdx.x; o < 16 * MT * 8 * NT; o += 256) {
-        u32 rl = o / (8 * NT), tl = o % (8 * NT);
-        u32 r = r0 + rl, tk = n0 + tl;
-        if (r >= m.rows || tk >= in.tokens) continue;
-        float yv = 0.0f;
+            for (int nt = 0; nt < NT; nt++)
 #pragma unroll
-        for (int c = 0; c < CHUNKS; c++) yv = yv + part[c][rl][tl];
-        m.y[(u64)tk * m.ldy + r] = yv;
-        if (m.res) m.res[(u64)tk * m.ldy + r] = m.res[(u64)tk * m.ldy + r] + yv;
+                for (int i = 0; i < 4; i++) cacc[mt][nt][i] = 0.0f;
+        for (u32 u0 = ua; u0 < ub; u0 += NB) {
+            // The batch's weights (unless prefetched), then their products in unit order.
+            if (!prefetched) load_batch(u0, ub, m.group, wrow, sbrow);
+            prefetched = false;
+#pragma unroll
+            for (int k = 0; k < NB; k++) {
+                const u32 u = u0 + k;
+                if (u >= ub) break;
+                // B fragments: plane p, k-step s of token column tok[nt].
+                u32 b[3][NT][KS][2];
+#pragma unroll
+                for (int p = 0; p < 3; p++)
+#pragma unroll
+                    for (int nt = 0; nt < NT; nt++) {
+                        const signed char* pp = in.planes + ((u64)tok[nt] * 3 + p) * in.kpad;
+                        if (UL == 64) {
+                            uint4 v = *(const uint4*)(pp + u * 64 + 16 * t);
+                            b[p][nt][0][0] = v.x;
+                            b[p][nt][0][1] = v.y;
+                            b[p][nt][KS - 1][0] = v.z;
+                            b[p][nt][KS - 1][1] = v.w;
+                        } else {
+                            uint2 v = *(const uint2*)(pp + u * 32 + 8 * t);
+                            b[p][nt][0][0] = v.x;
+                            b[p][nt][0][1] = v.y;
+                        }
+                    }
+                // I per output, exact. One-token tiles: one s32 accumulator per plane (three
+                // independent mma chains), combined in i32 for 4-bit codes (every partial sum
+                // stays below 2^31: numerics §2.2). Larger 4-bit tiles: Horner over the planes
+                // in one accumulator (fewer registers; the same bound holds). 8-bit codes: one
+                // accumulator per plane, combined in i64.
+                constexpr int NACC = (BITS == 8 || MT * NT == 1) ? 3 : 1;
+                int acc[NACC][MT][NT][4];
+#pragma unroll
+                for (int q = 0; q < NACC; q++)
+#pragma unroll
+                    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                            for (int i = 0; i < 4; i++) acc[q][mt][nt][i] = 0;
+                if constexpr (NACC == 3) {
+#pragma unroll
+                    for (int s = 0; s < KS; s++)
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                                for (int p = 0; p < 3; p++) {
+                                    const u32 a[4] = {alo[k][mt][0][s], alo[k][mt][1][s], ahi[k][mt][0][s], ahi[k][mt][1][s]};
+                                    mma_u8s8(acc[p][mt][nt], a, b[p][nt][s][0], b[p][nt][s][1]);
+                                }
+                } else {
+#pragma unroll
+                    for (int p = 2; p >= 0; p--)
+#pragma unroll
+                        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                            for (int nt = 0; nt < NT; nt++) {
+                                if (p < 2) {
+#pragma unroll
+                                    for (int i = 0; i < 4; i++) acc[0][mt][nt][i] *= 256;
+                                }
+#pragma unroll
+                                for (int s = 0; s < KS; s++) {
+                                    const u32 a[4] = {alo[k][mt][0][s], alo[k][mt][1][s], ahi[k][mt][0][s], ahi[k][mt][1][s]};
+                                    mma_u8s8(acc[0][mt][nt], a, b[p][nt][s][0], b[p][nt][s][1]);
+                                }
+                            }
+                }
+                // The unit's value into each output's chunk sum.
+                const u32 blk = u * UL / 64;
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        float sc, bi;
+                        unpack_sb<SDT>(sbc[k][mt][h], sc, bi);
+#pragma unroll
+                        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                            for (int j = 0; j < 2; j++) {
+                                u32 tk = min(n0 + 8 * nt + 2 * t + j, in.tokens - 1);
+                                float dd = in.d[tk * in.blocks + blk];
+                                float ds = UL == 64 ? in.ds64[tk * in.blocks + u] : in.ds32[tk * 2 * in.blocks + u];
+                                float fi;
+                                const int i = 2 * h + j;
+                                if constexpr (NACC == 1) {
+                                    fi = (float)acc[0][mt][nt][i];
+                                } else if constexpr (BITS == 4) {
+                                    fi = (float)(acc[NACC - 1][mt][nt][i] * 65536 + acc[NACC > 1 ? 1 : 0][mt][nt][i] * 256 + acc[0][mt][nt][i]);
+                                } else {
+                                    long long ii = (long long)acc[0][mt][nt][i] + ((long long)acc[NACC > 1 ? 1 : 0][mt][nt][i] << 8) + ((long long)acc[NACC - 1][mt][nt][i] << 16);
+                                    fi = __ll2float_rn(ii);
+                                }
+                                float v = __fmaf_rn(sc * dd, fi, bi * ds);
+                                cacc[mt][nt][2 * h + j] = cacc[mt][nt][2 * h + j] + v;
+                            }
+                    }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) part[warp][16 * mt + g + 8 * (i >> 1)][8 * nt + 2 * t + (i & 1)] = cacc[mt][nt][i];
+        __syncthreads();
+        for (u32 o = threadIdx.x; o < 16 * MT * 8 * NT; o += 256) {
+            u32 rl = o / (8 * NT), tl = o % (8 * NT);
+            u32 r = r0 + rl, tk = n0 + tl;
+            if (r >= m.rows || tk >= in.tokens) continue;
+            float yv = 0.0f;
+#pragma unroll
+            for (int c = 0; c < CHUNKS; c++) yv = yv + part[c][rl][tl];
+            m.y[(u64)tk * m.ldy + r] = yv;
+            if (m.res) m.res[(u64)tk * m.ldy + r] = m.res[(u64)tk * m.ldy + r] + yv;
+        }
+        // `part` is read above before the next tile writes it.
+        __syncthreads();
     }
 }
 
-// Entry points: bits, scale dtype (0 f32, 1 f16, 2 bf16), unit length, and the tile: 16 rows
-// × 8 tokens (decode) or 32 × 32 (prompts, batched decode).
+// Entry points: bits, scale dtype (0 f32, 1 f16, 2 bf16), unit length, and the tile: one
+// token quantized in the block (decode), 16 rows × 8 tokens (a few rows), or 32 × 32 (prompts,
+// batched decode).
 #define MM_INT(BITS, SDT, UL)                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_small(IntMat m, IntIn in) {                   \
-        matmul_int<BITS, SDT, UL, 1, 1>(m, in);                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_one(IntMats m, IntIn in, const float* x, u32 tiles) {    \
+        matmul_int<BITS, SDT, UL, 1, 1, true>(m, in, x, tiles);                                                                                 \
     }                                                                                                                                    \
-    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_large(IntMat m, IntIn in) {                   \
-        matmul_int<BITS, SDT, UL, 2, 4>(m, in);                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_small(IntMats m, IntIn in, const float* x, u32 tiles) {  \
+        matmul_int<BITS, SDT, UL, 1, 1, false>(m, in, x, tiles);                                                                                \
+    }                                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_large(IntMats m, IntIn in, const float* x, u32 tiles) {  \
+        matmul_int<BITS, SDT, UL, 2, 4, false>(m, in, x, tiles);                                                                                \
     }
 #define MM_INT_SDT(BITS, UL) MM_INT(BITS, 0, UL) MM_INT(BITS, 1, UL) MM_INT(BITS, 2, UL)
 MM_INT_SDT(4, 64)
