@@ -18,7 +18,7 @@
 
 use std::sync::Arc;
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
 use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -148,6 +148,9 @@ pub struct Constraint {
     matcher: Matcher,
     /// Ids the mask covers; ids past it (padding of the logits row) are never allowed.
     size: usize,
+    /// The ids that end a complete grammar (the vocabulary's EOS ids, which llguidance's
+    /// token table holds too).
+    eos_ids: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -335,7 +338,7 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher, size: vocab.size }))
+        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into() }))
     }
 
     /// Sets every id the grammar does not allow next to −∞ in `row` (a copy of a logits row,
@@ -365,12 +368,28 @@ impl Constraint {
         Ok(())
     }
 
-    /// Moves the grammar past `id` (the id sampled from the masked row).
+    /// Moves the grammar past `id` (the id sampled from the masked row). Returns whether `id`
+    /// ended the grammar: an EOS id once the output is complete, after which the sequence is
+    /// done whatever its stop rules say (`ignore_eos` included: the constraint wins).
     ///
     /// # Errors
     /// [`GrammarError::Runtime`] when the grammar does not allow `id`.
-    pub fn advance(&mut self, id: u32) -> Result<(), GrammarError> {
-        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))
+    pub fn advance(&mut self, id: u32) -> Result<bool, GrammarError> {
+        if self.eos_ids.contains(&id) {
+            // When nothing can follow the output (a closed JSON object), llguidance stops its
+            // parser right after the last text token; a stopped parser refuses every id, EOS
+            // included, though its mask is EOS only. That stop is the grammar's end.
+            if matches!(self.matcher.stop_reason(), StopReason::NoExtension | StopReason::EndOfSentence) {
+                return Ok(true);
+            }
+            // Complete but extendable (another parallel call could follow): the EOS is taken.
+            if self.is_complete() {
+                self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
+                return Ok(true);
+            }
+        }
+        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
+        Ok(false)
     }
 
     /// How many of `ids`, from the current state, the grammar accepts in a row (the state is

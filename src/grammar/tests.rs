@@ -243,3 +243,32 @@ fn bad_requests_are_errors_naming_the_cause() {
     odd.insert("we\"ird>\nname", Some(&json!({"type": "object", "properties": {}})));
     assert!(matches!(err(&OutputFormat::Text, &odd, &ToolChoice::Required), GrammarError::Tool { .. }));
 }
+
+#[test]
+fn eos_after_a_complete_output_ends_the_grammar() {
+    // A closed object: nothing can follow, and llguidance has stopped its parser after `}`
+    // (a stopped parser refuses every id); the EOS its mask allows still ends the grammar.
+    let (f, t) = (schema_format(), ToolSchemas::new());
+    let mut c = build(&spec(&f, &t, &ToolChoice::Auto, false));
+    for id in ids(r#"{"n": 5}"#) {
+        assert_eq!(c.advance(id), Ok(false));
+    }
+    for &eos in vocab().eos_ids() {
+        assert_eq!(c.clone().advance(eos), Ok(true), "EOS {eos}");
+    }
+    assert_eq!(c.advance(im_end()), Ok(true));
+    // Parallel calls: complete after one call, though another could follow; EOS ends it too.
+    let tools = tools();
+    let mut parallel = spec(&OutputFormat::Text, &tools, &ToolChoice::Required, false);
+    parallel.parallel_tool_calls = true;
+    let mut c = build(&parallel);
+    for id in ids(CALL) {
+        assert_eq!(c.advance(id), Ok(false));
+    }
+    assert!(c.is_complete());
+    assert_eq!(c.advance(im_end()), Ok(true));
+    // EOS before the output is complete is no end.
+    let mut c = build(&spec(&f, &t, &ToolChoice::Auto, false));
+    assert_eq!(c.advance(ids("{")[0]), Ok(false));
+    assert!(c.advance(im_end()).is_err());
+}

@@ -137,6 +137,24 @@ class Constrained(unittest.TestCase):
                 finish = c.finish_reason or finish
         self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
 
+    def test_ignore_eos_still_ends_where_the_grammar_does(self):
+        # The constraint wins: once its output is complete only EOS is allowed, which ends the
+        # turn even with ignore_eos (it was a 500 after the valid output).
+        kw = dict(model=MODEL, messages=USER, max_tokens=60, temperature=1.0, seed=5, response_format=FORMAT, extra_body={"ignore_eos": True, **NO_THINK})
+        r = oai().chat.completions.create(**kw)
+        self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0])
+        check_schema(self, r.choices[0].message.content)
+        streamed, finish = "", None
+        for chunk in oai().chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed += c.delta.content or ""
+                finish = c.finish_reason or finish
+        self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
+        r = oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=2, extra_body={"ignore_eos": True, **NO_THINK})
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls")
+        check_call(self, c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+
     def test_json_object_output_is_an_object(self):
         # Keys are unbounded strings: this seed's object closes early (most run to max_tokens).
         r = oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=4, response_format={"type": "json_object"}, extra_body=NO_THINK)
