@@ -89,12 +89,18 @@ pub(super) fn constraint(st: &AppState, format: &OutputFormat, prompt: &ChatProm
     };
     Constraint::build(vocab, &spec).map_err(|e| {
         let field = match &e {
-            GrammarError::Schema(_) => schema_field,
-            GrammarError::Tool { .. } | GrammarError::Tools(_) => "tools",
-            GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice",
+            GrammarError::Schema(_) => schema_field.to_string(),
+            // The part of the tool's schema at fault, by its path in the request.
+            GrammarError::Tool { name, path, .. } => match prompt.tools.field(name) {
+                Some(f) if path.is_empty() => f.to_string(),
+                Some(f) => format!("{f}.{path}"),
+                None => "tools".into(),
+            },
+            GrammarError::Tools(_) => "tools".into(),
+            GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice".into(),
             GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
         };
-        ApiError::invalid(format!("`{field}`: {e}"), Some(field))
+        ApiError::invalid(format!("`{field}`: {e}"), Some(&field))
     })
 }
 

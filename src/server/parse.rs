@@ -22,9 +22,12 @@
 //! Tool arguments are typed by the tool's JSON schema as vLLM's `qwen3_coder` parser types them:
 //! a parameter declared `integer`, `number`, `boolean`, `null`, `object` or `array` is converted
 //! from its text, anything else (a string, an undeclared parameter, an unknown type) stays a
-//! string, and a value that does not convert falls back to the string. Unlike vLLM, a boolean
-//! that is neither `true` nor `false` stays a string instead of becoming `false`, and
-//! containers are read as JSON only (no Python literals).
+//! string. A value that does not convert as its type is read as JSON when it is JSON (an
+//! `anyOf` of several types, written as JSON: what a forced call's grammar writes), and stays
+//! the string otherwise. A property that is a `$ref` is typed by what it refers to (in the
+//! tool's `$defs` or `definitions`). Unlike vLLM, a boolean that is neither `true` nor `false`
+//! stays a string instead of becoming `false`, and containers are read as JSON only (no Python
+//! literals).
 //!
 //! A call the model never closes (generation stopped by `max_tokens` or a stop string) is still
 //! returned, with the parameters written so far and the last value as far as it got, as vLLM
@@ -125,6 +128,9 @@ pub struct ToolSchemas {
     /// The functions in the request's order with their `parameters` schemas, for the
     /// grammar of a forced call ([`crate::grammar`]).
     declared: Vec<(String, Option<Json>)>,
+    /// Function name → the request field its schema came from (`tools[2].function.parameters`),
+    /// for errors about the schema.
+    fields: HashMap<String, String>,
 }
 
 impl ToolSchemas {
@@ -139,11 +145,23 @@ impl ToolSchemas {
         let types = parameters
             .and_then(|p| p.get("properties"))
             .and_then(Json::as_object)
-            .map(|props| props.iter().map(|(k, v)| (k.clone(), ParamType::of(v))).collect())
+            .map(|props| props.iter().map(|(k, v)| (k.clone(), ParamType::of(v, parameters))).collect())
             .unwrap_or_default();
         self.functions.insert(name.to_string(), types);
         self.declared.retain(|(n, _)| n != name);
         self.declared.push((name.to_string(), parameters.cloned()));
+    }
+
+    /// [`insert`](Self::insert), recording `field`, the request field the schema came from
+    /// (`tools[2].function.parameters`), for errors that name a part of it.
+    pub fn insert_from(&mut self, name: &str, parameters: Option<&Json>, field: &str) {
+        self.insert(name, parameters);
+        self.fields.insert(name.to_string(), field.to_string());
+    }
+
+    /// The request field the schema of `name` came from, when recorded.
+    pub fn field(&self, name: &str) -> Option<&str> {
+        self.fields.get(name).map(String::as_str)
     }
 
     /// The functions in the order they were added, with their `parameters` schemas.
@@ -151,10 +169,11 @@ impl ToolSchemas {
         self.declared.iter().map(|(n, p)| (n.as_str(), p.as_ref()))
     }
 
-    /// Whether the parser reads a value of the property schema `schema` as raw text (a
-    /// string, or a schema without a type it knows) rather than as JSON.
-    pub fn is_text_param(schema: &Json) -> bool {
-        ParamType::of(schema).kind == Kind::String
+    /// Whether the parser reads a value of the property schema `schema` of the parameters
+    /// schema `root` as raw text (a string, or a schema without a type it knows) rather than
+    /// as JSON.
+    pub fn is_text_param(schema: &Json, root: Option<&Json>) -> bool {
+        ParamType::of(schema, root).kind == Kind::String
     }
 
     /// Number of functions.
@@ -170,6 +189,28 @@ impl ToolSchemas {
     fn param_type(&self, function: &str, param: &str) -> ParamType {
         self.functions.get(function).and_then(|f| f.get(param)).copied().unwrap_or(ParamType::STRING)
     }
+}
+
+/// Most `$ref` hops followed from one schema (a cycle of references ends there).
+const MAX_REF_HOPS: usize = 32;
+
+/// `schema` with its `$ref`s followed within `root` (a local JSON pointer: `#/$defs/NAME`,
+/// `#/definitions/NAME`, `#`, ...), as the JSON-schema compilers resolve them.
+///
+/// # Errors
+/// A reference that is not local, points at nothing, or loops; the message names it.
+pub fn resolve_ref<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<&'a Json, String> {
+    let mut s = schema;
+    for _ in 0..MAX_REF_HOPS {
+        let Some(r) = s.get("$ref") else { return Ok(s) };
+        let Some(r) = r.as_str() else { return Err("`$ref` must be a string".into()) };
+        let Some(pointer) = r.strip_prefix('#') else {
+            return Err(format!("`$ref` {r:?} is not a reference inside the schema (`#/$defs/NAME`)"));
+        };
+        // JSON pointer escapes in the fragment (`~1` is `/`, `~0` is `~`) are the pointer's own.
+        s = root.and_then(|root| root.pointer(pointer)).ok_or_else(|| format!("`$ref` {r:?} refers to nothing in the schema"))?;
+    }
+    Err(format!("`$ref`s of more than {MAX_REF_HOPS} hops (a cycle?)"))
 }
 
 /// What a parameter's schema declares, as far as converting its text goes.
@@ -193,10 +234,11 @@ enum Kind {
 impl ParamType {
     const STRING: Self = Self { kind: Kind::String, nullable: false };
 
-    /// Reads a property schema. Type names are matched as vLLM matches them (`int…`, `num…`,
-    /// `float…`, `bool`, `dict…`, `list…`, ...); unknown names, and schemas without a type,
-    /// are strings.
-    fn of(schema: &Json) -> Self {
+    /// Reads a property schema of the parameters schema `root` (`$ref`s followed in it). Type
+    /// names are matched as vLLM matches them (`int…`, `num…`, `float…`, `bool`, `dict…`,
+    /// `list…`, ...); unknown names, and schemas without a type, are strings.
+    fn of(schema: &Json, root: Option<&Json>) -> Self {
+        let schema = resolve_ref(schema, root).unwrap_or(schema);
         fn kind_of(name: &str) -> Kind {
             let t = name.trim().to_ascii_lowercase();
             let starts = |prefixes: &[&str]| prefixes.iter().any(|p| t.starts_with(p));
@@ -237,15 +279,23 @@ impl ParamType {
         }
         for key in ["anyOf", "oneOf"] {
             if let Some(Json::Array(options)) = schema.get(key) {
-                return pick(options.iter().filter_map(|o| o.get("type").and_then(Json::as_str)).map(kind_of));
+                return pick(options.iter().filter_map(|o| resolve_ref(o, root).unwrap_or(o).get("type").and_then(Json::as_str)).map(kind_of));
             }
         }
         Self::STRING
     }
 
-    /// The JSON value of a parameter's text; the text itself when it does not convert.
+    /// The JSON value of a parameter's text: converted as its type, else read as JSON (a
+    /// typed parameter's other alternatives), else the text itself.
     fn convert(self, raw: &str) -> Json {
-        let text = || Json::String(raw.to_string());
+        let text = || {
+            if self.kind != Kind::String {
+                if let Ok(v) = serde_json::from_str::<Json>(raw.trim()) {
+                    return v;
+                }
+            }
+            Json::String(raw.to_string())
+        };
         let trimmed = raw.trim();
         let is_null = trimmed.eq_ignore_ascii_case("null") || trimmed.eq_ignore_ascii_case("none");
         // The template writes a None argument as `None` (`| string`), JSON writes `null`.
@@ -916,7 +966,7 @@ mod tests {
         );
         assert_split_invariant(text, false, true);
 
-        let ty = |schema: Json| ParamType::of(&schema);
+        let ty = |schema: Json| ParamType::of(&schema, None);
         let number = ty(json!({"type": "number"}));
         assert_eq!(number.convert("3.0"), json!(3));
         assert_eq!(number.convert("-1e-3"), json!(-0.001));

@@ -155,6 +155,33 @@ class Constrained(unittest.TestCase):
         self.assertEqual(c.finish_reason, "tool_calls")
         check_call(self, c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
 
+    def test_forced_call_parameters_with_refs_are_enforced(self):
+        # A `$ref`'d object (itself holding a `$ref`) is JSON of its schema, not free text.
+        params = {
+            "type": "object",
+            "$defs": {
+                "Stay": {"type": "object", "properties": {"nights": {"type": "integer", "minimum": 1, "maximum": 9}, "unit": {"$ref": "#/$defs/Unit"}}, "required": ["nights", "unit"], "additionalProperties": False},
+                "Unit": {"type": "string", "enum": ["room", "suite"]},
+            },
+            "properties": {"stay": {"$ref": "#/$defs/Stay"}},
+            "required": ["stay"],
+        }
+        tools = [{"type": "function", "function": {"name": "book", "parameters": params}}]
+        r = oai().chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=3, extra_body=NO_THINK)
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls", c)
+        args = json.loads(c.message.tool_calls[0].function.arguments)
+        self.assertEqual(set(args), {"stay"}, args)
+        self.assertEqual(set(args["stay"]), {"nights", "unit"}, args)
+        self.assertTrue(1 <= args["stay"]["nights"] <= 9, args)
+        self.assertIn(args["stay"]["unit"], ("room", "suite"))
+        # Bounds that allow no string are refused, naming the keyword in the request.
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"code": {"type": "string", "minLength": 4, "maxLength": 2}}}}}]
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=USER, tools=bad, tool_choice="required", max_tokens=2)
+        self.assertEqual(e.exception.body["param"], "tools[0].function.parameters.properties.code.minLength")
+        self.assertIn("greater than `maxLength` 2", e.exception.body["message"])
+
     def test_json_object_output_is_an_object(self):
         # Keys are unbounded strings: this seed's object closes early (most run to max_tokens).
         r = oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=4, response_format={"type": "json_object"}, extra_body=NO_THINK)
