@@ -88,6 +88,13 @@ pub(super) fn constraint(st: &AppState, format: &OutputFormat, prompt: &ChatProm
         starts_in_reasoning: crate::server::parse::prompt_ends_in_reasoning(rendered),
     };
     Constraint::build(vocab, &spec).map_err(|e| {
+        // OpenAI's codes for these refusals (its Responses API answers a bad schema with
+        // `invalid_json_schema`, a bad function schema with `invalid_function_parameters`).
+        let code = match &e {
+            GrammarError::Schema(_) => "invalid_json_schema",
+            GrammarError::Tool { .. } | GrammarError::Tools(_) => "invalid_function_parameters",
+            _ => "invalid_value",
+        };
         let field = match &e {
             GrammarError::Schema(_) => schema_field.to_string(),
             // The part of the tool's schema at fault, by its path in the request.
@@ -100,7 +107,7 @@ pub(super) fn constraint(st: &AppState, format: &OutputFormat, prompt: &ChatProm
             GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice".into(),
             GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
         };
-        ApiError::invalid(format!("`{field}`: {e}"), Some(&field))
+        ApiError::invalid(format!("`{field}`: {e}"), Some(&field)).with_code(code)
     })
 }
 

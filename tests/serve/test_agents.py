@@ -180,6 +180,7 @@ class Constrained(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, tools=bad, tool_choice="required", max_tokens=2)
         self.assertEqual(e.exception.body["param"], "tools[0].function.parameters.properties.code.minLength")
+        self.assertEqual(e.exception.body["code"], "invalid_function_parameters")
         self.assertIn("greater than `maxLength` 2", e.exception.body["message"])
 
     def test_json_object_output_is_an_object(self):
@@ -248,6 +249,7 @@ class Constrained(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format=bad)
         self.assertEqual(e.exception.body["param"], "response_format.json_schema.schema")
+        self.assertEqual(e.exception.body["code"], "invalid_json_schema")
         self.assertIn("nonsense", e.exception.body["message"])
         with self.assertRaises(openai.BadRequestError) as e:
             oai().responses.create(model=MODEL, input="x", max_output_tokens=2, store=False, text={"format": {"type": "json_schema", "name": "bad", "schema": bad["json_schema"]["schema"]}})
@@ -257,7 +259,7 @@ class Constrained(unittest.TestCase):
         self.assertEqual(e.exception.body["param"], "response_format.json_schema.schema")
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=2)
-        self.assertEqual(e.exception.body["param"], "tool_choice")
+        self.assertEqual((e.exception.body["param"], e.exception.body["code"]), ("tool_choice", "invalid_value"))
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, tool_choice="required", max_tokens=2)
         self.assertEqual(e.exception.body["param"], "tool_choice")
