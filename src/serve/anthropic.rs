@@ -163,7 +163,7 @@ pub async fn messages(State(st): State<Arc<AppState>>, body: Result<Bytes, Bytes
         check_model(&st, r.model.as_deref())?;
         let req = r.validate()?;
         let rendered = render(&st, &req.prompt, "messages")?;
-        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "output_format")?;
+        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, r.output_schema_field())?;
         let mut job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "messages", max_tokens: "max_tokens" })?;
         job.constraint = constraint;
         let parser = req.prompt.parser_options(&rendered.text, format!("toolu_{tag}_"));

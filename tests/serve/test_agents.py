@@ -244,6 +244,23 @@ class Constrained(unittest.TestCase):
             self.assertEqual(u.name, "get_weather")
             check_call(self, u.name, u.input)
 
+    def test_anthropic_output_format_json_schema(self):
+        fmt = {"type": "json_schema", "schema": SCHEMA}
+        kw = dict(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Pick a number."}])
+        extra = {"temperature": 1.0, "seed": 5, **NO_THINK}
+        m = claude().messages.create(output_config={"format": fmt}, extra_body=extra, **kw)
+        self.assertEqual(m.stop_reason, "end_turn", m)
+        self.assertEqual([b.type for b in m.content], ["text"])
+        check_schema(self, m.content[0].text)
+        with claude().messages.stream(output_config={"format": fmt}, extra_body=extra, **kw) as s:
+            self.assertEqual(s.get_final_message().content[0].text, m.content[0].text)
+        # The beta API's `output_format`, which this client no longer sends itself.
+        beta = claude().messages.create(extra_body={**extra, "output_format": fmt}, **kw)
+        self.assertEqual(beta.content[0].text, m.content[0].text)
+        with self.assertRaises(anthropic.BadRequestError) as e:
+            claude().messages.create(output_config={"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}, **kw)
+        self.assertIn("output_config.format.schema", e.exception.body["error"]["message"])
+
     def test_bad_constraints_are_400s_naming_the_field(self):
         bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"n": {"type": "nonsense"}}}}}
         with self.assertRaises(openai.BadRequestError) as e:
