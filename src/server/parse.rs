@@ -33,8 +33,12 @@
 //! returned, with the parameters written so far and the last value as far as it got, as vLLM
 //! does; llama.cpp's parser rejects it and returns the text as content instead. Returning it
 //! keeps the streamed and the whole result equal (the start of the call has already been sent
-//! to a streaming client), and the finish reason tells the client it was cut. A `<tool_call>`
-//! that is not followed by `<function=NAME>` is not a call: its text is content.
+//! to a streaming client), and the finish reason tells the client it was cut. A call cut before
+//! its `<function=NAME>` is whole (`<tool_call>\n<func`, or `<tool_c` alone) is dropped: it
+//! was held back, so nothing of it was sent, and it is not text the model meant as an answer;
+//! so is a `</tool_call>` cut short after a call's `</function>`. Every API reports a cut turn
+//! from these same calls and text. A `<tool_call>` that is not followed by `<function=NAME>`
+//! is not a call: its text is content.
 
 use std::collections::HashMap;
 
@@ -500,6 +504,9 @@ impl OutputParser {
         }
         let found = tags.iter().filter_map(|t| self.buf.find(t).map(|i| (i, *t))).min_by_key(|(i, _)| *i);
         let Some((i, tag)) = found else {
+            // At the end, a cut `<tool_call>` is the start of a call that never was: dropped.
+            let cut = if eof && self.tools_on() { partial_suffix(&self.buf, &[CALL_OPEN]) } else { 0 };
+            self.buf.truncate(self.buf.len() - cut);
             let hold = if eof { 0 } else { partial_suffix(&self.buf, &tags) };
             let text: String = self.buf.drain(..self.buf.len() - hold).collect();
             self.emit_text(reasoning, &text, out);
@@ -561,9 +568,16 @@ impl OutputParser {
             parser.emit_text(false, CALL_OPEN, out);
             true
         };
+        // The text ended inside what reads as the call's header: the call was cut before it
+        // began, and is dropped (nothing of it was sent).
+        let cut = |parser: &mut Self| {
+            parser.buf.clear();
+            parser.mode = Mode::Content;
+            true
+        };
         if rest.len() < FUNCTION_OPEN.len() {
-            if FUNCTION_OPEN.starts_with(rest) && !eof {
-                return false;
+            if FUNCTION_OPEN.starts_with(rest) {
+                return if eof { cut(self) } else { false };
             }
             return not_a_call(self, out);
         }
@@ -572,10 +586,10 @@ impl OutputParser {
         }
         let name_region = &rest[FUNCTION_OPEN.len()..];
         let Some(end) = name_region.find('>') else {
-            if eof || !plausible_name(name_region) {
+            if !plausible_name(name_region) {
                 return not_a_call(self, out);
             }
-            return false;
+            return if eof { cut(self) } else { false };
         };
         let name = &name_region[..end];
         if name.is_empty() || !plausible_name(name) {
@@ -714,8 +728,12 @@ impl OutputParser {
             self.mode = Mode::Content;
             return true;
         }
-        if CALL_CLOSE.starts_with(rest) && !eof {
-            return false;
+        if CALL_CLOSE.starts_with(rest) {
+            if !eof {
+                return false;
+            }
+            // Cut inside the closing tag: the call is complete, the fragment is no text.
+            self.buf.clear();
         }
         self.mode = Mode::Content;
         true
@@ -1007,10 +1025,35 @@ mod tests {
         assert!(out.tool_calls.is_empty());
         assert_split_invariant(text, false, true);
 
-        // An unfinished header at the end of generation is text too.
-        let out = parse("Look: <tool_call>\n<function=get_we", false, true);
-        assert_eq!(out.content, "Look: <tool_call>\n<function=get_we");
+        // A header that is not one, at the end of generation, is text too.
+        let out = parse("Look: <tool_call>\n<fun ction", false, true);
+        assert_eq!(out.content, "Look: <tool_call>\n<fun ction");
         assert!(out.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn a_call_cut_before_its_name_is_whole_is_dropped_at_every_cut() {
+        // Two calls cut at every byte: the calls whose `<function=NAME>` was whole come back (the
+        // last as far as it got), no fragment of the markup is ever content, and streamed a
+        // character at a time the result is the same.
+        let call = &PROSE_AND_CALL[PROSE_AND_CALL.find("<tool_call>").unwrap()..];
+        let text = format!("{call}\n{call}");
+        let header = "<tool_call>\n<function=get_weather>".len();
+        for cut in 0..=text.len() {
+            let part = &text[..cut];
+            let out = parse(part, false, true);
+            assert_eq!(out.content, "", "cut at {cut}: {part:?}");
+            let want = usize::from(cut >= header) + usize::from(cut >= call.len() + 1 + header);
+            assert_eq!(out.tool_calls.len(), want, "cut at {cut}: {part:?}");
+            if cut >= call.len() - "</tool_call>".len() {
+                assert_eq!(out.tool_calls[0].input(), json!({"city": "Paris", "days": 2}), "cut at {cut}");
+            }
+            let chars: Vec<String> = part.chars().map(String::from).collect();
+            assert_eq!(streamed(&chars.iter().map(String::as_str).collect::<Vec<_>>(), false, true), out, "cut at {cut}");
+        }
+        // Reasoning before a cut call stays reasoning.
+        let out = parse("<think>\nhm\n</think>\n\n<tool_call>\n<funct", true, true);
+        assert_eq!((out.reasoning.as_str(), out.content.as_str(), out.tool_calls.len()), ("hm", "", 0));
     }
 
     #[test]

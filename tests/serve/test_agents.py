@@ -183,6 +183,37 @@ class Constrained(unittest.TestCase):
         self.assertEqual(e.exception.body["code"], "invalid_function_parameters")
         self.assertIn("greater than `maxLength` 2", e.exception.body["message"])
 
+    def test_a_cut_parallel_call_reads_alike_on_chat_and_responses(self):
+        # This seed writes two calls; max_tokens cuts them around the end of the first, inside
+        # the second's header and inside its value. Chat and Responses report the same calls
+        # (a call cut before its name is whole is dropped, one cut after it comes as far as it
+        # got) and no markup as text; on Responses the item being written when cut is
+        # incomplete.
+        x = {"seed": 2, **NO_THINK}
+        user = [{"role": "user", "content": "time?"}]
+        kw = dict(model=MODEL, messages=user, tools=[FORCED_TOOLS[1]], tool_choice="required", temperature=1.0, extra_body=x)
+        full = oai().chat.completions.create(max_tokens=200, logprobs=True, **kw)
+        self.assertEqual(len(full.choices[0].message.tool_calls), 2, full)
+        text, ends = "", []
+        for t in full.choices[0].logprobs.content:
+            text += t.token
+            ends.append(len(text))
+        # Tokens up to the first `</tool_call>`, and up to the second call's name.
+        first = next(i for i, e in enumerate(ends) if e >= text.index("</tool_call>") + len("</tool_call>")) + 1
+        named = next(i for i, e in enumerate(ends) if e >= text.rindex("<function=get_time>") + len("<function=get_time>")) + 1
+        rtools = [{"type": "function", "name": "get_time", "parameters": CLOCK}]
+        seen = set()
+        for n in sorted({*range(first - 2, first + 3), *range(named - 3, named + 2), named + 4}):
+            c = oai().chat.completions.create(max_tokens=n, **kw).choices[0]
+            calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+            self.assertEqual((c.finish_reason, c.message.content), ("length", None), (n, c))
+            r = oai().responses.create(model=MODEL, input=user, tools=rtools, tool_choice="required", max_output_tokens=n, temperature=1.0, store=False, extra_body=x)
+            self.assertEqual(r.status, "incomplete")
+            self.assertEqual([(o.type, o.name, o.arguments) for o in r.output], [("function_call", *call) for call in calls], n)
+            self.assertEqual([o.status for o in r.output], ["completed"] * (len(calls) - 1) + ["incomplete"], n)
+            seen.add(len(calls))
+        self.assertEqual(seen, {1, 2})
+
     def test_json_object_output_is_an_object(self):
         # Keys are unbounded strings: this seed's object closes early (most run to max_tokens).
         r = oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=4, response_format={"type": "json_object"}, extra_body=NO_THINK)
