@@ -20,7 +20,7 @@ use futures_util::stream::{self, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::generate::{check_model, collect, job, parse_body, submit, Choice, Fields, Parsed, RequestLog, TurnEnd};
+use super::generate::{check_model, collect, job, parse_body, submit, Choice, Fields, Job, Parsed, RequestLog, TurnEnd};
 use super::{unix_now, ApiError, AppState};
 use crate::grammar::{Constraint, GrammarError, Spec};
 use crate::runtime::{Event, FinishReason, Finished, TokenLogprobs};
@@ -265,7 +265,7 @@ impl UsageSum {
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let start = Instant::now();
     let id = format!("chatcmpl-{:016x}", st.fresh().1);
-    let mut log = RequestLog::new(id.clone(), "chat", start);
+    let log = RequestLog::new(id.clone(), "chat", start);
     let prepared = (|| {
         let r: ChatCompletionRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
@@ -284,36 +284,15 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Byte
         Ok(c) => job.constraint = c,
         Err(e) => return log.fail(&st, e),
     }
-    log.prompt_tokens = job.prompts.iter().map(Vec::len).sum();
-    let choices = match submit(&st, &job, start) {
-        Ok(c) => c,
-        Err(e) => return log.fail(&st, e),
-    };
-    let ctx = Ctx {
-        kind: Kind::Chat,
-        id,
-        created: unix_now(),
-        model: st.config.model_id.clone(),
-        fingerprint: st.config.fingerprint.clone(),
-        include_usage: req.include_usage,
-        logprobs: job.logprobs.is_some(),
-        parser: Some(parser),
-        echo: None,
-        n: job.n,
-        st: st.clone(),
-    };
-    if req.stream {
-        stream_response(ctx, choices, log)
-    } else {
-        whole_response(ctx, choices, log).await
-    }
+    let answer = Answer { kind: Kind::Chat, id, include_usage: req.include_usage, stream: req.stream, parser: Some(parser), echo: None };
+    respond(&st, answer, &job, log, start).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let start = Instant::now();
     let id = format!("cmpl-{:016x}", st.fresh().1);
-    let mut log = RequestLog::new(id.clone(), "completion", start);
+    let log = RequestLog::new(id.clone(), "completion", start);
     let prepared = (|| {
         let r: CompletionRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
@@ -352,25 +331,44 @@ pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, By
         Ok(c) => job.constraint = c,
         Err(e) => return log.fail(&st, e),
     }
+    let answer = Answer { kind: Kind::Completion, id, include_usage: req.include_usage, stream: req.stream, parser: None, echo };
+    respond(&st, answer, &job, log, start).await
+}
+
+/// What differs between a chat and a text completion's answer.
+struct Answer {
+    kind: Kind,
+    id: String,
+    include_usage: bool,
+    stream: bool,
+    /// Chat: how each choice's text is parsed.
+    parser: Option<ParserOptions>,
+    /// Completions with `echo`: each prompt's text.
+    echo: Option<Vec<String>>,
+}
+
+/// Submits `job`'s choices and answers them, streamed or whole: the tail both completion
+/// endpoints share.
+async fn respond(st: &Arc<AppState>, a: Answer, job: &Job, mut log: RequestLog, start: Instant) -> Response {
     log.prompt_tokens = job.prompts.iter().map(Vec::len).sum();
-    let choices = match submit(&st, &job, start) {
+    let choices = match submit(st, job, start) {
         Ok(c) => c,
-        Err(e) => return log.fail(&st, e),
+        Err(e) => return log.fail(st, e),
     };
     let ctx = Ctx {
-        kind: Kind::Completion,
-        id,
+        kind: a.kind,
+        id: a.id,
         created: unix_now(),
         model: st.config.model_id.clone(),
         fingerprint: st.config.fingerprint.clone(),
-        include_usage: req.include_usage,
+        include_usage: a.include_usage,
         logprobs: job.logprobs.is_some(),
-        parser: None,
-        echo,
+        parser: a.parser,
+        echo: a.echo,
         n: job.n,
         st: st.clone(),
     };
-    if req.stream {
+    if a.stream {
         stream_response(ctx, choices, log)
     } else {
         whole_response(ctx, choices, log).await
