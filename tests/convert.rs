@@ -96,7 +96,8 @@ fn assert_same_as_mlx_lm(label: &str, o: &ConvertOptions, reference: &Path) {
         .as_object()
         .unwrap()
         .iter()
-        .filter_map(|(m, q)| q.is_object().then(|| (m.clone(), q["bits"].as_u64().unwrap() as u32, q["group_size"].as_u64().unwrap() as usize)))
+        .filter(|(_, q)| q.is_object())
+        .map(|(m, q)| (m.clone(), q["bits"].as_u64().unwrap() as u32, q["group_size"].as_u64().unwrap() as usize))
         .collect();
     let overridden: Vec<(String, u32, usize)> = summary.overridden.iter().map(|(m, q)| (m.clone(), q.bits, q.group_size)).collect();
     assert_eq!(overridden, per_module, "{label}: overridden modules");
