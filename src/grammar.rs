@@ -40,6 +40,9 @@ pub enum GrammarError {
     /// schema (`properties.days.minLength`; empty: the schema as a whole).
     #[error("the parameters of tool {name:?} cannot be enforced{}: {message}", at(path))]
     Tool { name: String, path: String, message: String },
+    /// A forced call cannot carry this tool's name in its XML (nor the parser read it back).
+    #[error("tool {0:?} cannot be called by a forced call: its name must be 1 to 64 letters, digits, `_`, `-` or `.`")]
+    ToolName(String),
     /// The grammar of a forced call does not compile (a property schema llguidance rejects).
     #[error("the tools' parameters cannot be enforced: {0}")]
     Tools(String),
@@ -204,10 +207,6 @@ fn call_rule(rule: &str, name: &str, parameters: Option<&Json>, out: &mut String
     if let Some(missing) = required.iter().find(|r| !props.is_some_and(|p| p.contains_key(**r))) {
         return Err(("required".into(), format!("required parameter {missing:?} is not among `properties`")));
     }
-    // OpenAI's rule for function names; the call's XML could not be read back otherwise.
-    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
-        return Err((String::new(), "a forced call needs a name of 1 to 64 letters, digits, `_`, `-` or `.`".into()));
-    }
     let mut body = format!("{rule}: {}", literal(&format!("<function={name}>\n")));
     for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
         let param = format!("{rule}_{j}");
@@ -360,6 +359,10 @@ fn lark(spec: &Spec<'_>) -> Result<Option<String>, GrammarError> {
             if only.is_some_and(|o| o != name) {
                 continue;
             }
+            // OpenAI's rule for function names; the call's XML could not be read back otherwise.
+            if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+                return Err(GrammarError::ToolName(name.to_string()));
+            }
             let rule = format!("fn_{i}");
             call_rule(&rule, name, parameters, &mut g).map_err(|(path, message)| GrammarError::Tool { name: name.to_string(), path, message })?;
             alts.push(rule);
@@ -438,7 +441,7 @@ impl Constraint {
     ///
     /// # Errors
     /// [`GrammarError::Schema`] (a format schema llguidance cannot compile, with its message),
-    /// [`GrammarError::Tool`] / [`GrammarError::Tools`] (a forced tool's parameters), [`GrammarError::UnknownTool`],
+    /// [`GrammarError::Tool`] / [`GrammarError::Tools`] (a forced tool's parameters), [`GrammarError::ToolName`], [`GrammarError::UnknownTool`],
     /// [`GrammarError::NoTools`].
     pub fn build(vocab: &Arc<Vocabulary>, spec: &Spec<'_>) -> Result<Option<Self>, GrammarError> {
         let Some(grammar) = lark(spec)? else {

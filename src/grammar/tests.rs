@@ -244,7 +244,7 @@ fn bad_requests_are_errors_naming_the_cause() {
     // A name the call's XML could not carry back.
     let mut odd = ToolSchemas::new();
     odd.insert("we\"ird>\nname", Some(&json!({"type": "object", "properties": {}})));
-    assert!(matches!(err(&OutputFormat::Text, &odd, &ToolChoice::Required), GrammarError::Tool { .. }));
+    assert_eq!(err(&OutputFormat::Text, &odd, &ToolChoice::Required), GrammarError::ToolName("we\"ird>\nname".into()));
 }
 
 #[test]

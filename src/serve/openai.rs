@@ -105,10 +105,11 @@ fn grammar_error(e: &GrammarError, tools: &crate::server::parse::ToolSchemas, sc
         GrammarError::Schema(_) => schema_field.to_string(),
         // The part of the tool's schema at fault, by its path in the request.
         GrammarError::Tool { name, path, .. } => match tools.field(name) {
-            Some(f) if path.is_empty() => f.to_string(),
+            Some(f) if path.is_empty() => f,
             Some(f) => format!("{f}.{path}"),
             None => "tools".into(),
         },
+        GrammarError::ToolName(name) => tools.name_field(name).unwrap_or_else(|| "tools".into()),
         GrammarError::Tools(_) => "tools".into(),
         GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice".into(),
         GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
@@ -694,6 +695,17 @@ mod tests {
         let bad = OutputFormat::JsonSchema { name: "bad".into(), schema: Some(json!({"type": "nonsense"})), strict: true };
         let e = rt.block_on(constraint(&st, &bad, &ChatPrompt::default(), "", "text.format.schema")).unwrap_err();
         assert_eq!((e.status.as_u16(), e.param.as_deref(), e.code), (400, Some("text.format.schema"), Some("invalid_json_schema")));
+        // A tool's fault is named where it is in the request: its name, or a schema keyword.
+        let forced = |name: &str, parameters: Value| {
+            let mut tools = crate::server::parse::ToolSchemas::new();
+            tools.insert_from(name, Some(&parameters), "tools[1].function", "parameters");
+            let prompt = ChatPrompt { tools, tool_choice: ToolChoice::Required, ..ChatPrompt::default() };
+            let e = rt.block_on(constraint(&st, &OutputFormat::Text, &prompt, "", "response_format.json_schema.schema")).unwrap_err();
+            (e.param.unwrap_or_default(), e.code.unwrap_or_default())
+        };
+        assert_eq!(forced("two words", json!({"type": "object"})), ("tools[1].function.name".to_string(), "invalid_value"));
+        let bounds = json!({"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 1}}});
+        assert_eq!(forced("f", bounds), ("tools[1].function.parameters.properties.s.minLength".to_string(), "invalid_function_parameters"));
     }
 
     fn parse<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, ApiError> {

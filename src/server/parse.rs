@@ -132,9 +132,9 @@ pub struct ToolSchemas {
     /// The functions in the request's order with their `parameters` schemas, for the
     /// grammar of a forced call ([`crate::grammar`]).
     declared: Vec<(String, Option<Json>)>,
-    /// Function name → the request field its schema came from (`tools[2].function.parameters`),
-    /// for errors about the schema.
-    fields: HashMap<String, String>,
+    /// Function name → the request field of its tool (`tools[2].function`) and the name of its
+    /// schema field there (`parameters`, `input_schema`), for errors that name a part of them.
+    fields: HashMap<String, (String, String)>,
 }
 
 impl ToolSchemas {
@@ -156,16 +156,23 @@ impl ToolSchemas {
         self.declared.push((name.to_string(), parameters.cloned()));
     }
 
-    /// [`insert`](Self::insert), recording `field`, the request field the schema came from
-    /// (`tools[2].function.parameters`), for errors that name a part of it.
-    pub fn insert_from(&mut self, name: &str, parameters: Option<&Json>, field: &str) {
+    /// [`insert`](Self::insert), recording where the tool is in the request (`tool_field`:
+    /// `tools[2].function`) and its schema's key there (`parameters`), for errors that name a
+    /// part of them.
+    pub fn insert_from(&mut self, name: &str, parameters: Option<&Json>, tool_field: &str, schema_key: &str) {
         self.insert(name, parameters);
-        self.fields.insert(name.to_string(), field.to_string());
+        self.fields.insert(name.to_string(), (tool_field.to_string(), schema_key.to_string()));
     }
 
-    /// The request field the schema of `name` came from, when recorded.
-    pub fn field(&self, name: &str) -> Option<&str> {
-        self.fields.get(name).map(String::as_str)
+    /// The request field the schema of `name` came from (`tools[2].function.parameters`), when
+    /// recorded.
+    pub fn field(&self, name: &str) -> Option<String> {
+        self.fields.get(name).map(|(tool, key)| format!("{tool}.{key}"))
+    }
+
+    /// The request field of the name of `name`'s tool (`tools[2].function.name`), when recorded.
+    pub fn name_field(&self, name: &str) -> Option<String> {
+        self.fields.get(name).map(|(tool, _)| format!("{tool}.name"))
     }
 
     /// The functions in the order they were added, with their `parameters` schemas.
