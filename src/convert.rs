@@ -154,6 +154,10 @@ pub struct ConvertSummary {
     pub parameters: u64,
     /// Bytes of tensor data in the safetensors files.
     pub tensor_bytes: u64,
+    /// The modules quantized with other bits or group size than the default (a `--q-override`,
+    /// or mlx-lm's predicate for a mixture of experts), in model order: the entries of
+    /// config.json's `quantization` block.
+    pub overridden: Vec<(String, QuantParams)>,
     /// File names inside `out_dir`, sorted.
     pub files: Vec<String>,
 }
@@ -417,6 +421,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
         return Err(ConvertError::UnexpectedTensor { file: ck.path_of(t).to_path_buf(), name: name.clone() });
     }
     let plan = plan(ck, &host, root, opts)?;
+    check_overrides_match(&plan, opts)?;
     let cast = cast_dtype(root);
 
     let staging = Staging::new(&opts.out_dir, "convert")?;
@@ -483,6 +488,7 @@ pub fn convert(opts: &ConvertOptions, progress: &mut dyn FnMut(u64, u64)) -> Res
         floats: plan.iter().filter(|p| matches!(p.op, Op::Float { .. })).count(),
         parameters,
         tensor_bytes,
+        overridden: overridden(&plan, opts, host.config.moe.is_some()),
         files,
     })
 }
@@ -574,6 +580,39 @@ fn plan<'a>(ck: &'a Checkpoint, host: &HostModel, root: &Map<String, Value>, opt
     Ok(out)
 }
 
+/// Every quantized module an override (or the MoE predicate) matched, in model order, as
+/// mlx-lm records every dict its predicate returns.
+fn overridden(plan: &[Planned], opts: &ConvertOptions, moe: bool) -> Vec<(String, QuantParams)> {
+    let mut out: Vec<(String, QuantParams)> = plan
+        .iter()
+        .filter_map(|p| match p.op {
+            Op::Codes(qp) => {
+                let m = p.name.trim_end_matches(".weight");
+                module_params(m, opts, moe).1.then(|| (m.to_string(), qp))
+            }
+            _ => None,
+        })
+        .collect();
+    out.sort_by_key(|(m, _)| module_order(m));
+    out
+}
+
+/// Refuses a `--q-override` that matches no quantized module of the plan: a typo would
+/// otherwise convert silently at the default.
+fn check_overrides_match(plan: &[Planned], opts: &ConvertOptions) -> Result<(), ConvertError> {
+    let quantized: Vec<&str> = plan.iter().filter(|p| matches!(p.op, Op::Codes(_))).map(|p| p.name.trim_end_matches(".weight")).collect();
+    for o in &opts.overrides {
+        if !quantized.iter().any(|m| o.matches(m)) {
+            let example = quantized.iter().find(|m| m.contains(".layers.")).or(quantized.first()).map(|m| m.trim_start_matches("language_model.model.")).unwrap_or("none");
+            return Err(ConvertError::InvalidOption {
+                flag: "--q-override",
+                reason: format!("`{}` matches no quantized module (their paths end like `{example}`; a suffix matches from a `.`)", o.suffix),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// mlx-lm's `config.json` for the converted model (module docs, "Files").
 fn mlx_config(root: &Map<String, Value>, src: &Path, plan: &[Planned], opts: &ConvertOptions, moe: bool) -> Value {
     let mut c = root.clone();
@@ -594,20 +633,8 @@ fn mlx_config(root: &Map<String, Value>, src: &Path, plan: &[Planned], opts: &Co
     }
     let quant = opts.quant;
     let mut q = json!({ "group_size": quant.group_size, "bits": quant.bits, "mode": "affine" });
-    // Every quantized module an override matched, as mlx-lm records every dict its predicate returns.
-    let mut overridden: Vec<(&str, QuantParams)> = plan
-        .iter()
-        .filter_map(|p| match p.op {
-            Op::Codes(qp) => {
-                let m = p.name.trim_end_matches(".weight");
-                module_params(m, opts, moe).1.then_some((m, qp))
-            }
-            _ => None,
-        })
-        .collect();
-    overridden.sort_by_key(|(m, _)| module_order(m));
-    for (m, qp) in overridden {
-        q[m] = json!({ "group_size": qp.group_size, "bits": qp.bits });
+    for (m, qp) in overridden(plan, opts, moe) {
+        q[m.as_str()] = json!({ "group_size": qp.group_size, "bits": qp.bits });
     }
     c.shift_remove("_name_or_path");
     c.shift_remove("vision_config");

@@ -18,12 +18,12 @@
 
 use std::sync::Arc;
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
 use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 
-use crate::server::parse::ToolSchemas;
+use crate::server::parse::{resolve_ref, ToolSchemas};
 use crate::server::{OutputFormat, ToolChoice};
 use crate::tokenizer::{TokenBytes, Tokenizer};
 
@@ -36,9 +36,13 @@ pub enum GrammarError {
     /// The output format's schema is not a schema llguidance can enforce.
     #[error("the JSON schema cannot be enforced: {0}")]
     Schema(String),
-    /// A tool's `parameters` cannot be enforced for a forced call.
-    #[error("the parameters of tool {name:?} cannot be enforced: {message}")]
-    Tool { name: String, message: String },
+    /// A tool's `parameters` cannot be enforced for a forced call; `path` is where in the
+    /// schema (`properties.days.minLength`; empty: the schema as a whole).
+    #[error("the parameters of tool {name:?} cannot be enforced{}: {message}", at(path))]
+    Tool { name: String, path: String, message: String },
+    /// A forced call cannot carry this tool's name in its XML (nor the parser read it back).
+    #[error("tool {0:?} cannot be called by a forced call: its name must be 1 to 64 letters, digits, `_`, `-` or `.`")]
+    ToolName(String),
     /// The grammar of a forced call does not compile (a property schema llguidance rejects).
     #[error("the tools' parameters cannot be enforced: {0}")]
     Tools(String),
@@ -51,6 +55,15 @@ pub enum GrammarError {
     /// The grammar failed while generating (an llguidance error on a sampled id).
     #[error("constrained decoding failed: {0}")]
     Runtime(String),
+}
+
+/// ` at `PATH`` for a non-empty schema path.
+fn at(path: &str) -> String {
+    if path.is_empty() {
+        String::new()
+    } else {
+        format!(" at `{path}`")
+    }
 }
 
 /// The token table of one tokenizer and llguidance's parser factory over it. Build once per
@@ -148,6 +161,9 @@ pub struct Constraint {
     matcher: Matcher,
     /// Ids the mask covers; ids past it (padding of the logits row) are never allowed.
     size: usize,
+    /// The ids that end a complete grammar (the vocabulary's EOS ids, which llguidance's
+    /// token table holds too).
+    eos_ids: Arc<[u32]>,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -180,26 +196,26 @@ fn literal(s: &str) -> String {
     Json::String(s.to_string()).to_string()
 }
 
+/// Where in a parameters schema a problem is, and what it is.
+type SchemaFault = (String, String);
+
 /// The Lark rule of a call of `name` with `parameters`: its header, then each property of the
 /// schema in its order (required ones present, others optional), then `</function>`.
-fn call_rule(rule: &str, name: &str, parameters: Option<&Json>, out: &mut String) -> Result<(), String> {
+fn call_rule(rule: &str, name: &str, parameters: Option<&Json>, out: &mut String) -> Result<(), SchemaFault> {
     let props = parameters.and_then(|p| p.get("properties")).and_then(Json::as_object);
     let required: Vec<&str> = parameters.and_then(|p| p.get("required")).and_then(Json::as_array).map(|r| r.iter().filter_map(Json::as_str).collect()).unwrap_or_default();
     if let Some(missing) = required.iter().find(|r| !props.is_some_and(|p| p.contains_key(**r))) {
-        return Err(format!("required parameter {missing:?} is not among `properties`"));
-    }
-    // OpenAI's rule for function names; the call's XML could not be read back otherwise.
-    if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
-        return Err("a forced call needs a name of 1 to 64 letters, digits, `_`, `-` or `.`".into());
+        return Err(("required".into(), format!("required parameter {missing:?} is not among `properties`")));
     }
     let mut body = format!("{rule}: {}", literal(&format!("<function={name}>\n")));
     for (j, (key, schema)) in props.into_iter().flatten().enumerate() {
-        let value = if ToolSchemas::is_text_param(schema) {
-            text_value(schema)
-        } else {
-            format!("%json {} {END_PARAM}", with_layout(schema).map_err(|e| format!("parameter {key:?}: {e}"))?)
-        };
         let param = format!("{rule}_{j}");
+        let path = format!("properties.{key}");
+        let value = if ToolSchemas::is_text_param(schema, parameters) {
+            text_value(&param, schema, parameters, out).map_err(|(p, m)| (join(&path, &p), m))?
+        } else {
+            format!("%json {} {END_PARAM}", json_value(schema, parameters).map_err(|m| (path.clone(), m))?)
+        };
         out.push_str(&format!("{param}: {} {value}\n", literal(&format!("<parameter={key}>\n"))));
         body.push(' ');
         body.push_str(&param);
@@ -212,22 +228,110 @@ fn call_rule(rule: &str, name: &str, parameters: Option<&Json>, out: &mut String
     Ok(())
 }
 
-/// The grammar of a text (string-typed) parameter's value, written raw as the template writes
-/// it: one of its `enum` strings; at most `maxLength` characters (no newline or `<`, so the
-/// value's end is never in doubt); otherwise any text up to the first `\n</parameter>`.
-fn text_value(schema: &Json) -> String {
-    if let Some(options) = schema.get("enum").and_then(Json::as_array) {
-        let alts: Vec<String> = options.iter().filter_map(Json::as_str).map(literal).collect();
-        if !alts.is_empty() {
-            return format!("({}) {END_PARAM}", alts.join(" | "));
+/// `a.b` of two schema paths, either of which may be empty.
+fn join(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (_, true) => a.to_string(),
+        (true, false) => b.to_string(),
+        (false, false) => format!("{a}.{b}"),
+    }
+}
+
+/// The schema a non-text parameter's JSON value follows: the property's own (its `$ref`
+/// followed), with the tool's `$defs` and `definitions` beside it so the references inside
+/// it resolve, and the template's JSON layout.
+fn json_value(schema: &Json, root: Option<&Json>) -> Result<Json, String> {
+    let target = resolve_ref(schema, root)?;
+    let mut value = with_layout(target)?;
+    if let (Json::Object(v), Some(Json::Object(r))) = (&mut value, root) {
+        for key in ["$defs", "definitions"] {
+            if let Some(defs) = r.get(key) {
+                v.entry(key).or_insert_with(|| defs.clone());
+            }
         }
     }
-    if let Some(max) = schema.get("maxLength").and_then(Json::as_u64) {
-        let min = schema.get("minLength").and_then(Json::as_u64).unwrap_or(0).min(max);
-        return format!("/[^<\\n]{{{min},{max}}}/ {END_PARAM}");
+    Ok(value)
+}
+
+/// A schema keyword's value as a string length: a non-negative integer.
+fn length_bound(schema: &Json, key: &str) -> Result<Option<u64>, SchemaFault> {
+    match schema.get(key) {
+        None => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| (key.to_string(), format!("`{key}` must be a non-negative integer, got {v}"))),
     }
-    // The lazy lexeme takes its own end.
-    "text_value".into()
+}
+
+/// The string alternative of a text parameter's schema (the parser reads its value as a
+/// string, so only that alternative can hold), with its path; `None`: any text.
+fn string_branch<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<Option<(String, &'a Json)>, SchemaFault> {
+    let s = resolve_ref(schema, root).map_err(|m| (String::new(), m))?;
+    let is_string = |t: &Json| t.as_str() == Some("string");
+    match s.get("type") {
+        Some(Json::String(t)) if t == "string" => return Ok(Some((String::new(), s))),
+        Some(Json::Array(ts)) if ts.iter().any(is_string) => return Ok(Some((String::new(), s))),
+        Some(t) => return Err(("type".into(), format!("type {t} is not a JSON-schema type the call's text can hold"))),
+        None => {}
+    }
+    for key in ["anyOf", "oneOf"] {
+        if let Some(options) = s.get(key) {
+            let options = options.as_array().ok_or_else(|| (key.to_string(), format!("`{key}` must be an array")))?;
+            for (j, o) in options.iter().enumerate() {
+                let o = resolve_ref(o, root).map_err(|m| (format!("{key}[{j}]"), m))?;
+                if o.get("type").is_some_and(|t| is_string(t) || t.as_array().is_some_and(|ts| ts.iter().any(is_string))) {
+                    return Ok(Some((format!("{key}[{j}]"), o)));
+                }
+            }
+            return Err((key.to_string(), format!("no alternative of `{key}` is a typed string or another JSON type, so the value's type is unknown")));
+        }
+    }
+    if s.get("allOf").is_some() || s.get("not").is_some() {
+        return Err((String::new(), "`allOf` and `not` without a `type` cannot be enforced for a text value".into()));
+    }
+    // No type: every value is allowed, unless `enum`/`const` list them.
+    if s.get("enum").is_some() || s.get("const").is_some() {
+        return Ok(Some((String::new(), s)));
+    }
+    Ok(None)
+}
+
+/// The grammar of a text (string-typed) parameter's value, written raw as the template writes
+/// it: one of its `enum` strings (or its `const`); `minLength`..`maxLength` characters with a
+/// `maxLength` (no newline or `<`, so the value's end is never in doubt); otherwise text of at
+/// least `minLength` characters up to the first `\n</parameter>`. Rules it needs are added to
+/// `out` under `rule`'s name.
+fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) -> Result<String, SchemaFault> {
+    let Some((at, s)) = string_branch(schema, root)? else {
+        // The lazy lexeme takes its own end.
+        return Ok("text_value".into());
+    };
+    let fault = |p: &str, m: String| (join(&at, p), m);
+    if let Some(c) = s.get("const") {
+        let c = c.as_str().ok_or_else(|| fault("const", format!("`const` {c} is not a string, and the value is read as text")))?;
+        return Ok(format!("{} {END_PARAM}", literal(c)));
+    }
+    if let Some(options) = s.get("enum") {
+        let options = options.as_array().ok_or_else(|| fault("enum", "`enum` must be an array".into()))?;
+        let alts: Vec<String> = options.iter().filter_map(Json::as_str).map(literal).collect();
+        if alts.is_empty() {
+            return Err(fault("enum", "`enum` holds no string, and the value is read as text".into()));
+        }
+        return Ok(format!("({}) {END_PARAM}", alts.join(" | ")));
+    }
+    if s.get("pattern").is_some() {
+        return Err(fault("pattern", "a `pattern` on a text parameter cannot be enforced in a forced call".into()));
+    }
+    let min = length_bound(s, "minLength").map_err(|(p, m)| fault(&p, m))?;
+    let max = length_bound(s, "maxLength").map_err(|(p, m)| fault(&p, m))?;
+    match (min, max) {
+        (Some(lo), Some(hi)) if lo > hi => Err(fault("minLength", format!("`minLength` {lo} is greater than `maxLength` {hi}"))),
+        (lo, Some(hi)) => Ok(format!("/[^<\\n]{{{},{hi}}}/ {END_PARAM}", lo.unwrap_or(0))),
+        (Some(lo), None) if lo > 0 => {
+            let lexeme = format!("{rule}_text");
+            out.push_str(&format!("{lexeme}[lazy]: /(.|\\n){{{lo},}}\\n<\\/parameter>\\n/\n"));
+            Ok(lexeme)
+        }
+        _ => Ok("text_value".into()),
+    }
 }
 
 /// The end of a parameter, as the template writes it.
@@ -255,8 +359,12 @@ fn lark(spec: &Spec<'_>) -> Result<Option<String>, GrammarError> {
             if only.is_some_and(|o| o != name) {
                 continue;
             }
+            // OpenAI's rule for function names; the call's XML could not be read back otherwise.
+            if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || "_-.".contains(c)) {
+                return Err(GrammarError::ToolName(name.to_string()));
+            }
             let rule = format!("fn_{i}");
-            call_rule(&rule, name, parameters, &mut g).map_err(|message| GrammarError::Tool { name: name.to_string(), message })?;
+            call_rule(&rule, name, parameters, &mut g).map_err(|(path, message)| GrammarError::Tool { name: name.to_string(), path, message })?;
             alts.push(rule);
         }
         g.push_str(&format!("call: \"<tool_call>\\n\" ({}) \"</function>\\n</tool_call>\"\n", alts.join(" | ")));
@@ -299,6 +407,33 @@ fn compile_message(message: &str) -> String {
     body.trim().to_string()
 }
 
+/// llguidance's parser of a Lark `grammar`, or its compile error's message.
+fn compile(vocab: &Vocabulary, grammar: String) -> Result<llguidance::TokenParser, String> {
+    // A schema is the client's: should the compiler panic on one, that is its refusal.
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vocab.factory.create_parser(TopLevelGrammar::from_lark(grammar))))
+        .unwrap_or_else(|_| Err(anyhow::anyhow!("the grammar compiler failed on it")))
+        .map_err(|e| compile_message(&e.to_string()))
+}
+
+/// The first JSON-valued property of the tools a forced call may use whose schema llguidance
+/// refuses on its own: a forced call's grammar failed to compile, and this names the culprit.
+fn fault_of(vocab: &Vocabulary, spec: &Spec<'_>) -> Option<GrammarError> {
+    let only = match spec.tool_choice {
+        ToolChoice::Function(name) => Some(name.as_str()),
+        _ => None,
+    };
+    for (name, parameters) in spec.tools.functions().filter(|(n, _)| only.is_none_or(|o| o == *n)) {
+        let Some(props) = parameters.and_then(|p| p.get("properties")).and_then(Json::as_object) else { continue };
+        for (key, schema) in props.iter().filter(|(_, s)| !ToolSchemas::is_text_param(s, parameters)) {
+            let Ok(value) = json_value(schema, parameters) else { continue };
+            if let Err(message) = compile(vocab, format!("start: %json {value}\n")) {
+                return Some(GrammarError::Tool { name: name.to_string(), path: format!("properties.{key}"), message });
+            }
+        }
+    }
+    None
+}
+
 impl Constraint {
     /// The constraint `spec` asks for over `vocab`; `None` when the output is free (text, tool
     /// choice `auto`/`none`). A forced tool call wins over a JSON format (its turn has no
@@ -306,7 +441,7 @@ impl Constraint {
     ///
     /// # Errors
     /// [`GrammarError::Schema`] (a format schema llguidance cannot compile, with its message),
-    /// [`GrammarError::Tool`] / [`GrammarError::Tools`] (a forced tool's parameters), [`GrammarError::UnknownTool`],
+    /// [`GrammarError::Tool`] / [`GrammarError::Tools`] (a forced tool's parameters), [`GrammarError::ToolName`], [`GrammarError::UnknownTool`],
     /// [`GrammarError::NoTools`].
     pub fn build(vocab: &Arc<Vocabulary>, spec: &Spec<'_>) -> Result<Option<Self>, GrammarError> {
         let Some(grammar) = lark(spec)? else {
@@ -314,12 +449,10 @@ impl Constraint {
         };
         let forced = matches!(spec.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
         // A schema is the client's: should the compiler panic on one, that is its refusal.
-        let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| vocab.factory.create_parser(TopLevelGrammar::from_lark(grammar))))
-            .unwrap_or_else(|_| Err(anyhow::anyhow!("the grammar compiler failed on it")));
-        let parser = compiled.map_err(|e| {
-            let message = compile_message(&e.to_string());
+        let parser = compile(vocab, grammar).map_err(|message| {
             if forced {
-                GrammarError::Tools(message)
+                // Which property it is, for an error that names it.
+                fault_of(vocab, spec).unwrap_or(GrammarError::Tools(message))
             } else {
                 GrammarError::Schema(message)
             }
@@ -335,7 +468,7 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher, size: vocab.size }))
+        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into() }))
     }
 
     /// Sets every id the grammar does not allow next to −∞ in `row` (a copy of a logits row,
@@ -365,12 +498,28 @@ impl Constraint {
         Ok(())
     }
 
-    /// Moves the grammar past `id` (the id sampled from the masked row).
+    /// Moves the grammar past `id` (the id sampled from the masked row). Returns whether `id`
+    /// ended the grammar: an EOS id once the output is complete, after which the sequence is
+    /// done whatever its stop rules say (`ignore_eos` included: the constraint wins).
     ///
     /// # Errors
     /// [`GrammarError::Runtime`] when the grammar does not allow `id`.
-    pub fn advance(&mut self, id: u32) -> Result<(), GrammarError> {
-        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))
+    pub fn advance(&mut self, id: u32) -> Result<bool, GrammarError> {
+        if self.eos_ids.contains(&id) {
+            // When nothing can follow the output (a closed JSON object), llguidance stops its
+            // parser right after the last text token; a stopped parser refuses every id, EOS
+            // included, though its mask is EOS only. That stop is the grammar's end.
+            if matches!(self.matcher.stop_reason(), StopReason::NoExtension | StopReason::EndOfSentence) {
+                return Ok(true);
+            }
+            // Complete but extendable (another parallel call could follow): the EOS is taken.
+            if self.is_complete() {
+                self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
+                return Ok(true);
+            }
+        }
+        self.matcher.consume_token(id).map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
+        Ok(false)
     }
 
     /// How many of `ids`, from the current state, the grammar accepts in a row (the state is

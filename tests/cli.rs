@@ -478,3 +478,44 @@ fn bench_defaults_to_a_quick_plan_and_full_is_the_sweep() {
     let help = ok(&["bench", "--help"]);
     assert!(help.contains("--full") && help.contains("4096"), "{help}");
 }
+
+/// `tensorfold serve ARGS`' stderr, which must be an error exit within a minute (a server that
+/// starts instead is killed and fails the test).
+fn serve_err(args: &[&str]) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
+        .arg("serve")
+        .args(args)
+        .args(["--device", "cpu", "--port", "0"])
+        .env_remove("TENSORFOLD_API_KEY")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start tensorfold serve");
+    let t0 = std::time::Instant::now();
+    while child.try_wait().expect("wait for tensorfold serve").is_none() {
+        if t0.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("tensorfold serve {args:?} started instead of refusing its arguments");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let o = child.wait_with_output().expect("read its stderr");
+    assert!(!o.status.success(), "tensorfold serve {args:?} should fail");
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn serve_refuses_limits_no_request_could_meet_naming_the_flag() {
+    let d = shared("fixtures/vocab/mlx-q4");
+    let d = d.to_str().unwrap();
+    for (flag, value) in [("--state-budget", "0"), ("--max-seqs", "0"), ("--max-batch-tokens", "0"), ("--max-waiting", "0"), ("--max-n", "0"), ("--max-body-bytes", "10")] {
+        let e = serve_err(&["-m", d, flag, value]);
+        assert!(e.contains(&format!("{flag} {value} is invalid")), "{flag} {value}: {e}");
+    }
+    // A budget that holds sequences, but not of the context asked for: 1 MiB holds
+    // 9216 + 98304 + 512 per token bytes of this model's state up to 1838 tokens.
+    let e = serve_err(&["-m", d, "--state-budget", "1", "--max-model-len", "4096"]);
+    assert!(e.contains("--state-budget 1 MiB holds one sequence of at most 1838 tokens, not the 4096 of the context"), "{e}");
+    assert!(e.contains("raise --state-budget or lower --max-model-len"), "{e}");
+}

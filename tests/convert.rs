@@ -91,6 +91,16 @@ fn assert_same_as_mlx_lm(label: &str, o: &ConvertOptions, reference: &Path) {
         assert_eq!(std::fs::read_to_string(o.out_dir.join(f)).unwrap(), std::fs::read_to_string(reference.join(f)).unwrap(), "{label}: {f}");
     }
     assert_eq!(summary.quantized, want.keys().filter(|k| k.ends_with(".scales")).count(), "{label}");
+    // The summary's overridden modules are the per-module entries mlx-lm wrote, in its order.
+    let per_module: Vec<(String, u32, usize)> = cfg["quantization"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(_, q)| q.is_object())
+        .map(|(m, q)| (m.clone(), q["bits"].as_u64().unwrap() as u32, q["group_size"].as_u64().unwrap() as usize))
+        .collect();
+    let overridden: Vec<(String, u32, usize)> = summary.overridden.iter().map(|(m, q)| (m.clone(), q.bits, q.group_size)).collect();
+    assert_eq!(overridden, per_module, "{label}: overridden modules");
     println!("{label}: {} tensors byte-identical to mlx-lm's ({} quantized modules)", want.len(), summary.quantized);
 }
 
@@ -190,6 +200,10 @@ fn bad_sources_options_and_outputs_are_refused_naming_what_is_wrong() {
     // Values mlx (or tensorfold) does not support, named by their flag.
     check(opts(&out, 6, 64, &[]), &["--q-bits", "6 bits"]);
     check(opts(&out, 4, 48, &[]), &["--q-group-size", "48"]);
+    // An override that matches no quantized module (a typo) is refused, naming it.
+    let e = check(opts(&out, 4, 64, &["mlp.down_prj=8:32"]), &["--q-override", "`mlp.down_prj` matches no quantized module", "layers.0."]);
+    assert!(matches!(e, ConvertError::InvalidOption { .. }), "{e}");
+    check(opts(&out, 4, 64, &["mlp.down_proj=8:32", "layernorm=8:64"]), &["`layernorm` matches no quantized module"]);
     // Already-MLX sources: by the config's quantization block.
     let mlx = ConvertOptions { src_dir: shared("fixtures/tiny/mlx-q4"), ..opts(&out, 4, 64, &[]) };
     let e = check(mlx, &["mlx-q4/config.json", "quantization", "already quantized"]);
@@ -288,4 +302,28 @@ fn the_program_takes_models_by_name_from_the_hub_cache() {
     assert!(tensors(&out) == tensors(&quant_data("q8-g64")), "the cached snapshot converts as mlx-lm converted the fixture");
     let o = tensorfold(&["convert", "Qwen/Qwen3.5-0.8B", out.to_str().unwrap(), "--q-group-size", "96"], &cache, &offline);
     assert!(String::from_utf8_lossy(&o.stderr).contains("--q-group-size: group size 96"), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn the_printed_summary_lists_each_overridden_module() {
+    let tmp = TempDir::new("convert-summary");
+    let (src, out) = (shared("fixtures/tiny/hf"), tmp.path().join("out"));
+    let o = tensorfold(&["convert", src.to_str().unwrap(), out.to_str().unwrap(), "--q-override", "mlp.down_proj=8:32"], tmp.path(), &[]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    let modules: Vec<&String> = cfg["quantization"].as_object().unwrap().iter().filter(|(_, q)| q.is_object()).map(|(m, _)| m).collect();
+    assert!(!modules.is_empty());
+    let quantized = std::fs::read_to_string(out.join("model.safetensors.index.json")).unwrap().matches(".scales\"").count();
+    assert!(err.contains(&format!("({} modules at 4 bits, group size 64, {} overridden (below);", quantized - modules.len(), modules.len())), "{err}");
+    for m in modules {
+        assert!(m.ends_with("mlp.down_proj"), "{m}");
+        assert!(err.contains(&format!("\n  {m}: 8 bits, group size 32\n")), "{m} not listed in: {err}");
+    }
+    // A typo is an error naming the pattern, and leaves nothing behind.
+    let bad = tmp.path().join("bad");
+    let o = tensorfold(&["convert", src.to_str().unwrap(), bad.to_str().unwrap(), "--q-override", "mlp.dwn_proj=8:32"], tmp.path(), &[]);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--q-override: `mlp.dwn_proj` matches no quantized module"), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(!bad.exists());
 }

@@ -3,70 +3,23 @@
 //! `openai` Python package (tests/serve/test_openai.py; `.ci/run` installs it), then stopped by
 //! SIGTERM while a request is streaming, which must finish before the process exits.
 
-use std::io::{BufRead, BufReader, Read, Write};
+mod common;
+
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::Server;
 use tensorfold::testutil::shared;
 
 const KEY: &str = "test-key-7f3a";
-
-/// A running server; killed when dropped.
-struct Server {
-    child: Child,
-    addr: String,
-    log: Arc<Mutex<String>>,
-}
 
 impl Server {
     /// Starts `tensorfold serve` on the vocab fixture on port 0 and waits for its address.
     fn start(extra: &[&str]) -> Self {
         Self::start_on(&shared("fixtures/vocab/mlx-q4"), extra)
-    }
-
-    /// Starts `tensorfold serve -m model` on port 0 and waits for its address.
-    fn start_on(model: &Path, extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
-            .args(["serve", "-m"])
-            .arg(model)
-            .args(["--device", "cpu", "--port", "0"])
-            .args(extra)
-            .env("RUST_LOG", "tensorfold=info")
-            .env_remove("TENSORFOLD_API_KEY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start tensorfold serve");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let l = log.clone();
-        // Reads stderr to its end (so the pipe never fills), sending the address once logged.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
-                }
-                let mut g = l.lock().unwrap();
-                g.push_str(&line);
-                g.push('\n');
-            }
-        });
-        let addr = match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(a) => a,
-            Err(_) => {
-                let _ = child.kill();
-                panic!("the server did not start listening; its log:\n{}", log.lock().unwrap());
-            }
-        };
-        Self { child, addr, log }
-    }
-
-    fn log(&self) -> String {
-        self.log.lock().unwrap().clone()
     }
 
     /// Runs one class of the Python suite `tests/serve/test_openai.py` against this server.
@@ -80,7 +33,7 @@ impl Server {
         let out = Command::new("python3")
             .arg(&script)
             .arg(class)
-            .env("TF_BASE", format!("http://{}", self.addr))
+            .env("TF_BASE", self.base())
             .env("TF_KEY", KEY)
             .output()
             .expect("run python3 (the serve tests need python3 and the openai and anthropic packages, as .ci/run installs them)");
@@ -106,13 +59,6 @@ impl Server {
             assert!(t0.elapsed() < within, "the server did not exit within {within:?} of SIGTERM; log:\n{}", self.log());
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

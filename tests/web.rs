@@ -8,68 +8,15 @@
 //! `TENSORFOLD_SCREENSHOTS=docs cargo test --release --test web` also writes the README's
 //! screenshots (docs/webchat-wide.png, docs/webchat-narrow.png).
 
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{mpsc, Arc, Mutex};
-use std::time::Duration;
+mod common;
 
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::Server;
 use tensorfold::testutil::shared;
 
 const KEY: &str = "web-test-key-41c9";
-
-/// A running server; killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-    log: Arc<Mutex<String>>,
-}
-
-impl Server {
-    /// Starts `tensorfold serve` on the vocab fixture on a free port and waits for its address.
-    fn start(extra: &[&str]) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tensorfold"))
-            .args(["serve", "-m"])
-            .arg(shared("fixtures/vocab/mlx-q4"))
-            .args(["--device", "cpu", "--port", "0"])
-            .args(extra)
-            .env("RUST_LOG", "tensorfold=info")
-            .env_remove("TENSORFOLD_API_KEY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start tensorfold serve");
-        let stderr = child.stderr.take().expect("piped stderr");
-        let log = Arc::new(Mutex::new(String::new()));
-        let (tx, rx) = mpsc::channel();
-        let l = log.clone();
-        // Reads stderr to its end (so the pipe never fills), sending the address once logged.
-        std::thread::spawn(move || {
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Some(rest) = line.split("listening on http://").nth(1) {
-                    let _ = tx.send(rest.split_whitespace().next().unwrap_or_default().to_string());
-                }
-                let mut g = l.lock().unwrap();
-                g.push_str(&line);
-                g.push('\n');
-            }
-        });
-        match rx.recv_timeout(Duration::from_secs(120)) {
-            Ok(addr) => Self { child, base: format!("http://{addr}"), log },
-            Err(_) => {
-                let _ = child.kill();
-                panic!("the server did not start listening; its log:\n{}", log.lock().unwrap());
-            }
-        }
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// Why the browser tests cannot run here, if they cannot.
 fn missing(chromium: &Path, dir: &Path) -> Option<String> {
@@ -94,13 +41,14 @@ fn chat_page_in_headless_chromium() {
         println!("skipped: {why}");
         return;
     }
-    let open = Server::start(&[]);
-    let limited = Server::start(&["--api-key", KEY, "--max-model-len", "64"]);
+    let vocab = shared("fixtures/vocab/mlx-q4");
+    let open = Server::start_on(&vocab, &[]);
+    let limited = Server::start_on(&vocab, &["--api-key", KEY, "--max-model-len", "64"]);
     let mut cmd = Command::new("node");
     cmd.current_dir(&dir)
         .args(["--test", "--test-reporter=spec", "chat.test.mjs"])
-        .env("TF_BASE", &open.base)
-        .env("TF_LIMITED_BASE", &limited.base)
+        .env("TF_BASE", open.base())
+        .env("TF_LIMITED_BASE", limited.base())
         .env("TF_KEY", KEY)
         .env("TF_CHROMIUM", &chromium)
         .env_remove("TF_WEB_DIR");
@@ -110,7 +58,7 @@ fn chat_page_in_headless_chromium() {
     let out = cmd.output().expect("run node");
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     println!("{text}");
-    let logs = || format!("default server's log:\n{}\nkeyed server's log:\n{}", open.log.lock().unwrap(), limited.log.lock().unwrap());
+    let logs = || format!("default server's log:\n{}\nkeyed server's log:\n{}", open.log(), limited.log());
     assert!(out.status.success(), "the browser tests failed:\n{text}\n{}", logs());
     // node's runner prints its totals; a file that ran nothing must not pass.
     let passed = text.lines().find_map(|l| l.trim_start_matches(['ℹ', ' ']).strip_prefix("pass ")).and_then(|n| n.trim().parse::<u32>().ok());

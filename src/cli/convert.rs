@@ -47,16 +47,21 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    let at_default = summary.quantized - summary.overridden.len();
+    let mut modules = format!("{at_default} modules at {} bits, group size {}", a.q_bits, a.q_group_size);
+    if !summary.overridden.is_empty() {
+        modules.push_str(&format!(", {} overridden (below)", summary.overridden.len()));
+    }
     eprintln!(
-        "wrote {} ({} modules at {} bits, group size {}; {} float tensors; {:.2} GB) in {:.1} s: {}",
+        "wrote {} ({modules}; {} float tensors; {:.2} GB) in {:.1} s: {}",
         summary.out_dir.display(),
-        summary.quantized,
-        a.q_bits,
-        a.q_group_size,
         summary.floats,
         summary.tensor_bytes as f64 / 1e9,
         t.elapsed().as_secs_f64(),
         summary.files.join(", ")
     );
+    for (module, q) in &summary.overridden {
+        eprintln!("  {module}: {} bits, group size {}", q.bits, q.group_size);
+    }
     Ok(())
 }

@@ -78,8 +78,20 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("tensorfold=info"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).try_init();
 
-    if a.max_seqs == 0 || a.max_batch_tokens == 0 || a.max_n == 0 {
-        bail!("--max-seqs, --max-batch-tokens and --max-n must be at least 1");
+    // A limit that no request can get under would start a server that refuses everything.
+    for (flag, value, why) in [
+        ("--max-seqs", a.max_seqs, "no sequence could run"),
+        ("--max-batch-tokens", a.max_batch_tokens, "no step could hold a token"),
+        ("--max-waiting", a.max_waiting, "every request waits in the queue before it runs, so each would be refused"),
+        ("--max-n", a.max_n, "no request could ask for a choice"),
+        ("--state-budget", a.state_budget as usize, "no sequence's state would fit"),
+    ] {
+        if value == 0 {
+            bail!("{flag} 0 is invalid: {why}; give at least 1");
+        }
+    }
+    if a.max_body_bytes < MIN_BODY_BYTES {
+        bail!("--max-body-bytes {} is invalid: no request body fits in it; give at least {MIN_BODY_BYTES}", a.max_body_bytes);
     }
     if !(a.drain_seconds.is_finite() && a.drain_seconds >= 0.0) {
         bail!("--drain-seconds {} is invalid: give a number of seconds >= 0", a.drain_seconds);
@@ -118,6 +130,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         Some(m) => m,
         None => max_pos,
     };
+    check_state_budget(&runtime.info().config, a.state_budget, max_model_len, a.max_model_len.is_some())?;
     tracing::info!(target: "tensorfold::serve", "model {} ({}) loaded in {:.2} s; system_fingerprint {fingerprint}", dir.display(), runtime.info().backend, t0.elapsed().as_secs_f64());
     let mut names = a.served_model_name.clone();
     if names.iter().any(String::is_empty) {
@@ -156,6 +169,44 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // Tasks still streaming past the drain deadline are dropped here, which cancels them.
     rt.shutdown_timeout(Duration::from_secs(1));
     tracing::info!(target: "tensorfold::serve", "stopped");
+    Ok(())
+}
+
+/// The smallest `--max-body-bytes`: a request body shorter than this holds hardly a message.
+const MIN_BODY_BYTES: usize = 1024;
+
+/// Refuses a `--state-budget` (MiB) that cannot hold one sequence of this model, or one of
+/// `max_model_len` tokens when that length was asked for (`explicit`); warns when the model's
+/// own context does not fit, since longer prompts will be refused.
+fn check_state_budget(c: &tensorfold::config::ModelConfig, budget_mib: u64, max_model_len: usize, explicit: bool) -> Result<()> {
+    use tensorfold::session::state_bytes;
+    let budget = budget_mib.saturating_mul(1 << 20);
+    let mib = |b: u64| b as f64 / f64::from(1u32 << 20);
+    // A one-token prompt and its first generated token.
+    if state_bytes(c, 2) > budget {
+        bail!("--state-budget {budget_mib} MiB cannot hold one sequence of this model ({:.2} MiB of state at 2 tokens); give more", mib(state_bytes(c, 2)));
+    }
+    if state_bytes(c, max_model_len) <= budget {
+        return Ok(());
+    }
+    // The longest sequence that fits (state grows with every token).
+    let (mut lo, mut hi) = (2, max_model_len);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if state_bytes(c, mid) <= budget {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    let message = format!(
+        "--state-budget {budget_mib} MiB holds one sequence of at most {lo} tokens, not the {max_model_len} of the context ({:.2} MiB of state)",
+        mib(state_bytes(c, max_model_len))
+    );
+    if explicit {
+        bail!("{message}: raise --state-budget or lower --max-model-len");
+    }
+    tracing::warn!(target: "tensorfold::serve", "{message}: longer prompts will be refused (--max-model-len or a larger --state-budget says otherwise)");
     Ok(())
 }
 

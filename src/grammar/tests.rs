@@ -229,7 +229,10 @@ fn bad_requests_are_errors_naming_the_cause() {
     let mut bad_param = ToolSchemas::new();
     bad_param.insert("g", Some(&json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}})));
     match err(&OutputFormat::Text, &bad_param, &ToolChoice::Required) {
-        GrammarError::Tools(m) => assert!(!m.contains('\n'), "{m}"),
+        GrammarError::Tool { name, path, message } => {
+            assert_eq!((name.as_str(), path.as_str()), ("g", "properties.n"));
+            assert!(!message.contains('\n'), "{message}");
+        }
         other => panic!("{other:?}"),
     }
     // Compiles, but allows no first token: refused when built, not at the first mask.
@@ -241,5 +244,103 @@ fn bad_requests_are_errors_naming_the_cause() {
     // A name the call's XML could not carry back.
     let mut odd = ToolSchemas::new();
     odd.insert("we\"ird>\nname", Some(&json!({"type": "object", "properties": {}})));
-    assert!(matches!(err(&OutputFormat::Text, &odd, &ToolChoice::Required), GrammarError::Tool { .. }));
+    assert_eq!(err(&OutputFormat::Text, &odd, &ToolChoice::Required), GrammarError::ToolName("we\"ird>\nname".into()));
+}
+
+#[test]
+fn eos_after_a_complete_output_ends_the_grammar() {
+    // A closed object: nothing can follow, and llguidance has stopped its parser after `}`
+    // (a stopped parser refuses every id); the EOS its mask allows still ends the grammar.
+    let (f, t) = (schema_format(), ToolSchemas::new());
+    let mut c = build(&spec(&f, &t, &ToolChoice::Auto, false));
+    for id in ids(r#"{"n": 5}"#) {
+        assert_eq!(c.advance(id), Ok(false));
+    }
+    for &eos in vocab().eos_ids() {
+        assert_eq!(c.clone().advance(eos), Ok(true), "EOS {eos}");
+    }
+    assert_eq!(c.advance(im_end()), Ok(true));
+    // Parallel calls: complete after one call, though another could follow; EOS ends it too.
+    let tools = tools();
+    let mut parallel = spec(&OutputFormat::Text, &tools, &ToolChoice::Required, false);
+    parallel.parallel_tool_calls = true;
+    let mut c = build(&parallel);
+    for id in ids(CALL) {
+        assert_eq!(c.advance(id), Ok(false));
+    }
+    assert!(c.is_complete());
+    assert_eq!(c.advance(im_end()), Ok(true));
+    // EOS before the output is complete is no end.
+    let mut c = build(&spec(&f, &t, &ToolChoice::Auto, false));
+    assert_eq!(c.advance(ids("{")[0]), Ok(false));
+    assert!(c.advance(im_end()).is_err());
+}
+
+fn call_of(name: &str, params: &[(&str, &str)]) -> String {
+    let params: String = params.iter().map(|(k, v)| format!("<parameter={k}>\n{v}\n</parameter>\n")).collect();
+    format!("<tool_call>\n<function={name}>\n{params}</function>\n</tool_call>")
+}
+
+#[test]
+fn refs_and_alternatives_in_a_forced_call_are_enforced() {
+    let mut t = ToolSchemas::new();
+    let stop = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "nights": {"type": "integer", "minimum": 1}}, "required": ["city", "nights"], "additionalProperties": false});
+    t.insert(
+        "plan",
+        Some(&json!({"type": "object", "$defs": {"Stop": stop}, "properties": {
+            "first": {"$ref": "#/$defs/Stop"},
+            "stops": {"type": "array", "items": {"$ref": "#/$defs/Stop"}},
+            "budget": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
+            "tag": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+            "mode": {"oneOf": [{"type": "string", "enum": ["car", "train"]}, {"type": "integer"}]},
+            "note": {"type": "string", "minLength": 3}
+        }, "required": ["first"]})),
+    );
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    let first = ("first", r#"{"city": "Oslo", "nights": 2}"#);
+    let ok = |extra: &[(&str, &str)]| accepts_whole(&c, &call_of("plan", &[&[first], extra].concat()));
+    assert!(ok(&[]));
+    assert!(!accepts_whole(&c, &call_of("plan", &[("first", "Oslo")])), "a $ref to an object takes its JSON, not text");
+    assert!(!accepts_whole(&c, &call_of("plan", &[("first", r#"{"city": "Oslo", "nights": 0}"#)])), "the referenced schema's minimum");
+    assert!(ok(&[("stops", r#"[{"city": "Rome", "nights": 1}]"#)]));
+    assert!(!ok(&[("stops", r#"[{"town": "Rome", "nights": 1}]"#)]), "a $ref inside a property resolves in the tool's $defs");
+    assert!(ok(&[("budget", "null")]) && ok(&[("budget", "120")]));
+    assert!(!ok(&[("budget", "lots")]));
+    assert!(ok(&[("tag", "7")]) && ok(&[("tag", r#""abc""#)]));
+    assert!(!ok(&[("tag", "abc")]), "a typed alternative is written as JSON");
+    assert!(!ok(&[("tag", r#""abcd""#)]), "the string alternative's maxLength");
+    // Read as text (its first alternative is a string): that alternative is what holds.
+    assert!(ok(&[("mode", "train")]));
+    assert!(!ok(&[("mode", "bus")]));
+    assert!(ok(&[("note", "a longer\nnote")]));
+    assert!(!ok(&[("note", "ab")]), "under minLength");
+    // What the grammar accepts, the output parser reads back as the schema's values.
+    let text = call_of("plan", &[first, ("budget", "null"), ("tag", r#""ab""#), ("mode", "car")]);
+    assert!(accepts_whole(&c, &text));
+    let parsed = OutputParser::parse(&text, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() });
+    assert_eq!(parsed.tool_calls[0].input(), json!({"first": {"city": "Oslo", "nights": 2}, "budget": null, "tag": "ab", "mode": "car"}));
+}
+
+#[test]
+fn unenforceable_parameters_are_refused_naming_their_place_in_the_schema() {
+    let fault = |props: Json| -> (String, String) {
+        let mut t = ToolSchemas::new();
+        t.insert("f", Some(&json!({"type": "object", "properties": props})));
+        match Constraint::build(vocab(), &spec(&OutputFormat::Text, &t, &ToolChoice::Required, false)).unwrap_err() {
+            GrammarError::Tool { path, message, .. } => (path, message),
+            other => panic!("{other:?}"),
+        }
+    };
+    let (path, message) = fault(json!({"s": {"type": "string", "minLength": 5, "maxLength": 2}}));
+    assert_eq!((path.as_str(), message.as_str()), ("properties.s.minLength", "`minLength` 5 is greater than `maxLength` 2"));
+    assert_eq!(fault(json!({"s": {"type": "string", "maxLength": -1}})).0, "properties.s.maxLength");
+    assert_eq!(fault(json!({"s": {"type": "string", "minLength": 1.5}})).0, "properties.s.minLength");
+    assert_eq!(fault(json!({"s": {"type": "nonsense"}})).0, "properties.s.type");
+    assert_eq!(fault(json!({"s": {"$ref": "#/$defs/missing"}})).0, "properties.s");
+    assert_eq!(fault(json!({"s": {"$ref": "https://example.com/s.json"}})).0, "properties.s");
+    assert_eq!(fault(json!({"s": {"type": "string", "pattern": "^a+$"}})).0, "properties.s.pattern");
+    assert_eq!(fault(json!({"s": {"oneOf": [{"type": "string", "minLength": 3, "maxLength": 1}]}})).0, "properties.s.oneOf[0].minLength");
+    assert_eq!(fault(json!({"s": {"type": "string", "enum": [1, 2]}})).0, "properties.s.enum");
+    // A JSON value's schema that llguidance refuses is found among the others and named.
+    assert_eq!(fault(json!({"ok": {"type": "integer"}, "n": {"type": "integer", "minimum": 5, "maximum": 1}})).0, "properties.n");
 }

@@ -105,7 +105,8 @@ pub struct Request {
     pub progress: bool,
     /// Constrained decoding: the grammar masks each sampled row (a copy, after `logit_bias`;
     /// reported logits and logprobs stay the raw row's) and advances with the sampled id. An
-    /// error of the grammar ends this sequence with [`FinishReason::Error`].
+    /// EOS id that completes the grammar ends the sequence ([`FinishReason::Eos`]) even when
+    /// `stop.eos_ids` is empty; an error of the grammar ends it with [`FinishReason::Error`].
     pub constraint: Option<Constraint>,
 }
 
@@ -883,11 +884,13 @@ impl<B: Backend> Worker<B> {
                     (Some(n), Some(row)) => Some(logprobs(&row[..self.v_eff], id, n)),
                     _ => None,
                 };
-                let grammar = s.req.constraint.as_mut().map_or(Ok(()), |c| c.advance(id));
+                let grammar = s.req.constraint.as_mut().map_or(Ok(false), |c| c.advance(id));
                 let session = s.session.as_mut().expect("admitted");
                 session.push(id);
                 let length = session.tokens().len();
-                let step = s.output.push(id, length, max_pos);
+                // The grammar's own end (EOS once its output is complete) ends the sequence even
+                // where the stop rules would go on (`ignore_eos`).
+                let step = if grammar == Ok(true) { s.output.end_of_sequence(id) } else { s.output.push(id, length, max_pos) };
                 self.stats.generated_tokens += 1;
                 s.send(Event::Token(Token { id, text: step.text, logits: if s.req.return_logits { row.map(<[f32]>::to_vec) } else { None }, logprobs }));
                 if let Some(f) = step.finish {

@@ -94,6 +94,13 @@ impl Output {
         self.advance(&piece, length, max_positions)
     }
 
+    /// Takes `id` as an end-of-sequence id whether or not the stop rules list it (the
+    /// sequence's grammar ended there): it adds no text, and the held text is emitted.
+    pub fn end_of_sequence(&mut self, id: u32) -> Step {
+        self.generated += 1;
+        Step { text: self.flush(), finish: Some(FinishReason::Eos(id)) }
+    }
+
     /// Adds a token's text to the held text and applies the stop rules.
     fn advance(&mut self, piece: &str, length: usize, max_positions: usize) -> Step {
         self.held.push_str(piece);

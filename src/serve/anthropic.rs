@@ -163,16 +163,18 @@ pub async fn messages(State(st): State<Arc<AppState>>, body: Result<Bytes, Bytes
         check_model(&st, r.model.as_deref())?;
         let req = r.validate()?;
         let rendered = render(&st, &req.prompt, "messages")?;
-        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "output_format")?;
-        let mut job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "messages", max_tokens: "max_tokens" })?;
-        job.constraint = constraint;
+        let job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "messages", max_tokens: "max_tokens" })?;
         let parser = req.prompt.parser_options(&rendered.text, format!("toolu_{tag}_"));
-        Ok::<_, ApiError>((req, job, parser))
+        Ok::<_, ApiError>((req, job, parser, rendered.text, r.output_schema_field()))
     })();
-    let (req, job, parser) = match prepared {
+    let (req, mut job, parser, text, schema_field) = match prepared {
         Ok(p) => p,
         Err(e) => return log.fail(&st, e.anthropic()),
     };
+    match constraint(&st, &req.output_format, &req.prompt, &text, schema_field).await {
+        Ok(c) => job.constraint = c,
+        Err(e) => return log.fail(&st, e.anthropic()),
+    }
     log.prompt_tokens = job.prompts[0].len();
     let mut choices = match submit(&st, &job, start) {
         Ok(c) => c,

@@ -20,7 +20,7 @@ use futures_util::stream::{self, StreamExt};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::generate::{check_model, collect, job, parse_body, submit, Choice, Fields, Parsed, RequestLog, TurnEnd};
+use super::generate::{check_model, collect, job, parse_body, submit, Choice, Fields, Job, Parsed, RequestLog, TurnEnd};
 use super::{unix_now, ApiError, AppState};
 use crate::grammar::{Constraint, GrammarError, Spec};
 use crate::runtime::{Event, FinishReason, Finished, TokenLogprobs};
@@ -68,34 +68,53 @@ pub(super) fn render(st: &AppState, prompt: &ChatPrompt, field: &str) -> Result<
 /// The grammar a chat request's output must follow (its output format, or a forced tool call),
 /// `None` when the output is free. `rendered` is the prompt's text: whether generation starts
 /// inside reasoning is read from its tail. `schema_field` names the format's schema in errors
-/// (`response_format.json_schema.schema`, `text.format.schema`).
+/// (`response_format.json_schema.schema`, `text.format.schema`). The grammar is compiled on
+/// tokio's blocking pool: a large schema takes a while (llguidance's limits allow about half a
+/// second), which must not hold up an async worker and every request it serves.
 ///
 /// # Errors
 /// 400s: a schema llguidance cannot enforce (naming `schema_field`, with its message), a forced
-/// tool whose parameters cannot be enforced (`tools`), `tool_choice` naming no tool or forcing
-/// a call without tools (`tool_choice`), a tokenizer without a token table.
-pub(super) fn constraint(st: &AppState, format: &OutputFormat, prompt: &ChatPrompt, rendered: &str, schema_field: &str) -> Result<Option<Constraint>, ApiError> {
+/// tool whose parameters cannot be enforced (naming the part of the tool's schema at fault),
+/// `tool_choice` naming no tool or forcing a call without tools (`tool_choice`), a tokenizer
+/// without a token table.
+pub(super) async fn constraint(st: &Arc<AppState>, format: &OutputFormat, prompt: &ChatPrompt, rendered: &str, schema_field: &'static str) -> Result<Option<Constraint>, ApiError> {
     let forced = matches!(prompt.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
     if !forced && *format == OutputFormat::Text {
         return Ok(None);
     }
-    let vocab = st.vocabulary().map_err(|e| ApiError::invalid(e.to_string(), Some(if forced { "tool_choice" } else { schema_field })).with_code("unsupported_value"))?;
-    let spec = Spec {
-        format,
-        tools: &prompt.tools,
-        tool_choice: &prompt.tool_choice,
-        parallel_tool_calls: prompt.parallel_tool_calls,
-        starts_in_reasoning: crate::server::parse::prompt_ends_in_reasoning(rendered),
+    let (st, format, tools, tool_choice) = (st.clone(), format.clone(), prompt.tools.clone(), prompt.tool_choice.clone());
+    let (parallel_tool_calls, starts_in_reasoning) = (prompt.parallel_tool_calls, crate::server::parse::prompt_ends_in_reasoning(rendered));
+    let build = move || {
+        let vocab = st.vocabulary().map_err(|e| ApiError::invalid(e.to_string(), Some(if forced { "tool_choice" } else { schema_field })).with_code("unsupported_value"))?;
+        let spec = Spec { format: &format, tools: &tools, tool_choice: &tool_choice, parallel_tool_calls, starts_in_reasoning };
+        Constraint::build(vocab, &spec).map_err(|e| grammar_error(&e, &tools, schema_field))
     };
-    Constraint::build(vocab, &spec).map_err(|e| {
-        let field = match &e {
-            GrammarError::Schema(_) => schema_field,
-            GrammarError::Tool { .. } | GrammarError::Tools(_) => "tools",
-            GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice",
-            GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
-        };
-        ApiError::invalid(format!("`{field}`: {e}"), Some(field))
-    })
+    tokio::task::spawn_blocking(build).await.map_err(|e| ApiError::internal(format!("compiling the output grammar: {e}")))?
+}
+
+/// A refusal of [`Constraint::build`] as a 400 naming the request field at fault.
+fn grammar_error(e: &GrammarError, tools: &crate::server::parse::ToolSchemas, schema_field: &str) -> ApiError {
+    // OpenAI's codes for these refusals (its Responses API answers a bad schema with
+    // `invalid_json_schema`, a bad function schema with `invalid_function_parameters`).
+    let code = match e {
+        GrammarError::Schema(_) => "invalid_json_schema",
+        GrammarError::Tool { .. } | GrammarError::Tools(_) => "invalid_function_parameters",
+        _ => "invalid_value",
+    };
+    let field = match e {
+        GrammarError::Schema(_) => schema_field.to_string(),
+        // The part of the tool's schema at fault, by its path in the request.
+        GrammarError::Tool { name, path, .. } => match tools.field(name) {
+            Some(f) if path.is_empty() => f,
+            Some(f) => format!("{f}.{path}"),
+            None => "tools".into(),
+        },
+        GrammarError::ToolName(name) => tools.name_field(name).unwrap_or_else(|| "tools".into()),
+        GrammarError::Tools(_) => "tools".into(),
+        GrammarError::UnknownTool(_) | GrammarError::NoTools | GrammarError::Vocabulary(_) => "tool_choice".into(),
+        GrammarError::Runtime(_) => return ApiError::internal(e.to_string()),
+    };
+    ApiError::invalid(format!("`{field}`: {e}"), Some(&field)).with_code(code)
 }
 
 fn encode_text(st: &AppState, text: &str, add_special: bool, field: &str) -> Result<Vec<u32>, ApiError> {
@@ -247,53 +266,34 @@ impl UsageSum {
 pub async fn chat_completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let start = Instant::now();
     let id = format!("chatcmpl-{:016x}", st.fresh().1);
-    let mut log = RequestLog::new(id.clone(), "chat", start);
+    let log = RequestLog::new(id.clone(), "chat", start);
     let prepared = (|| {
         let r: ChatCompletionRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
         let req = r.validate(st.runtime.info().v_eff)?;
         let rendered = render(&st, &req.prompt, "messages")?;
-        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "response_format.json_schema.schema")?;
         let fields = Fields { prompt: "messages", max_tokens: if r.max_completion_tokens.is_some() { "max_completion_tokens" } else { "max_tokens" } };
-        let mut job = job(&st, &req.sampling, vec![rendered.ids], fields)?;
-        job.constraint = constraint;
+        let job = job(&st, &req.sampling, vec![rendered.ids], fields)?;
         let parser = req.prompt.parser_options(&rendered.text, format!("call_{}_", &id[9..]));
-        Ok::<_, ApiError>((req, job, parser))
+        Ok::<_, ApiError>((req, job, parser, rendered.text))
     })();
-    let (req, job, parser) = match prepared {
+    let (req, mut job, parser, text) = match prepared {
         Ok(p) => p,
         Err(e) => return log.fail(&st, e),
     };
-    log.prompt_tokens = job.prompts.iter().map(Vec::len).sum();
-    let choices = match submit(&st, &job, start) {
-        Ok(c) => c,
+    match constraint(&st, &req.output_format, &req.prompt, &text, "response_format.json_schema.schema").await {
+        Ok(c) => job.constraint = c,
         Err(e) => return log.fail(&st, e),
-    };
-    let ctx = Ctx {
-        kind: Kind::Chat,
-        id,
-        created: unix_now(),
-        model: st.config.model_id.clone(),
-        fingerprint: st.config.fingerprint.clone(),
-        include_usage: req.include_usage,
-        logprobs: job.logprobs.is_some(),
-        parser: Some(parser),
-        echo: None,
-        n: job.n,
-        st: st.clone(),
-    };
-    if req.stream {
-        stream_response(ctx, choices, log)
-    } else {
-        whole_response(ctx, choices, log).await
     }
+    let answer = Answer { kind: Kind::Chat, id, include_usage: req.include_usage, stream: req.stream, parser: Some(parser), echo: None };
+    respond(&st, answer, &job, log, start).await
 }
 
 /// `POST /v1/completions`.
 pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, BytesRejection>) -> Response {
     let start = Instant::now();
     let id = format!("cmpl-{:016x}", st.fresh().1);
-    let mut log = RequestLog::new(id.clone(), "completion", start);
+    let log = RequestLog::new(id.clone(), "completion", start);
     let prepared = (|| {
         let r: CompletionRequest = parse_body(body)?;
         check_model(&st, r.model.as_deref())?;
@@ -320,35 +320,56 @@ pub async fn completions(State(st): State<Arc<AppState>>, body: Result<Bytes, By
         } else {
             None
         };
-        // A text prompt has no tools and no reasoning prefix: only the output format constrains.
-        let constraint = constraint(&st, &req.output_format, &ChatPrompt::default(), "", "response_format.json_schema.schema")?;
-        let mut job = job(&st, &req.sampling, ids, Fields { prompt: "prompt", max_tokens: "max_tokens" })?;
-        job.constraint = constraint;
+        let job = job(&st, &req.sampling, ids, Fields { prompt: "prompt", max_tokens: "max_tokens" })?;
         Ok::<_, ApiError>((req, job, echo))
     })();
-    let (req, job, echo) = match prepared {
+    let (req, mut job, echo) = match prepared {
         Ok(p) => p,
         Err(e) => return log.fail(&st, e),
     };
-    log.prompt_tokens = job.prompts.iter().map(Vec::len).sum();
-    let choices = match submit(&st, &job, start) {
-        Ok(c) => c,
+    // A text prompt has no tools and no reasoning prefix: only the output format constrains.
+    match constraint(&st, &req.output_format, &ChatPrompt::default(), "", "response_format.json_schema.schema").await {
+        Ok(c) => job.constraint = c,
         Err(e) => return log.fail(&st, e),
+    }
+    let answer = Answer { kind: Kind::Completion, id, include_usage: req.include_usage, stream: req.stream, parser: None, echo };
+    respond(&st, answer, &job, log, start).await
+}
+
+/// What differs between a chat and a text completion's answer.
+struct Answer {
+    kind: Kind,
+    id: String,
+    include_usage: bool,
+    stream: bool,
+    /// Chat: how each choice's text is parsed.
+    parser: Option<ParserOptions>,
+    /// Completions with `echo`: each prompt's text.
+    echo: Option<Vec<String>>,
+}
+
+/// Submits `job`'s choices and answers them, streamed or whole: the tail both completion
+/// endpoints share.
+async fn respond(st: &Arc<AppState>, a: Answer, job: &Job, mut log: RequestLog, start: Instant) -> Response {
+    log.prompt_tokens = job.prompts.iter().map(Vec::len).sum();
+    let choices = match submit(st, job, start) {
+        Ok(c) => c,
+        Err(e) => return log.fail(st, e),
     };
     let ctx = Ctx {
-        kind: Kind::Completion,
-        id,
+        kind: a.kind,
+        id: a.id,
         created: unix_now(),
         model: st.config.model_id.clone(),
         fingerprint: st.config.fingerprint.clone(),
-        include_usage: req.include_usage,
+        include_usage: a.include_usage,
         logprobs: job.logprobs.is_some(),
-        parser: None,
-        echo,
+        parser: a.parser,
+        echo: a.echo,
         n: job.n,
         st: st.clone(),
     };
-    if req.stream {
+    if a.stream {
         stream_response(ctx, choices, log)
     } else {
         whole_response(ctx, choices, log).await
@@ -607,6 +628,85 @@ fn answer(st: &AppState, endpoint: &'static str, r: Result<Value, ApiError>) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    /// The server's state over the vocab fixture (random weights, Qwen3.5's tokenizer).
+    fn state() -> AppState {
+        use crate::backend::cpu::Cpu;
+        use crate::model::{HostModel, Model};
+        let dir = crate::testutil::shared("fixtures/vocab/mlx-q4");
+        let tokenizer = Arc::new(crate::tokenizer::Tokenizer::from_dir(&dir).expect("the fixture's tokenizer"));
+        let d = dir.clone();
+        let runtime = crate::runtime::Runtime::start(crate::runtime::RuntimeConfig::default(), Some(tokenizer.clone()), move || {
+            let host = HostModel::open(&d)?;
+            Ok::<_, anyhow::Error>(crate::engine::Engine::new(Model::new(&host, Cpu::new())?, 256)?)
+        })
+        .expect("the runtime starts");
+        let config = crate::serve::ServeConfig {
+            model_id: "m".into(),
+            aliases: Vec::new(),
+            api_key: None,
+            max_model_len: 4096,
+            defaults: crate::sampling::SamplingParams::default(),
+            max_n: 4,
+            max_body_bytes: 1 << 20,
+            fingerprint: "fp".into(),
+            keep_alive: Duration::from_secs(5),
+        };
+        AppState::new(runtime, tokenizer, config)
+    }
+
+    #[test]
+    fn grammars_compile_off_the_async_workers() {
+        let st = Arc::new(state());
+        st.vocabulary().expect("the token table builds");
+        // 300 alternatives of 30 keys: a schema llguidance takes a noticeable while to compile.
+        let alternatives: Vec<Value> = (0..300)
+            .map(|i| {
+                let keys: Vec<String> = (0..30).map(|j| format!("k{i}_{j}")).collect();
+                let props: Map<String, Value> = keys.iter().map(|k| (k.clone(), json!({"type": "integer"}))).collect();
+                json!({"type": "object", "properties": props, "required": keys})
+            })
+            .collect();
+        let format = OutputFormat::JsonSchema { name: "big".into(), schema: Some(json!({"anyOf": alternatives})), strict: true };
+        // One worker thread: a compile on it would stop the ticker until it is done.
+        let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("a tokio runtime");
+        let (elapsed, ticks) = rt.block_on(async {
+            let ticks = Arc::new(AtomicUsize::new(0));
+            let t = ticks.clone();
+            let ticker = tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    t.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            tokio::task::yield_now().await;
+            let (t0, before) = (Instant::now(), ticks.load(Ordering::Relaxed));
+            let built = constraint(&st, &format, &ChatPrompt::default(), "", "response_format.json_schema.schema").await;
+            let during = ticks.load(Ordering::Relaxed) - before;
+            ticker.abort();
+            assert!(built.expect("the schema compiles").is_some());
+            (t0.elapsed(), during)
+        });
+        assert!(elapsed > Duration::from_millis(40), "the compile took {elapsed:?}: too short to tell");
+        assert!(ticks >= 5, "the async worker ran {ticks} ticks of 2 ms during a {elapsed:?} compile");
+        // Refusals are still the 400s naming the field.
+        let bad = OutputFormat::JsonSchema { name: "bad".into(), schema: Some(json!({"type": "nonsense"})), strict: true };
+        let e = rt.block_on(constraint(&st, &bad, &ChatPrompt::default(), "", "text.format.schema")).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.param.as_deref(), e.code), (400, Some("text.format.schema"), Some("invalid_json_schema")));
+        // A tool's fault is named where it is in the request: its name, or a schema keyword.
+        let forced = |name: &str, parameters: Value| {
+            let mut tools = crate::server::parse::ToolSchemas::new();
+            tools.insert_from(name, Some(&parameters), "tools[1].function", "parameters");
+            let prompt = ChatPrompt { tools, tool_choice: ToolChoice::Required, ..ChatPrompt::default() };
+            let e = rt.block_on(constraint(&st, &OutputFormat::Text, &prompt, "", "response_format.json_schema.schema")).unwrap_err();
+            (e.param.unwrap_or_default(), e.code.unwrap_or_default())
+        };
+        assert_eq!(forced("two words", json!({"type": "object"})), ("tools[1].function.name".to_string(), "invalid_value"));
+        let bounds = json!({"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 1}}});
+        assert_eq!(forced("f", bounds), ("tools[1].function.parameters.properties.s.minLength".to_string(), "invalid_function_parameters"));
+    }
 
     fn parse<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, ApiError> {
         parse_body(Ok(Bytes::from(s.to_string())))

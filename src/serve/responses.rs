@@ -212,16 +212,18 @@ pub async fn responses(State(st): State<Arc<AppState>>, body: Result<Bytes, Byte
         check_model(&st, r.model.as_deref())?;
         let req = r.validate()?;
         let rendered = render(&st, &req.prompt, "input")?;
-        let constraint = constraint(&st, &req.output_format, &req.prompt, &rendered.text, "text.format.schema")?;
-        let mut job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "input", max_tokens: "max_output_tokens" })?;
-        job.constraint = constraint;
+        let job = job(&st, &req.sampling, vec![rendered.ids], Fields { prompt: "input", max_tokens: "max_output_tokens" })?;
         let parser = req.prompt.parser_options(&rendered.text, format!("call_{tag}_"));
-        Ok::<_, ApiError>((r, req, job, parser))
+        Ok::<_, ApiError>((r, req, job, parser, rendered.text))
     })();
-    let (r, req, job, parser) = match prepared {
+    let (r, req, mut job, parser, text) = match prepared {
         Ok(p) => p,
         Err(e) => return log.fail(&st, e),
     };
+    match constraint(&st, &req.output_format, &req.prompt, &text, "text.format.schema").await {
+        Ok(c) => job.constraint = c,
+        Err(e) => return log.fail(&st, e),
+    }
     log.prompt_tokens = job.prompts[0].len();
     let mut choices = match submit(&st, &job, start) {
         Ok(c) => c,

@@ -164,6 +164,49 @@ pub struct MessagesRequest {
     /// Extra template variables (extension).
     #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Json>>,
+    /// Output settings: `format` asks for structured output.
+    #[serde(default)]
+    pub output_config: Option<OutputConfig>,
+    /// Structured output as the beta API named it, before `output_config.format`.
+    #[serde(default)]
+    pub output_format: Option<OutputFormatParam>,
+}
+
+/// `output_config`.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct OutputConfig {
+    /// The output's format (structured outputs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<OutputFormatParam>,
+    /// How much effort the model should spend (accepted, not used).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub effort: Option<Json>,
+}
+
+/// A structured-output format: `{"type": "json_schema", "schema": {...}}`, the output being
+/// JSON matching the schema (enforced by constrained decoding).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OutputFormatParam {
+    /// `json_schema`, the one type there is.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The JSON schema.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub schema: Option<Json>,
+}
+
+impl OutputFormatParam {
+    /// The format as the output constraint reads it; `field` names it in errors.
+    fn output_format(&self, field: &str) -> Result<OutputFormat, RequestError> {
+        if self.kind != "json_schema" {
+            return Err(RequestError::unsupported(format!("{field}.type"), format!("{:?} is not an output format; the one there is is \"json_schema\"", self.kind)));
+        }
+        let schema = self.schema.clone().ok_or_else(|| RequestError::missing(format!("{field}.schema")))?;
+        if !schema.is_object() {
+            return Err(RequestError::invalid(format!("{field}.schema"), "must be a JSON schema object"));
+        }
+        Ok(OutputFormat::JsonSchema { name: "output".into(), schema: Some(schema), strict: true })
+    }
 }
 
 /// `POST /v1/messages/count_tokens`: what the prompt of a messages request would hold.
@@ -223,7 +266,23 @@ impl MessagesRequest {
             ..SamplingOptions::default()
         };
         let prompt = prompt(&self.messages, self.system.as_ref(), self.tools.as_deref(), self.tool_choice.as_ref(), self.thinking.as_ref(), self.chat_template_kwargs.as_ref())?;
-        Ok(ChatRequest { model: self.model.clone(), prompt, sampling, stream: self.stream.unwrap_or(false), include_usage: true, output_format: OutputFormat::Text })
+        let output_format = match (self.output_config.as_ref().and_then(|c| c.format.as_ref()), &self.output_format) {
+            (Some(_), Some(_)) => return Err(RequestError::invalid("output_format", "give `output_config.format` or `output_format`, not both")),
+            (Some(f), None) => f.output_format("output_config.format")?,
+            (None, Some(f)) => f.output_format("output_format")?,
+            (None, None) => OutputFormat::Text,
+        };
+        Ok(ChatRequest { model: self.model.clone(), prompt, sampling, stream: self.stream.unwrap_or(false), include_usage: true, output_format })
+    }
+
+    /// The field of the request's output schema (`output_config.format.schema`, or the beta
+    /// `output_format.schema`), for errors about the schema.
+    pub fn output_schema_field(&self) -> &'static str {
+        if self.output_format.is_some() {
+            "output_format.schema"
+        } else {
+            "output_config.format.schema"
+        }
     }
 }
 
@@ -710,6 +769,24 @@ mod tests {
         assert_eq!(field(json!({"messages": user, "max_tokens": 5, "tools": [{"name": "a"}, {"name": "a"}]})).as_deref(), Some("tools[1].name"));
         assert_eq!(field(json!({"messages": user, "max_tokens": 5, "stop_sequences": [""]})).as_deref(), Some("stop_sequences[0]"));
         assert_eq!(field(json!({"messages": [{"role": "user", "content": 3}], "max_tokens": 5})).as_deref(), Some("messages[0].content"));
+    }
+
+    #[test]
+    fn output_formats_ask_for_json_of_their_schema() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let schema = json!({"type": "object", "properties": {"n": {"type": "integer"}}});
+        let want = OutputFormat::JsonSchema { name: "output".into(), schema: Some(schema.clone()), strict: true };
+        let format = json!({"type": "json_schema", "schema": schema});
+        let req = messages(json!({"messages": user, "max_tokens": 5, "output_config": {"format": format, "effort": "low"}})).unwrap();
+        assert_eq!(req.output_format, want);
+        // The beta API's spelling.
+        assert_eq!(messages(json!({"messages": user, "max_tokens": 5, "output_format": format})).unwrap().output_format, want);
+        assert_eq!(messages(json!({"messages": user, "max_tokens": 5})).unwrap().output_format, OutputFormat::Text);
+        let field = |b: Json| messages(b).unwrap_err().field().map(str::to_string);
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "output_config": {"format": {"type": "xml", "schema": {}}}})).as_deref(), Some("output_config.format.type"));
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "output_config": {"format": {"type": "json_schema"}}})).as_deref(), Some("output_config.format.schema"));
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "output_format": {"type": "json_schema", "schema": [1]}})).as_deref(), Some("output_format.schema"));
+        assert_eq!(field(json!({"messages": user, "max_tokens": 5, "output_format": format, "output_config": {"format": format}})).as_deref(), Some("output_format"));
     }
 
     #[test]

@@ -210,7 +210,7 @@ impl ToolSet {
             return Err(RequestError::invalid(format!("{field}.{schema_key}"), "must be a JSON schema object"));
         }
         self.template.push(template_tool(name, description, parameters));
-        self.schemas.insert(name, parameters);
+        self.schemas.insert_from(name, parameters, field, schema_key);
         self.names.push(name.to_string());
         Ok(())
     }

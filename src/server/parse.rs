@@ -22,16 +22,23 @@
 //! Tool arguments are typed by the tool's JSON schema as vLLM's `qwen3_coder` parser types them:
 //! a parameter declared `integer`, `number`, `boolean`, `null`, `object` or `array` is converted
 //! from its text, anything else (a string, an undeclared parameter, an unknown type) stays a
-//! string, and a value that does not convert falls back to the string. Unlike vLLM, a boolean
-//! that is neither `true` nor `false` stays a string instead of becoming `false`, and
-//! containers are read as JSON only (no Python literals).
+//! string. A value that does not convert as its type is read as JSON when it is JSON (an
+//! `anyOf` of several types, written as JSON: what a forced call's grammar writes), and stays
+//! the string otherwise. A property that is a `$ref` is typed by what it refers to (in the
+//! tool's `$defs` or `definitions`). Unlike vLLM, a boolean that is neither `true` nor `false`
+//! stays a string instead of becoming `false`, and containers are read as JSON only (no Python
+//! literals).
 //!
 //! A call the model never closes (generation stopped by `max_tokens` or a stop string) is still
 //! returned, with the parameters written so far and the last value as far as it got, as vLLM
 //! does; llama.cpp's parser rejects it and returns the text as content instead. Returning it
 //! keeps the streamed and the whole result equal (the start of the call has already been sent
-//! to a streaming client), and the finish reason tells the client it was cut. A `<tool_call>`
-//! that is not followed by `<function=NAME>` is not a call: its text is content.
+//! to a streaming client), and the finish reason tells the client it was cut. A call cut before
+//! its `<function=NAME>` is whole (`<tool_call>\n<func`, or `<tool_c` alone) is dropped: it
+//! was held back, so nothing of it was sent, and it is not text the model meant as an answer;
+//! so is a `</tool_call>` cut short after a call's `</function>`. Every API reports a cut turn
+//! from these same calls and text. A `<tool_call>` that is not followed by `<function=NAME>`
+//! is not a call: its text is content.
 
 use std::collections::HashMap;
 
@@ -125,6 +132,9 @@ pub struct ToolSchemas {
     /// The functions in the request's order with their `parameters` schemas, for the
     /// grammar of a forced call ([`crate::grammar`]).
     declared: Vec<(String, Option<Json>)>,
+    /// Function name → the request field of its tool (`tools[2].function`) and the name of its
+    /// schema field there (`parameters`, `input_schema`), for errors that name a part of them.
+    fields: HashMap<String, (String, String)>,
 }
 
 impl ToolSchemas {
@@ -139,11 +149,30 @@ impl ToolSchemas {
         let types = parameters
             .and_then(|p| p.get("properties"))
             .and_then(Json::as_object)
-            .map(|props| props.iter().map(|(k, v)| (k.clone(), ParamType::of(v))).collect())
+            .map(|props| props.iter().map(|(k, v)| (k.clone(), ParamType::of(v, parameters))).collect())
             .unwrap_or_default();
         self.functions.insert(name.to_string(), types);
         self.declared.retain(|(n, _)| n != name);
         self.declared.push((name.to_string(), parameters.cloned()));
+    }
+
+    /// [`insert`](Self::insert), recording where the tool is in the request (`tool_field`:
+    /// `tools[2].function`) and its schema's key there (`parameters`), for errors that name a
+    /// part of them.
+    pub fn insert_from(&mut self, name: &str, parameters: Option<&Json>, tool_field: &str, schema_key: &str) {
+        self.insert(name, parameters);
+        self.fields.insert(name.to_string(), (tool_field.to_string(), schema_key.to_string()));
+    }
+
+    /// The request field the schema of `name` came from (`tools[2].function.parameters`), when
+    /// recorded.
+    pub fn field(&self, name: &str) -> Option<String> {
+        self.fields.get(name).map(|(tool, key)| format!("{tool}.{key}"))
+    }
+
+    /// The request field of the name of `name`'s tool (`tools[2].function.name`), when recorded.
+    pub fn name_field(&self, name: &str) -> Option<String> {
+        self.fields.get(name).map(|(tool, _)| format!("{tool}.name"))
     }
 
     /// The functions in the order they were added, with their `parameters` schemas.
@@ -151,10 +180,11 @@ impl ToolSchemas {
         self.declared.iter().map(|(n, p)| (n.as_str(), p.as_ref()))
     }
 
-    /// Whether the parser reads a value of the property schema `schema` as raw text (a
-    /// string, or a schema without a type it knows) rather than as JSON.
-    pub fn is_text_param(schema: &Json) -> bool {
-        ParamType::of(schema).kind == Kind::String
+    /// Whether the parser reads a value of the property schema `schema` of the parameters
+    /// schema `root` as raw text (a string, or a schema without a type it knows) rather than
+    /// as JSON.
+    pub fn is_text_param(schema: &Json, root: Option<&Json>) -> bool {
+        ParamType::of(schema, root).kind == Kind::String
     }
 
     /// Number of functions.
@@ -170,6 +200,28 @@ impl ToolSchemas {
     fn param_type(&self, function: &str, param: &str) -> ParamType {
         self.functions.get(function).and_then(|f| f.get(param)).copied().unwrap_or(ParamType::STRING)
     }
+}
+
+/// Most `$ref` hops followed from one schema (a cycle of references ends there).
+const MAX_REF_HOPS: usize = 32;
+
+/// `schema` with its `$ref`s followed within `root` (a local JSON pointer: `#/$defs/NAME`,
+/// `#/definitions/NAME`, `#`, ...), as the JSON-schema compilers resolve them.
+///
+/// # Errors
+/// A reference that is not local, points at nothing, or loops; the message names it.
+pub fn resolve_ref<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<&'a Json, String> {
+    let mut s = schema;
+    for _ in 0..MAX_REF_HOPS {
+        let Some(r) = s.get("$ref") else { return Ok(s) };
+        let Some(r) = r.as_str() else { return Err("`$ref` must be a string".into()) };
+        let Some(pointer) = r.strip_prefix('#') else {
+            return Err(format!("`$ref` {r:?} is not a reference inside the schema (`#/$defs/NAME`)"));
+        };
+        // JSON pointer escapes in the fragment (`~1` is `/`, `~0` is `~`) are the pointer's own.
+        s = root.and_then(|root| root.pointer(pointer)).ok_or_else(|| format!("`$ref` {r:?} refers to nothing in the schema"))?;
+    }
+    Err(format!("`$ref`s of more than {MAX_REF_HOPS} hops (a cycle?)"))
 }
 
 /// What a parameter's schema declares, as far as converting its text goes.
@@ -193,10 +245,11 @@ enum Kind {
 impl ParamType {
     const STRING: Self = Self { kind: Kind::String, nullable: false };
 
-    /// Reads a property schema. Type names are matched as vLLM matches them (`int…`, `num…`,
-    /// `float…`, `bool`, `dict…`, `list…`, ...); unknown names, and schemas without a type,
-    /// are strings.
-    fn of(schema: &Json) -> Self {
+    /// Reads a property schema of the parameters schema `root` (`$ref`s followed in it). Type
+    /// names are matched as vLLM matches them (`int…`, `num…`, `float…`, `bool`, `dict…`,
+    /// `list…`, ...); unknown names, and schemas without a type, are strings.
+    fn of(schema: &Json, root: Option<&Json>) -> Self {
+        let schema = resolve_ref(schema, root).unwrap_or(schema);
         fn kind_of(name: &str) -> Kind {
             let t = name.trim().to_ascii_lowercase();
             let starts = |prefixes: &[&str]| prefixes.iter().any(|p| t.starts_with(p));
@@ -237,15 +290,23 @@ impl ParamType {
         }
         for key in ["anyOf", "oneOf"] {
             if let Some(Json::Array(options)) = schema.get(key) {
-                return pick(options.iter().filter_map(|o| o.get("type").and_then(Json::as_str)).map(kind_of));
+                return pick(options.iter().filter_map(|o| resolve_ref(o, root).unwrap_or(o).get("type").and_then(Json::as_str)).map(kind_of));
             }
         }
         Self::STRING
     }
 
-    /// The JSON value of a parameter's text; the text itself when it does not convert.
+    /// The JSON value of a parameter's text: converted as its type, else read as JSON (a
+    /// typed parameter's other alternatives), else the text itself.
     fn convert(self, raw: &str) -> Json {
-        let text = || Json::String(raw.to_string());
+        let text = || {
+            if self.kind != Kind::String {
+                if let Ok(v) = serde_json::from_str::<Json>(raw.trim()) {
+                    return v;
+                }
+            }
+            Json::String(raw.to_string())
+        };
         let trimmed = raw.trim();
         let is_null = trimmed.eq_ignore_ascii_case("null") || trimmed.eq_ignore_ascii_case("none");
         // The template writes a None argument as `None` (`| string`), JSON writes `null`.
@@ -450,6 +511,9 @@ impl OutputParser {
         }
         let found = tags.iter().filter_map(|t| self.buf.find(t).map(|i| (i, *t))).min_by_key(|(i, _)| *i);
         let Some((i, tag)) = found else {
+            // At the end, a cut `<tool_call>` is the start of a call that never was: dropped.
+            let cut = if eof && self.tools_on() { partial_suffix(&self.buf, &[CALL_OPEN]) } else { 0 };
+            self.buf.truncate(self.buf.len() - cut);
             let hold = if eof { 0 } else { partial_suffix(&self.buf, &tags) };
             let text: String = self.buf.drain(..self.buf.len() - hold).collect();
             self.emit_text(reasoning, &text, out);
@@ -511,9 +575,16 @@ impl OutputParser {
             parser.emit_text(false, CALL_OPEN, out);
             true
         };
+        // The text ended inside what reads as the call's header: the call was cut before it
+        // began, and is dropped (nothing of it was sent).
+        let cut = |parser: &mut Self| {
+            parser.buf.clear();
+            parser.mode = Mode::Content;
+            true
+        };
         if rest.len() < FUNCTION_OPEN.len() {
-            if FUNCTION_OPEN.starts_with(rest) && !eof {
-                return false;
+            if FUNCTION_OPEN.starts_with(rest) {
+                return if eof { cut(self) } else { false };
             }
             return not_a_call(self, out);
         }
@@ -522,10 +593,10 @@ impl OutputParser {
         }
         let name_region = &rest[FUNCTION_OPEN.len()..];
         let Some(end) = name_region.find('>') else {
-            if eof || !plausible_name(name_region) {
+            if !plausible_name(name_region) {
                 return not_a_call(self, out);
             }
-            return false;
+            return if eof { cut(self) } else { false };
         };
         let name = &name_region[..end];
         if name.is_empty() || !plausible_name(name) {
@@ -664,8 +735,12 @@ impl OutputParser {
             self.mode = Mode::Content;
             return true;
         }
-        if CALL_CLOSE.starts_with(rest) && !eof {
-            return false;
+        if CALL_CLOSE.starts_with(rest) {
+            if !eof {
+                return false;
+            }
+            // Cut inside the closing tag: the call is complete, the fragment is no text.
+            self.buf.clear();
         }
         self.mode = Mode::Content;
         true
@@ -916,7 +991,7 @@ mod tests {
         );
         assert_split_invariant(text, false, true);
 
-        let ty = |schema: Json| ParamType::of(&schema);
+        let ty = |schema: Json| ParamType::of(&schema, None);
         let number = ty(json!({"type": "number"}));
         assert_eq!(number.convert("3.0"), json!(3));
         assert_eq!(number.convert("-1e-3"), json!(-0.001));
@@ -957,10 +1032,35 @@ mod tests {
         assert!(out.tool_calls.is_empty());
         assert_split_invariant(text, false, true);
 
-        // An unfinished header at the end of generation is text too.
-        let out = parse("Look: <tool_call>\n<function=get_we", false, true);
-        assert_eq!(out.content, "Look: <tool_call>\n<function=get_we");
+        // A header that is not one, at the end of generation, is text too.
+        let out = parse("Look: <tool_call>\n<fun ction", false, true);
+        assert_eq!(out.content, "Look: <tool_call>\n<fun ction");
         assert!(out.tool_calls.is_empty());
+    }
+
+    #[test]
+    fn a_call_cut_before_its_name_is_whole_is_dropped_at_every_cut() {
+        // Two calls cut at every byte: the calls whose `<function=NAME>` was whole come back (the
+        // last as far as it got), no fragment of the markup is ever content, and streamed a
+        // character at a time the result is the same.
+        let call = &PROSE_AND_CALL[PROSE_AND_CALL.find("<tool_call>").unwrap()..];
+        let text = format!("{call}\n{call}");
+        let header = "<tool_call>\n<function=get_weather>".len();
+        for cut in 0..=text.len() {
+            let part = &text[..cut];
+            let out = parse(part, false, true);
+            assert_eq!(out.content, "", "cut at {cut}: {part:?}");
+            let want = usize::from(cut >= header) + usize::from(cut >= call.len() + 1 + header);
+            assert_eq!(out.tool_calls.len(), want, "cut at {cut}: {part:?}");
+            if cut >= call.len() - "</tool_call>".len() {
+                assert_eq!(out.tool_calls[0].input(), json!({"city": "Paris", "days": 2}), "cut at {cut}");
+            }
+            let chars: Vec<String> = part.chars().map(String::from).collect();
+            assert_eq!(streamed(&chars.iter().map(String::as_str).collect::<Vec<_>>(), false, true), out, "cut at {cut}");
+        }
+        // Reasoning before a cut call stays reasoning.
+        let out = parse("<think>\nhm\n</think>\n\n<tool_call>\n<funct", true, true);
+        assert_eq!((out.reasoning.as_str(), out.content.as_str(), out.tool_calls.len()), ("hm", "", 0));
     }
 
     #[test]

@@ -137,6 +137,83 @@ class Constrained(unittest.TestCase):
                 finish = c.finish_reason or finish
         self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
 
+    def test_ignore_eos_still_ends_where_the_grammar_does(self):
+        # The constraint wins: once its output is complete only EOS is allowed, which ends the
+        # turn even with ignore_eos (it was a 500 after the valid output).
+        kw = dict(model=MODEL, messages=USER, max_tokens=60, temperature=1.0, seed=5, response_format=FORMAT, extra_body={"ignore_eos": True, **NO_THINK})
+        r = oai().chat.completions.create(**kw)
+        self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0])
+        check_schema(self, r.choices[0].message.content)
+        streamed, finish = "", None
+        for chunk in oai().chat.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                streamed += c.delta.content or ""
+                finish = c.finish_reason or finish
+        self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
+        r = oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=2, extra_body={"ignore_eos": True, **NO_THINK})
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls")
+        check_call(self, c.message.tool_calls[0].function.name, c.message.tool_calls[0].function.arguments)
+
+    def test_forced_call_parameters_with_refs_are_enforced(self):
+        # A `$ref`'d object (itself holding a `$ref`) is JSON of its schema, not free text.
+        params = {
+            "type": "object",
+            "$defs": {
+                "Stay": {"type": "object", "properties": {"nights": {"type": "integer", "minimum": 1, "maximum": 9}, "unit": {"$ref": "#/$defs/Unit"}}, "required": ["nights", "unit"], "additionalProperties": False},
+                "Unit": {"type": "string", "enum": ["room", "suite"]},
+            },
+            "properties": {"stay": {"$ref": "#/$defs/Stay"}},
+            "required": ["stay"],
+        }
+        tools = [{"type": "function", "function": {"name": "book", "parameters": params}}]
+        r = oai().chat.completions.create(model=MODEL, messages=USER, tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80, temperature=1.0, seed=3, extra_body=NO_THINK)
+        c = r.choices[0]
+        self.assertEqual(c.finish_reason, "tool_calls", c)
+        args = json.loads(c.message.tool_calls[0].function.arguments)
+        self.assertEqual(set(args), {"stay"}, args)
+        self.assertEqual(set(args["stay"]), {"nights", "unit"}, args)
+        self.assertTrue(1 <= args["stay"]["nights"] <= 9, args)
+        self.assertIn(args["stay"]["unit"], ("room", "suite"))
+        # Bounds that allow no string are refused, naming the keyword in the request.
+        bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"code": {"type": "string", "minLength": 4, "maxLength": 2}}}}}]
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=USER, tools=bad, tool_choice="required", max_tokens=2)
+        self.assertEqual(e.exception.body["param"], "tools[0].function.parameters.properties.code.minLength")
+        self.assertEqual(e.exception.body["code"], "invalid_function_parameters")
+        self.assertIn("greater than `maxLength` 2", e.exception.body["message"])
+
+    def test_a_cut_parallel_call_reads_alike_on_chat_and_responses(self):
+        # This seed writes two calls; max_tokens cuts them around the end of the first, inside
+        # the second's header and inside its value. Chat and Responses report the same calls
+        # (a call cut before its name is whole is dropped, one cut after it comes as far as it
+        # got) and no markup as text; on Responses the item being written when cut is
+        # incomplete.
+        x = {"seed": 2, **NO_THINK}
+        user = [{"role": "user", "content": "time?"}]
+        kw = dict(model=MODEL, messages=user, tools=[FORCED_TOOLS[1]], tool_choice="required", temperature=1.0, extra_body=x)
+        full = oai().chat.completions.create(max_tokens=200, logprobs=True, **kw)
+        self.assertEqual(len(full.choices[0].message.tool_calls), 2, full)
+        text, ends = "", []
+        for t in full.choices[0].logprobs.content:
+            text += t.token
+            ends.append(len(text))
+        # Tokens up to the first `</tool_call>`, and up to the second call's name.
+        first = next(i for i, e in enumerate(ends) if e >= text.index("</tool_call>") + len("</tool_call>")) + 1
+        named = next(i for i, e in enumerate(ends) if e >= text.rindex("<function=get_time>") + len("<function=get_time>")) + 1
+        rtools = [{"type": "function", "name": "get_time", "parameters": CLOCK}]
+        seen = set()
+        for n in sorted({*range(first - 2, first + 3), *range(named - 3, named + 2), named + 4}):
+            c = oai().chat.completions.create(max_tokens=n, **kw).choices[0]
+            calls = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
+            self.assertEqual((c.finish_reason, c.message.content), ("length", None), (n, c))
+            r = oai().responses.create(model=MODEL, input=user, tools=rtools, tool_choice="required", max_output_tokens=n, temperature=1.0, store=False, extra_body=x)
+            self.assertEqual(r.status, "incomplete")
+            self.assertEqual([(o.type, o.name, o.arguments) for o in r.output], [("function_call", *call) for call in calls], n)
+            self.assertEqual([o.status for o in r.output], ["completed"] * (len(calls) - 1) + ["incomplete"], n)
+            seen.add(len(calls))
+        self.assertEqual(seen, {1, 2})
+
     def test_json_object_output_is_an_object(self):
         # Keys are unbounded strings: this seed's object closes early (most run to max_tokens).
         r = oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=200, temperature=1.0, seed=4, response_format={"type": "json_object"}, extra_body=NO_THINK)
@@ -198,11 +275,29 @@ class Constrained(unittest.TestCase):
             self.assertEqual(u.name, "get_weather")
             check_call(self, u.name, u.input)
 
+    def test_anthropic_output_format_json_schema(self):
+        fmt = {"type": "json_schema", "schema": SCHEMA}
+        kw = dict(model=MODEL, max_tokens=60, messages=[{"role": "user", "content": "Pick a number."}])
+        extra = {"temperature": 1.0, "seed": 5, **NO_THINK}
+        m = claude().messages.create(output_config={"format": fmt}, extra_body=extra, **kw)
+        self.assertEqual(m.stop_reason, "end_turn", m)
+        self.assertEqual([b.type for b in m.content], ["text"])
+        check_schema(self, m.content[0].text)
+        with claude().messages.stream(output_config={"format": fmt}, extra_body=extra, **kw) as s:
+            self.assertEqual(s.get_final_message().content[0].text, m.content[0].text)
+        # The beta API's `output_format`, which this client no longer sends itself.
+        beta = claude().messages.create(extra_body={**extra, "output_format": fmt}, **kw)
+        self.assertEqual(beta.content[0].text, m.content[0].text)
+        with self.assertRaises(anthropic.BadRequestError) as e:
+            claude().messages.create(output_config={"format": {"type": "json_schema", "schema": {"type": "nonsense"}}}, **kw)
+        self.assertIn("output_config.format.schema", e.exception.body["error"]["message"])
+
     def test_bad_constraints_are_400s_naming_the_field(self):
         bad = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "object", "properties": {"n": {"type": "nonsense"}}}}}
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, max_tokens=2, response_format=bad)
         self.assertEqual(e.exception.body["param"], "response_format.json_schema.schema")
+        self.assertEqual(e.exception.body["code"], "invalid_json_schema")
         self.assertIn("nonsense", e.exception.body["message"])
         with self.assertRaises(openai.BadRequestError) as e:
             oai().responses.create(model=MODEL, input="x", max_output_tokens=2, store=False, text={"format": {"type": "json_schema", "name": "bad", "schema": bad["json_schema"]["schema"]}})
@@ -212,7 +307,7 @@ class Constrained(unittest.TestCase):
         self.assertEqual(e.exception.body["param"], "response_format.json_schema.schema")
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}, max_tokens=2)
-        self.assertEqual(e.exception.body["param"], "tool_choice")
+        self.assertEqual((e.exception.body["param"], e.exception.body["code"]), ("tool_choice", "invalid_value"))
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(model=MODEL, messages=USER, tool_choice="required", max_tokens=2)
         self.assertEqual(e.exception.body["param"], "tool_choice")
