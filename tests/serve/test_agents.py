@@ -98,6 +98,16 @@ CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["U
 FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}, {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
 
 
+def streamed_content(**kw):
+    """A streamed chat completion's content and finish reason (choice 0's, the only one)."""
+    streamed, finish = "", None
+    for chunk in oai().chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return streamed, finish
+
+
 def check_schema(test, text):
     """`text` is JSON of SCHEMA (no validator package: the schema is small)."""
     value = json.loads(text)
@@ -130,12 +140,7 @@ class Constrained(unittest.TestCase):
         for c in r.choices:
             self.assertEqual(c.finish_reason, "stop", c)
             check_schema(self, c.message.content)
-        streamed, finish = "", None
-        for chunk in oai().chat.completions.create(stream=True, **kw):
-            for c in chunk.choices:
-                streamed += c.delta.content or ""
-                finish = c.finish_reason or finish
-        self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
+        self.assertEqual(streamed_content(**kw), (r.choices[0].message.content, "stop"))
 
     def test_ignore_eos_still_ends_where_the_grammar_does(self):
         # The constraint wins: once its output is complete only EOS is allowed, which ends the
@@ -144,12 +149,7 @@ class Constrained(unittest.TestCase):
         r = oai().chat.completions.create(**kw)
         self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0])
         check_schema(self, r.choices[0].message.content)
-        streamed, finish = "", None
-        for chunk in oai().chat.completions.create(stream=True, **kw):
-            for c in chunk.choices:
-                streamed += c.delta.content or ""
-                finish = c.finish_reason or finish
-        self.assertEqual((streamed, finish), (r.choices[0].message.content, "stop"))
+        self.assertEqual(streamed_content(**kw), (r.choices[0].message.content, "stop"))
         r = oai().chat.completions.create(model=MODEL, messages=USER, tools=FORCED_TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=120, temperature=1.0, seed=2, extra_body={"ignore_eos": True, **NO_THINK})
         c = r.choices[0]
         self.assertEqual(c.finish_reason, "tool_calls")

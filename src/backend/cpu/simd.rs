@@ -458,25 +458,25 @@ fn row_bytes(w: &Matrix, n: usize) -> RowBytes<'_> {
 mod x86;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::backend::cpu::kernels::dot_decoded;
     use crate::checkpoint::Bytes;
 
-    /// A small deterministic generator for test data.
-    struct Rng(u64);
+    /// A small deterministic generator for test data (SplitMix64), shared with `intdot`'s tests.
+    pub(crate) struct Rng(pub(crate) u64);
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub(crate) fn next(&mut self) -> u64 {
             self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
             let mut z = self.0;
             z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
         }
-        fn f(&mut self) -> f32 {
+        pub(crate) fn f(&mut self) -> f32 {
             (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
         }
-        fn bytes(&mut self, n: usize) -> Vec<u8> {
+        pub(crate) fn bytes(&mut self, n: usize) -> Vec<u8> {
             (0..n).map(|_| self.next() as u8).collect()
         }
         fn floats(&mut self, n: usize, ft: FloatType) -> Vec<u8> {

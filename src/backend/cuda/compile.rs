@@ -18,6 +18,56 @@ pub struct Source {
 
 pub const COMMON: &str = include_str!("kernels/common.cuh");
 
+/// matmul_int.cu's entry points: `quantize_rows`, then `matmul_int{bits}_s{sdt}_u{unit}_{tile}`
+/// for bits 4, 8 × units 64, 32 × scale dtypes 0, 1, 2 × tiles one, small, large, in that
+/// order ([`matmul_int_entry`] indexes it).
+const MATMUL_INT_ENTRIES: [&str; 37] = [
+    "quantize_rows",
+    "matmul_int4_s0_u64_one",
+    "matmul_int4_s0_u64_small",
+    "matmul_int4_s0_u64_large",
+    "matmul_int4_s1_u64_one",
+    "matmul_int4_s1_u64_small",
+    "matmul_int4_s1_u64_large",
+    "matmul_int4_s2_u64_one",
+    "matmul_int4_s2_u64_small",
+    "matmul_int4_s2_u64_large",
+    "matmul_int4_s0_u32_one",
+    "matmul_int4_s0_u32_small",
+    "matmul_int4_s0_u32_large",
+    "matmul_int4_s1_u32_one",
+    "matmul_int4_s1_u32_small",
+    "matmul_int4_s1_u32_large",
+    "matmul_int4_s2_u32_one",
+    "matmul_int4_s2_u32_small",
+    "matmul_int4_s2_u32_large",
+    "matmul_int8_s0_u64_one",
+    "matmul_int8_s0_u64_small",
+    "matmul_int8_s0_u64_large",
+    "matmul_int8_s1_u64_one",
+    "matmul_int8_s1_u64_small",
+    "matmul_int8_s1_u64_large",
+    "matmul_int8_s2_u64_one",
+    "matmul_int8_s2_u64_small",
+    "matmul_int8_s2_u64_large",
+    "matmul_int8_s0_u32_one",
+    "matmul_int8_s0_u32_small",
+    "matmul_int8_s0_u32_large",
+    "matmul_int8_s1_u32_one",
+    "matmul_int8_s1_u32_small",
+    "matmul_int8_s1_u32_large",
+    "matmul_int8_s2_u32_one",
+    "matmul_int8_s2_u32_small",
+    "matmul_int8_s2_u32_large",
+];
+
+/// The `matmul_int` kernel for `bits` (4, 8), scale dtype `sdt` (0 f32, 1 f16, 2 bf16), unit
+/// length `unit` (64, 32) and tile `tile` (0 one, 1 small, 2 large).
+pub fn matmul_int_entry(bits: u32, sdt: u32, unit: u32, tile: usize) -> &'static str {
+    let i = ((usize::from(bits == 8) * 2 + usize::from(unit == 32)) * 3 + sdt as usize) * 3 + tile;
+    MATMUL_INT_ENTRIES[1 + i]
+}
+
 /// Every kernel file, with the entry points the backend loads from it.
 pub const SOURCES: &[Source] = &[
     Source { file: "embed.cu", text: include_str!("kernels/embed.cu"), entries: &["embed_rows"] },
@@ -27,49 +77,7 @@ pub const SOURCES: &[Source] = &[
         text: include_str!("kernels/matmul.cu"),
         entries: &["matmul_t1r1", "matmul_t1r2", "matmul_t1s", "matmul_t4r2", "matmul_t8r4", "matmul_swiglu_t1", "matmul_swiglu_t4", "matmul_swiglu_t8"],
     },
-    Source {
-        file: "matmul_int.cu",
-        text: include_str!("kernels/matmul_int.cu"),
-        entries: &[
-            "quantize_rows",
-            "matmul_int4_s0_u64_one",
-            "matmul_int4_s0_u64_small",
-            "matmul_int4_s0_u64_large",
-            "matmul_int4_s1_u64_one",
-            "matmul_int4_s1_u64_small",
-            "matmul_int4_s1_u64_large",
-            "matmul_int4_s2_u64_one",
-            "matmul_int4_s2_u64_small",
-            "matmul_int4_s2_u64_large",
-            "matmul_int4_s0_u32_one",
-            "matmul_int4_s0_u32_small",
-            "matmul_int4_s0_u32_large",
-            "matmul_int4_s1_u32_one",
-            "matmul_int4_s1_u32_small",
-            "matmul_int4_s1_u32_large",
-            "matmul_int4_s2_u32_one",
-            "matmul_int4_s2_u32_small",
-            "matmul_int4_s2_u32_large",
-            "matmul_int8_s0_u64_one",
-            "matmul_int8_s0_u64_small",
-            "matmul_int8_s0_u64_large",
-            "matmul_int8_s1_u64_one",
-            "matmul_int8_s1_u64_small",
-            "matmul_int8_s1_u64_large",
-            "matmul_int8_s2_u64_one",
-            "matmul_int8_s2_u64_small",
-            "matmul_int8_s2_u64_large",
-            "matmul_int8_s0_u32_one",
-            "matmul_int8_s0_u32_small",
-            "matmul_int8_s0_u32_large",
-            "matmul_int8_s1_u32_one",
-            "matmul_int8_s1_u32_small",
-            "matmul_int8_s1_u32_large",
-            "matmul_int8_s2_u32_one",
-            "matmul_int8_s2_u32_small",
-            "matmul_int8_s2_u32_large",
-        ],
-    },
+    Source { file: "matmul_int.cu", text: include_str!("kernels/matmul_int.cu"), entries: &MATMUL_INT_ENTRIES },
     Source { file: "swiglu.cu", text: include_str!("kernels/swiglu.cu"), entries: &["swiglu"] },
     Source { file: "gather_rows.cu", text: include_str!("kernels/gather_rows.cu"), entries: &["gather_rows"] },
     Source { file: "gdn_conv.cu", text: include_str!("kernels/gdn_conv.cu"), entries: &["gdn_conv"] },
@@ -207,4 +215,22 @@ pub fn compile_cached(src: &Source, arch: &str) -> Result<Vec<u8>, String> {
         }
     }
     Ok(cubin)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::matmul_int_entry;
+
+    #[test]
+    fn matmul_int_entry_names_the_kernel_of_every_format_and_tile() {
+        for bits in [4, 8] {
+            for sdt in 0..3 {
+                for unit in [64, 32] {
+                    for (tile, name) in ["one", "small", "large"].iter().enumerate() {
+                        assert_eq!(matmul_int_entry(bits, sdt, unit, tile), format!("matmul_int{bits}_s{sdt}_u{unit}_{name}"));
+                    }
+                }
+            }
+        }
+    }
 }

@@ -1094,13 +1094,13 @@ impl Cuda {
         let kpad = 64 * blocks;
         let x_buf = ptr(&x.buf, &self.stream);
         // One token is quantized by each block of the product (matmul_int.cu FUSED_COLS).
-        let kind = match rows {
-            1 if cols <= 12288 => "one",
-            2..=8 => "small",
-            1 => "small",
-            _ => "large",
+        // The tile: 0 one token quantized in the block, 1 small, 2 large (matmul_int.cu).
+        let tile = match rows {
+            1 if cols <= 12288 => 0,
+            1..=8 => 1,
+            _ => 2,
         };
-        if kind != "one" {
+        if tile != 0 {
             self.launch("quantize_rows", |st| {
                 let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
                 assert!(q.rows >= rows && q.cols >= kpad as usize, "quantize_rows: {rows}x{cols} past {}x{}", q.rows, q.cols);
@@ -1108,7 +1108,7 @@ impl Cuda {
                 unsafe { self.kernel("quantize_rows", (blocks.div_ceil(8), rows as u32, 1), 256, 0, a) }
             });
         }
-        let (tr, tt) = if kind == "large" { (32u32, 32u32) } else { (16, 8) };
+        let (tr, tt) = if tile == 2 { (32u32, 32u32) } else { (16, 8) };
         // Launches of up to four matrices stored alike (format, scale dtype, unit length).
         let affine: Vec<&(&CudaMatrix, &mut CudaTensor)> = outs.iter().filter(|(m, _)| m.fmt >= 4).collect();
         let key = |m: &CudaMatrix| (m.fmt, m.sdtype, m.group.min(64));
@@ -1137,13 +1137,12 @@ impl Cuda {
                 tiles += (m.rows as u32).div_ceil(tr);
             }
             d.count = (j - i) as u32;
-            let name = format!("matmul_int{fmt}_s{sdt}_u{ul}_{kind}");
             // One-token launches loop over row tiles (the block's quantization amortized), a
             // few blocks per multiprocessor.
-            let blocks_x = if kind == "one" { tiles.min(4 * self.sms.max(1)) } else { tiles };
+            let blocks_x = if tile == 0 { tiles.min(4 * self.sms.max(1)) } else { tiles };
             let grid = (blocks_x, (rows as u32).div_ceil(tt), 1);
-            let label = self.profile_label(&name, tiles * tr, affine[i].0.cols, res);
-            let fname: &'static str = self.funcs.keys().find(|k| **k == name).copied().expect("every matmul_int variant is compiled");
+            let fname = compile::matmul_int_entry(fmt, sdt, ul, tile);
+            let label = self.profile_label(fname, tiles * tr, affine[i].0.cols, res);
             self.launch_as(fname, label, |st| {
                 let q = st.int_in.as_ref().expect("ensure_temps sizes the integer-product input");
                 let inp = IntInDesc {

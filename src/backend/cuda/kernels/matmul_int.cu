@@ -20,16 +20,10 @@
 #define ACT_LEVELS 2080768.0f  // numerics::ACT_LEVELS
 #define CHUNKS 8               // numerics::PRODUCT_CHUNKS: one warp each
 
-// One row's blocks: grid (ceil(blocks / 8), rows), 256 threads, a warp per block, a lane per
-// two elements. Twin of cpu::intdot::quantize_row.
-extern "C" __global__ void __launch_bounds__(256) quantize_rows(const float* x, u32 ldx, u32 cols, u32 blocks, u32 kpad, signed char* planes, float* d, float* ds64, float* ds32) {
-    pdl_enter();
-    u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    u32 blk = blockIdx.x * 8 + warp, row = blockIdx.y;
-    if (blk >= blocks) return;
-    u32 e0 = blk * 64 + 2 * lane;
-    const float* xr = x + (u64)row * ldx;
-    float v0 = e0 < cols ? xr[e0] : 0.0f, v1 = e0 + 1 < cols ? xr[e0 + 1] : 0.0f;
+// One block of a row by one warp, lane l holding elements 2l and 2l + 1 (v0, v1): its scale
+// into d[blk], d·f32(Σxi) into ds64[blk] and ds32[2·blk + h], its planes into `planes` (the
+// row's, [3][kpad]). Twin of cpu::intdot::quantize_row for one block.
+__device__ __forceinline__ void quantize_block(float v0, float v1, u32 blk, u32 lane, u32 kpad, signed char* planes, float* d, float* ds64, float* ds32) {
     // max|x| (exact in any order) and whether any element is NaN (numerics::act_scale).
     float m = fmaxf(fabsf(v0), fabsf(v1));
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
@@ -37,21 +31,19 @@ extern "C" __global__ void __launch_bounds__(256) quantize_rows(const float* x, 
     float db = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(m, ACT_LEVELS);
     // numerics::act_quant: only a normal scale quantizes.
     bool normal = db >= 1.17549435e-38f && db <= 3.40282347e38f;
-    int x0 = normal ? __float2int_rn(__fdiv_rn(v0, db)) : 0;
-    int x1 = normal ? __float2int_rn(__fdiv_rn(v1, db)) : 0;
+    int xs[2] = {normal ? __float2int_rn(__fdiv_rn(v0, db)) : 0, normal ? __float2int_rn(__fdiv_rn(v1, db)) : 0};
     // Σ xi per 32 elements: lanes 0..15 hold elements 0..31.
-    int s = x0 + x1;
+    int s = xs[0] + xs[1];
     for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(FULL_MASK, s, o);
     int s_lo = __shfl_sync(FULL_MASK, s, 0), s_hi = __shfl_sync(FULL_MASK, s, 16);
     if (lane == 0) {
-        d[row * blocks + blk] = db;
-        ds64[row * blocks + blk] = db * (float)(s_lo + s_hi);
-        ds32[row * 2 * blocks + 2 * blk] = db * (float)s_lo;
-        ds32[row * 2 * blocks + 2 * blk + 1] = db * (float)s_hi;
+        d[blk] = db;
+        ds64[blk] = db * (float)(s_lo + s_hi);
+        ds32[2 * blk] = db * (float)s_lo;
+        ds32[2 * blk + 1] = db * (float)s_hi;
     }
     // numerics::act_planes, each element at its byte of the layout above.
-    signed char* pr = planes + (u64)row * 3 * kpad;
-    int xs[2] = {x0, x1};
+    const u32 e0 = blk * 64 + 2 * lane;
 #pragma unroll
     for (int k = 0; k < 2; k++) {
         int xi = xs[k];
@@ -61,10 +53,23 @@ extern "C" __global__ void __launch_bounds__(256) quantize_rows(const float* x, 
         int p2 = (r1 - p1) >> 8;
         u32 e = e0 + k, in = e & 7;
         u32 at = (e & ~7u) + ((in & 1) ? 4 + (in >> 1) : (in >> 1));
-        pr[at] = (signed char)p0;
-        pr[kpad + at] = (signed char)p1;
-        pr[2 * kpad + at] = (signed char)p2;
+        planes[at] = (signed char)p0;
+        planes[kpad + at] = (signed char)p1;
+        planes[2 * kpad + at] = (signed char)p2;
     }
+}
+
+// One row's blocks: grid (ceil(blocks / 8), rows), 256 threads, a warp per block, a lane per
+// two elements.
+extern "C" __global__ void __launch_bounds__(256) quantize_rows(const float* x, u32 ldx, u32 cols, u32 blocks, u32 kpad, signed char* planes, float* d, float* ds64, float* ds32) {
+    pdl_enter();
+    u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    u32 blk = blockIdx.x * 8 + warp, row = blockIdx.y;
+    if (blk >= blocks) return;
+    u32 e0 = blk * 64 + 2 * lane;
+    const float* xr = x + (u64)row * ldx;
+    float v0 = e0 < cols ? xr[e0] : 0.0f, v1 = e0 + 1 < cols ? xr[e0 + 1] : 0.0f;
+    quantize_block(v0, v1, blk, lane, kpad, planes + (u64)row * 3 * kpad, d + row * blocks, ds64 + row * blocks, ds32 + row * 2 * blocks);
 }
 
 __device__ __forceinline__ void mma_u8s8(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -147,36 +152,7 @@ __device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blo
         for (int i = 0; i < 4; i++) {
             const u32 blk = base + 8 * i;
             if (blk >= blocks) break;
-            const u32 e0 = blk * 64 + 2 * lane;
-            const float v0 = v[i][0], v1 = v[i][1];
-            float m = fmaxf(fabsf(v0), fabsf(v1));
-            for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, o));
-            bool nan = __any_sync(FULL_MASK, isnan(v0) || isnan(v1));
-            float db = nan ? __int_as_float(0x7fc00000) : __fdiv_rn(m, ACT_LEVELS);
-            bool normal = db >= 1.17549435e-38f && db <= 3.40282347e38f;
-            int xs[2] = {normal ? __float2int_rn(__fdiv_rn(v0, db)) : 0, normal ? __float2int_rn(__fdiv_rn(v1, db)) : 0};
-            int sm = xs[0] + xs[1];
-            for (int o = 8; o > 0; o >>= 1) sm += __shfl_xor_sync(FULL_MASK, sm, o);
-            int s_lo = __shfl_sync(FULL_MASK, sm, 0), s_hi = __shfl_sync(FULL_MASK, sm, 16);
-            if (lane == 0) {
-                d[blk] = db;
-                ds64[blk] = db * (float)(s_lo + s_hi);
-                ds32[2 * blk] = db * (float)s_lo;
-                ds32[2 * blk + 1] = db * (float)s_hi;
-            }
-#pragma unroll
-            for (int k = 0; k < 2; k++) {
-                int xi = xs[k];
-                int p0 = ((xi + 128) & 255) - 128;
-                int r1 = (xi - p0) >> 8;
-                int p1 = ((r1 + 128) & 255) - 128;
-                int p2 = (r1 - p1) >> 8;
-                u32 e = e0 + k, in = e & 7;
-                u32 at = (e & ~7u) + ((in & 1) ? 4 + (in >> 1) : (in >> 1));
-                planes[at] = (signed char)p0;
-                planes[kpad + at] = (signed char)p1;
-                planes[2 * kpad + at] = (signed char)p2;
-            }
+            quantize_block(v[i][0], v[i][1], blk, lane, kpad, planes, d, ds64, ds32);
         }
     }
 }
