@@ -13,6 +13,7 @@
 #   bash bench/device-compare.sh pack     # here: $D/llama.tar.xz from the PyPI sdist
 #   bash bench/device-compare.sh          # there: all of it, synthetic 2b
 #   PRESET=0.8b LEVELS=1,8 bash bench/device-compare.sh
+#   PRESET=35b-a3b LAYERS=8 bash bench/device-compare.sh   # fewer layers at the real widths
 set -uo pipefail
 D=${D:-.device}
 LLAMA_CPP_PYTHON=${LLAMA_CPP_PYTHON:-0.3.36}
@@ -44,7 +45,7 @@ export TENSORFOLD_SHARED=/tmp/tf/shared TENSORFOLD_CACHE=/tmp/tf/cache
 S=$OUT/summary.txt
 t0=$(date +%s)
 log() { echo "== $* ($(( $(date +%s) - t0 )) s)" | tee -a "$S"; }
-log "$(date -u +%FT%TZ) commit $(cat $D/commit 2>/dev/null) preset $PRESET"
+log "$(date -u +%FT%TZ) commit $(cat $D/commit 2>/dev/null) preset $PRESET${LAYERS:+, $LAYERS layers}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee -a "$S"
 
 # llama.cpp: CUDA back end for this GPU only, the three tools wanted.
@@ -56,8 +57,13 @@ tar -C /tmp/llama -xJf $D/llama.tar.xz
 BUILD=$!
 
 log "synth qwen3.5-$PRESET (mlx 4-bit for tensorfold, hf bf16 for llama.cpp's converter)"
-$TF synth --preset qwen3.5-$PRESET --tokenizer $TENSORFOLD_SHARED/tokenizers/qwen3.5/tokenizer.json /tmp/tf/models/$PRESET 2>&1 | tail -1 | tee -a "$S"
-$TF synth --preset qwen3.5-$PRESET --layout hf --tokenizer $TENSORFOLD_SHARED/tokenizers/qwen3.5/tokenizer.json /tmp/tf/models/$PRESET-hf 2>&1 | tail -1 | tee -a "$S"
+L=${LAYERS:+--layers $LAYERS}
+$TF synth --preset qwen3.5-$PRESET $L --tokenizer $TENSORFOLD_SHARED/tokenizers/qwen3.5/tokenizer.json /tmp/tf/models/$PRESET 2>&1 | tail -1 | tee -a "$S"
+$TF synth --preset qwen3.5-$PRESET $L --layout hf --tokenizer $TENSORFOLD_SHARED/tokenizers/qwen3.5/tokenizer.json /tmp/tf/models/$PRESET-hf 2>&1 | tail -1 | tee -a "$S"
+# The GGUF conversion (Python, mostly one core) runs beside the build and tensorfold's figures.
+( PYTHONPATH=/tmp/llama/gguf-py python3 /tmp/llama/convert_hf_to_gguf.py /tmp/tf/models/$PRESET-hf --outtype f16 --no-mtp --outfile /tmp/llama/m-f16.gguf > "$OUT/convert.log" 2>&1
+  rm -rf /tmp/tf/models/$PRESET-hf ) &
+CONVERT=$!
 
 log "tensorfold bench --concurrency $LEVELS (128-token prompts, 128 generated)"
 $TF bench -m /tmp/tf/models/$PRESET --device cuda --concurrency $LEVELS -p 128 -n 128 --json "$OUT/tf-concurrency.json" > "$OUT/tf-concurrency.txt" 2>&1
@@ -70,8 +76,8 @@ log "waiting for llama.cpp's build"
 wait $BUILD
 tail -2 "$OUT/llama-build.log" | tee -a "$S"
 B=/tmp/llama/build/bin
-log "convert to GGUF f16, quantize Q4_0"
-PYTHONPATH=/tmp/llama/gguf-py python3 /tmp/llama/convert_hf_to_gguf.py /tmp/tf/models/$PRESET-hf --outtype f16 --no-mtp --outfile /tmp/llama/m-f16.gguf > "$OUT/convert.log" 2>&1
+log "convert to GGUF f16 (waiting), quantize Q4_0"
+wait $CONVERT
 tail -1 "$OUT/convert.log" | tee -a "$S"
 $B/llama-quantize /tmp/llama/m-f16.gguf /tmp/llama/m-q4_0.gguf Q4_0 > "$OUT/quantize.log" 2>&1
 tail -1 "$OUT/quantize.log" | tee -a "$S"

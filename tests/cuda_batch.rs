@@ -227,6 +227,35 @@ fn gpu_sequences_decoded_together_match_their_solo_runs_and_the_cpu() {
     }
 }
 
+/// The mixture-of-experts fixture (8 experts, 2 per token, a shared expert): routing on the
+/// device, the expert products over rows grouped by expert in each tile shape (one token per
+/// item at N = 1, tiles of 4 at N = 3, of 8 at N = 64 and 65, eager at 257): every sequence has
+/// the bits of its solo run, which are the CPU's.
+#[test]
+fn gpu_mixture_of_experts_decoded_together_match_their_solo_runs_and_the_cpu() {
+    if gpu().is_none() {
+        return;
+    }
+    // Relative to the package root, where cargo runs tests (and the GPU machine runs the binary).
+    let dir = "tests/data/moe/mlx-q4";
+    let host = HostModel::open(std::path::Path::new(dir)).unwrap();
+    assert!(host.config.moe.is_some(), "{dir} is not a mixture of experts");
+    let v = host.config.vocab_size;
+    let gpu = Model::new(&host, Cuda::new(0).unwrap()).unwrap();
+    let cpu = Model::new(&host, Cpu::new()).unwrap();
+    let prompts: Vec<Vec<u32>> = (0..257).map(|i| prompt(i, v)).collect();
+    let solos_gpu = solos(&gpu, &prompts);
+    for (i, want) in solos(&cpu, &prompts).iter().enumerate() {
+        same(&solos_gpu[i], want, &format!("moe: solo {i}, cuda vs cpu"));
+    }
+    for (n, cap) in [(1, 256), (3, 256), (64, 256), (65, 65), (257, 257)] {
+        let runs = batched(&gpu, &prompts[..n], cap, n % 2 == 1);
+        for (i, r) in runs.iter().enumerate() {
+            same(r, &solos_gpu[i], &format!("moe: N = {n} (buffers of {cap}), sequence {i}"));
+        }
+    }
+}
+
 #[test]
 fn gpu_copy_slot_then_both_continue_as_the_source() {
     if gpu().is_none() {

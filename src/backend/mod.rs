@@ -13,7 +13,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::config::ModelConfig;
-use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix, MoeWeights};
+use crate::model::weights::{AttentionWeights, GatedDeltaNetWeights, Matrix, MoeWeights, Weights};
 
 /// A failure inside a backend (allocation, device errors, a request the state cannot hold).
 #[derive(Debug, thiserror::Error)]
@@ -211,6 +211,13 @@ pub trait Backend {
         Ok(())
     }
     fn upload_matrix(&self, m: &Matrix) -> Result<Self::Matrix, BackendError>;
+    /// Called once when a model's weights are on the backend ([`crate::model::Model::new`]),
+    /// before any step: a backend builds here what its kernels need over them (CUDA: the
+    /// tables of expert weight addresses that its expert products read on the device). The
+    /// default does nothing.
+    fn prepare_model(&self, _weights: &Weights<Self::Matrix, Self::Vector>) -> Result<(), BackendError> {
+        Ok(())
+    }
     fn upload_vector(&self, v: &[f32]) -> Result<Self::Vector, BackendError>;
     fn tensor(&self, rows: usize, cols: usize) -> Result<Self::Tensor, BackendError>;
     /// Copies the first `rows·cols` values of a tensor to the host.

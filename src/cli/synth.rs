@@ -10,7 +10,7 @@ use tensorfold::synth::{self, Preset, SynthLayout, SynthOptions};
 #[derive(Args, Debug)]
 pub struct SynthArgs {
     /// qwen3.5-0.8b, qwen3.5-2b, qwen3.5-4b, qwen3.5-9b, qwen3.5-27b, or the mixture-of-experts
-    /// qwen3.5-35b-a3b and qwen3.5-122b-a10b (MLX layout only).
+    /// qwen3.5-35b-a3b and qwen3.5-122b-a10b.
     #[arg(long)]
     pub preset: Preset,
     /// mlx (affine 4-bit, as mlx-lm writes it) or hf (bf16, as Qwen releases it).

@@ -62,6 +62,7 @@ impl<B: Backend> Model<B> {
     pub fn new(host: &HostModel, backend: B) -> Result<Self, BackendError> {
         backend.check_model(&host.config)?;
         let weights = host.loaded.weights.map(&mut |m| backend.upload_matrix(m), &mut |v| backend.upload_vector(v))?;
+        backend.prepare_model(&weights)?;
         let (mut lin, mut full) = (0, 0);
         let kind_index = host
             .config

@@ -27,7 +27,7 @@ use crate::backend::cpu::kernels::ATTENTION_TILE;
 use crate::backend::{Backend, BackendError, Batch, Products, SequenceState};
 use crate::config::ModelConfig;
 use crate::model::rope::RopeTable;
-use crate::model::weights::{AttentionWeights, FloatType, GatedDeltaNetWeights, Matrix, MatrixData, MoeWeights};
+use crate::model::weights::{AttentionWeights, Ffn, FloatType, GatedDeltaNetWeights, Matrix, MatrixData, MlpWeights, MoeWeights, Weights};
 
 fn dev_err(what: &str, e: impl std::fmt::Debug) -> BackendError {
     BackendError::Device(format!("CUDA: {what}: {e:?}"))
@@ -274,6 +274,54 @@ impl IntScratch {
     }
 }
 
+/// Device buffers of a mixture-of-experts block (`Cuda::moe`) for `rows` rows: the router's
+/// logits and choices, the shared expert, and the (row, expert) pairs grouped by expert.
+struct MoeScratch {
+    rows: usize,
+    /// `[rows, E]` router logits; `[rows, 1]` the shared gate's logit.
+    logits: CudaTensor,
+    gate_logit: CudaTensor,
+    /// `[rows, k]`: each row's experts in increasing index and their weights (`moe_route`).
+    experts: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    /// `[rows·k]`: the row of each grouped pair, and the grouped index of each row's pairs;
+    /// `1 + 3·items` the work list of the expert products (`moe_plan`).
+    perm: CudaSlice<u32>,
+    slot: CudaSlice<u32>,
+    items: CudaSlice<u32>,
+    /// The shared expert: `[rows, I_s]` gate, up and SwiGLU, `[rows, D]` output.
+    shared_gate: CudaTensor,
+    shared_up: CudaTensor,
+    shared_act: CudaTensor,
+    shared: CudaTensor,
+    /// The grouped pairs: `[rows·k, D]` inputs, `[rows·k, I_e]` gate, up, SwiGLU, `[rows·k, D]` outputs.
+    xe: CudaTensor,
+    ge: CudaTensor,
+    ue: CudaTensor,
+    ae: CudaTensor,
+    oe: CudaTensor,
+}
+
+/// Most work items of `moe_plan` for `pairs` (row, expert) pairs over `experts` experts in
+/// tiles of `tile`: each expert used makes ⌈n_e / tile⌉ ≤ n_e / tile + 1 items.
+fn moe_items(pairs: usize, experts: usize, tile: usize) -> usize {
+    pairs.div_ceil(tile) + experts.min(pairs)
+}
+
+/// The tokens per item and rows per warp of the expert products for a step of `rows` rows
+/// (the kernel `matmul_experts_t{T}r{R}`): one token per item for a single row, tiles of 4
+/// while few pairs share an expert, of 8 beyond. A function of the row count alone, so a
+/// graph's shape does not depend on the routing.
+fn moe_tile(rows: usize, pairs: usize, experts: usize) -> (&'static str, u32, u32) {
+    if rows == 1 {
+        ("matmul_experts_t1r2", 1, 2)
+    } else if pairs <= 4 * experts {
+        ("matmul_experts_t4r2", 4, 2)
+    } else {
+        ("matmul_experts_t8r4", 8, 4)
+    }
+}
+
 /// An f32 activation buffer on the device.
 pub struct CudaTensor {
     buf: CudaSlice<f32>,
@@ -398,6 +446,8 @@ struct Step {
     gdn_y: Option<CudaSlice<f32>>,
     /// The input of integer-exact products, quantized (`quantize_rows`).
     int_in: Option<IntScratch>,
+    /// A mixture-of-experts block's buffers (taken out while `Cuda::moe` runs).
+    moe: Option<MoeScratch>,
     /// Attention tile partials for eager steps (grown) and for graphs (fixed once captured).
     part_eager: Option<CudaSlice<f32>>,
     part_graph: Option<CudaSlice<f32>>,
@@ -544,6 +594,9 @@ pub struct Cuda {
     t1s_min_rows: usize,
     /// The arithmetic of affine products ([`Products`]).
     products: Products,
+    /// Per mixture-of-experts layer (keyed by its router's weight address), `[3][E]` pairs of
+    /// device addresses (codes, scales and biases) of the experts' gate, up and down matrices.
+    expert_tables: Mutex<HashMap<u64, CudaSlice<u64>>>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -614,6 +667,7 @@ impl Cuda {
             rope_rows_on_device: 0,
             gdn_y: None,
             int_in: None,
+            moe: None,
             part_eager: None,
             part_graph: None,
             part_graph_tiles: 0,
@@ -669,6 +723,7 @@ impl Cuda {
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             products: Products::from_env(),
+            expert_tables: Mutex::new(HashMap::new()),
             attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
         })
     }
@@ -1022,6 +1077,12 @@ impl Cuda {
                 st.graphs.clear();
             }
         }
+        if let Some(moe) = &cfg.moe {
+            if st.moe.as_ref().is_none_or(|m| m.rows < rows) {
+                st.moe = Some(self.moe_scratch(cfg, moe, cap)?);
+                st.graphs.clear();
+            }
+        }
         // The conv output goes through memory only when gdn_conv runs on its own.
         if !Self::conv_in_heads(cfg) && need(&st.gdn_y, rows * cfg.conv_dim()) {
             st.gdn_y = Some(a(cap * cfg.conv_dim())?);
@@ -1268,6 +1329,106 @@ impl Cuda {
         let grid = ((gate_w.rows as u32).div_ceil(8), n_tok.div_ceil(t), 1);
         let label = self.labels_wanted().then(|| format!("{name} 2x{}x{}", gate_w.rows, gate_w.cols));
         self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(d).buf(&x.buf).val(ldx).val(n_tok).buf(&act.buf)) });
+    }
+}
+
+impl Cuda {
+    /// [`MoeScratch`] for `rows` rows of `cfg`.
+    fn moe_scratch(&self, cfg: &ModelConfig, moe: &crate::config::MoeConfig, rows: usize) -> Result<MoeScratch, BackendError> {
+        let (d, e, k) = (cfg.hidden_size, moe.num_experts, moe.num_experts_per_tok);
+        let (ie, is, p) = (moe.moe_intermediate_size, moe.shared_expert_intermediate_size, rows * k);
+        let u = |n: usize| self.stream.alloc_zeros::<u32>(n.max(1)).map_err(|e| dev_err("allocating expert buffers", e));
+        let f = |n: usize| self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| dev_err("allocating expert buffers", e));
+        let (_, tile, _) = moe_tile(rows, p, e);
+        let items = [1usize, 4, 8].iter().map(|&t| moe_items(p, e, t)).max().unwrap_or(0).max(moe_items(p, e, tile as usize));
+        Ok(MoeScratch {
+            rows,
+            logits: self.tensor(rows, e)?,
+            gate_logit: self.tensor(rows, 1)?,
+            experts: u(p)?,
+            weights: f(p)?,
+            perm: u(p)?,
+            slot: u(p)?,
+            items: u(1 + 3 * items)?,
+            shared_gate: self.tensor(rows, is)?,
+            shared_up: self.tensor(rows, is)?,
+            shared_act: self.tensor(rows, is)?,
+            shared: self.tensor(rows, d)?,
+            xe: self.tensor(p, d)?,
+            ge: self.tensor(p, ie)?,
+            ue: self.tensor(p, ie)?,
+            ae: self.tensor(p, ie)?,
+            oe: self.tensor(p, d)?,
+        })
+    }
+
+    /// [`Backend::moe`] over `rows` launch rows (already padded while a graph is recorded):
+    /// router and shared-gate logits, the shared expert, then on the device `moe_route` (each
+    /// row's experts and weights), `moe_plan` (the pairs grouped by expert), the grouped inputs,
+    /// the experts' gate/up products, SwiGLU and down products over the groups
+    /// (`matmul_experts_*`, weights through the layer's address table), and `moe_combine`.
+    /// No host round trip: a decode step with experts is captured like any other.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_rows(&self, w: &MoeWeights<CudaMatrix>, moe: &crate::config::MoeConfig, rows: usize, u: &CudaTensor, y: &mut CudaTensor, h: &mut CudaTensor, s: &mut MoeScratch) {
+        let (d, e, k) = (u.cols, moe.num_experts, moe.num_experts_per_tok);
+        let Some(table) = self.expert_tables.lock().unwrap().get(&ptr(&w.gate.w, &self.stream)).map(|t| ptr(t, &self.stream)) else {
+            let mut st = self.step.lock().unwrap();
+            if st.error.is_none() {
+                st.error = Some(BackendError::Device("a mixture-of-experts layer whose expert table was not built (prepare_model)".into()));
+            }
+            return;
+        };
+        // Router logits and the shared expert's gate logit (one launch reading u), the shared expert.
+        self.matmul_rows(u, rows, &mut [(&w.gate, &mut s.logits), (&w.shared_expert_gate, &mut s.gate_logit)], None);
+        let se = &w.shared_expert;
+        self.matmul_swiglu_rows(u, rows, &se.gate_proj, &se.up_proj, &mut s.shared_gate, &mut s.shared_up, &mut s.shared_act);
+        self.matmul_rows(&s.shared_act, rows, &mut [(&se.down_proj, &mut s.shared)], None);
+        // Routing and grouping.
+        let (r, p) = (rows as u32, (rows * k) as u32);
+        let (name, tile, rw) = moe_tile(rows, rows * k, e);
+        let norm = moe.norm_topk_prob as u32;
+        self.launch("moe_route", |_| unsafe {
+            self.kernel("moe_route", (r.div_ceil(4), 1, 1), 128, 0, self.args().buf(&s.logits.buf).val(r).val(e as u32).val(k as u32).val(norm).buf(&s.experts).buf(&s.weights))
+        });
+        self.launch("moe_plan", |_| unsafe {
+            self.kernel("moe_plan", (1, 1, 1), 1024, 0, self.args().buf(&s.experts).val(r).val(k as u32).val(e as u32).val(tile).buf(&s.perm).buf(&s.slot).buf(&s.items))
+        });
+        let cols = d as u32;
+        self.launch("gather_rows", |_| unsafe { self.kernel("gather_rows", (cols.div_ceil(256), p, 1), 256, 0, self.args().buf(&u.buf).buf(&s.perm).val(cols).buf(&s.xe.buf)) });
+        // The experts' products over the groups: gate and up in one launch, then down.
+        let items = moe_items(rows * k, e, tile as usize) as u32;
+        let experts = |mats: &[(&CudaMatrix, &CudaTensor, bool)], tab: u64, x: &CudaTensor, ldx: u32, what: &str| {
+            let mut dd = MatDescs::default();
+            let mut row0 = 0u32;
+            for (i, (m, out, offset_all)) in mats.iter().enumerate() {
+                dd.m[i] = MatDesc::new(m, out, row0, &self.stream);
+                // The one-token kernel may use the offset decode when every expert's rows pass
+                // (the bitmaps are per expert; no kernel reads them here).
+                dd.m[i].offset = if *offset_all && tile == 1 { 2 } else { 0 };
+                dd.m[i].offset_rows = 0;
+                row0 += (m.rows as u32).div_ceil(rw) * rw;
+            }
+            dd.count = mats.len() as u32;
+            let grid = (row0.div_ceil(rw * 8), items, 1);
+            let label = self.labels_wanted().then(|| format!("{name} {what} {row0}x{}", mats[0].0.cols));
+            self.launch_as(name, label, |_| unsafe { self.kernel(name, grid, 256, 0, self.args().val(dd).val(tab).val(e as u32).buf(&s.items).buf(&x.buf).val(ldx)) });
+        };
+        let e0 = &w.experts[0];
+        let pair_bytes = 2 * std::mem::size_of::<u64>() as u64;
+        let all = |f: fn(&MlpWeights<CudaMatrix>) -> &CudaMatrix| w.experts.iter().all(|x| f(x).offset_all);
+        let (og, ou, od) = (all(|x| &x.gate_proj), all(|x| &x.up_proj), all(|x| &x.down_proj));
+        experts(&[(&e0.gate_proj, &s.ge, og), (&e0.up_proj, &s.ue, ou)], table, &s.xe, cols, "gate|up");
+        self.swiglu_rows(&s.ge, &s.ue, rows * k, &mut s.ae);
+        experts(&[(&e0.down_proj, &s.oe, od)], table + 2 * e as u64 * pair_bytes, &s.ae, s.ae.cols as u32, "down");
+        self.launch("moe_combine", |_| unsafe {
+            self.kernel(
+                "moe_combine",
+                (cols.div_ceil(256), r, 1),
+                256,
+                0,
+                self.args().buf(&s.oe.buf).buf(&s.slot).buf(&s.weights).buf(&s.gate_logit.buf).buf(&s.shared.buf).val(k as u32).val(cols).buf(&y.buf).buf(&h.buf),
+            )
+        });
     }
 }
 
@@ -1589,20 +1750,60 @@ impl Backend for Cuda {
     }
 
     fn check_model(&self, cfg: &ModelConfig) -> Result<(), BackendError> {
-        // Issue 16, second half: the expert kernels. Until then refuse before uploading anything.
         if let Some(m) = &cfg.moe {
-            return Err(BackendError::Device(format!(
-                "{}: this is a mixture-of-experts model ({} experts, {} per token); the CUDA backend does not run those yet: use --device cpu",
-                cfg.path.display(),
-                m.num_experts,
-                m.num_experts_per_tok
-            )));
+            let refuse = |why: String| Err(BackendError::Device(format!("{}: {why}; use --device cpu", cfg.path.display())));
+            if m.num_experts > 1024 || m.num_experts_per_tok > 32 {
+                return refuse(format!("{} experts, {} per token: the CUDA expert kernels route at most 1024 experts and 32 per token", m.num_experts, m.num_experts_per_tok));
+            }
+            if self.products == Products::Int {
+                return refuse("the CUDA backend runs mixture-of-experts models with f32 products only (TENSORFOLD_PRODUCTS=int has no expert kernels yet)".into());
+            }
         }
         Ok(())
     }
 
-    fn moe(&self, _w: &MoeWeights<CudaMatrix>, _cfg: &ModelConfig, _rows: usize, _u: &CudaTensor, _y: &mut CudaTensor, _h: &mut CudaTensor) {
-        unreachable!("check_model refuses a mixture-of-experts model before it reaches the CUDA backend")
+    fn prepare_model(&self, weights: &Weights<CudaMatrix, CudaSlice<f32>>) -> Result<(), BackendError> {
+        let mut tables = self.expert_tables.lock().unwrap();
+        for l in &weights.layers {
+            let Ffn::Moe(m) = &l.mlp else { continue };
+            let mut t = Vec::with_capacity(6 * m.experts.len());
+            fn pick(x: &MlpWeights<CudaMatrix>, i: usize) -> &CudaMatrix {
+                [&x.gate_proj, &x.up_proj, &x.down_proj][i]
+            }
+            for i in 0..3 {
+                let first = pick(&m.experts[0], i);
+                for x in &m.experts {
+                    let x = pick(x, i);
+                    // One launch serves every expert with the first one's descriptor.
+                    if !Self::same_format(first, x) || x.rows != first.rows {
+                        return Err(BackendError::Device("the experts of a mixture-of-experts layer are stored in different formats or shapes".into()));
+                    }
+                    t.push(ptr(&x.w, &self.stream));
+                    t.push(ptr(&x.sb, &self.stream));
+                }
+            }
+            let dev = self.stream.clone_htod(&t).map_err(|e| dev_err("uploading an expert table", e))?;
+            tables.insert(ptr(&m.gate.w, &self.stream), dev);
+        }
+        Ok(())
+    }
+
+    fn moe(&self, w: &MoeWeights<CudaMatrix>, cfg: &ModelConfig, rows: usize, u: &CudaTensor, y: &mut CudaTensor, h: &mut CudaTensor) {
+        let moe = cfg.moe.as_ref().expect("a mixture-of-experts layer in a model whose config has no experts");
+        let rows = self.eff(rows);
+        if rows == 0 {
+            return;
+        }
+        let Some(mut s) = self.step.lock().unwrap().moe.take() else {
+            let mut st = self.step.lock().unwrap();
+            if st.error.is_none() {
+                st.error = Some(BackendError::Device("mixture-of-experts buffers missing (begin_step sizes them)".into()));
+            }
+            return;
+        };
+        debug_assert!(s.rows >= rows);
+        self.moe_rows(w, moe, rows, u, y, h, &mut s);
+        self.step.lock().unwrap().moe = Some(s);
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<CudaMatrix, BackendError> {
@@ -2173,7 +2374,45 @@ impl Backend for Cuda {
 
 #[cfg(test)]
 mod tests {
-    use super::{offset_exact, StreamLayout, T1S_ROWS, T1S_WARPS};
+    use super::{moe_items, moe_tile, offset_exact, StreamLayout, T1S_ROWS, T1S_WARPS};
+
+    /// `moe_plan`'s work list never outgrows the buffer sized by `moe_items`: for every way
+    /// of spreading a step's pairs over the experts (all on one, one each, skewed, random), the
+    /// items the kernel makes (⌈n_e / tile⌉ per expert) fit, for the tile the step uses.
+    #[test]
+    fn moe_work_items_fit_their_bound() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (experts, k) in [(8, 2), (256, 8), (512, 10), (1024, 32)] {
+            for rows in [1, 2, 3, 4, 31, 64, 65, 256, 257, 1024] {
+                let pairs = rows * k;
+                let (_, tile, _) = moe_tile(rows, pairs, experts);
+                let bound = moe_items(pairs, experts, tile as usize);
+                for spread in 0..6 {
+                    let mut count = vec![0usize; experts];
+                    for p in 0..pairs {
+                        let e = match spread {
+                            0 => 0,
+                            1 => p % experts,
+                            2 => (p * p) % experts.min(7),
+                            _ => (next() % experts as u64) as usize,
+                        };
+                        count[e] += 1;
+                    }
+                    let items: usize = count.iter().map(|&c| c.div_ceil(tile as usize)).sum();
+                    assert!(items <= bound, "{experts} experts, {rows} rows × {k}: {items} items > {bound}");
+                }
+            }
+        }
+        // One token reads each expert once (one item per pair); many tokens share tiles.
+        assert_eq!(moe_tile(1, 8, 256).1, 1);
+        assert_eq!(moe_tile(257, 2056, 256).1, 8);
+    }
 
     #[test]
     fn stream_layout_fits_the_h200_and_matches_the_kernel() {

@@ -230,6 +230,43 @@ __device__ __forceinline__ void matmul(const Mats& ms, const float* x, u32 ldx, 
 extern "C" __global__ void __launch_bounds__(256) matmul_t4r2(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<4, 2>(ms, x, ldx, n_tok); }
 extern "C" __global__ void __launch_bounds__(256) matmul_t8r4(Mats ms, const float* x, u32 ldx, u32 n_tok) { matmul<8, 4>(ms, x, ldx, n_tok); }
 
+// Mixture-of-experts products (Cuda::moe; CPU twin: Cpu::moe's per-expert products, the same
+// arithmetic as every product above). The rows are (token, expert) pairs grouped by expert
+// (moe.cu's moe_plan): item y covers up to T consecutive pairs of one expert, items[0] the items
+// there are, then (expert, first pair, pairs) per item. ms gives the shapes, formats and outputs
+// of the launch's matrices (one expert's gate and up, or its down); their weights come from
+// tab, `[ms.count][E]` pairs of device pointers (codes, scales and biases). Grid (ceil(padded
+// rows / (R·8)), most items), block 256; blocks past the step's items exit.
+template <int T, int R>
+__device__ __forceinline__ void matmul_experts(const Mats& ms, const u64* tab, u32 E, const u32* items, const float* x, u32 ldx) {
+    pdl_enter();
+    if (blockIdx.y >= items[0]) return;
+    const u32* it = items + 1 + 3 * blockIdx.y;
+    u32 e = it[0], p0 = it[1], n = it[2];
+    u32 g = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * R;
+    u32 i = 0;
+    while (i + 1 < ms.count && g >= ms.m[i + 1].row0) i++;
+    Mat m = ms.m[i];
+    if (g < m.row0) return;
+    u32 n0 = g - m.row0;
+    if (n0 >= m.rows) return;
+    m.w = (const u8*)tab[2 * ((u64)i * E + e)];
+    m.sb = (const u8*)tab[2 * ((u64)i * E + e) + 1];
+    m.y += (u64)p0 * m.ldy;
+    const float* xp = x + (u64)p0 * ldx;
+    u32 fmt = m.fmt, sdt = m.sdtype;
+#define CALL(F, S) body<T, R, F, S>(m, n0, xp, ldx, 0, n)
+    LAYOUT_SWITCH(CALL)
+#undef CALL
+}
+
+extern "C" __global__ void __launch_bounds__(256) matmul_experts_t4r2(Mats ms, const u64* tab, u32 E, const u32* items, const float* x, u32 ldx) {
+    matmul_experts<4, 2>(ms, tab, E, items, x, ldx);
+}
+extern "C" __global__ void __launch_bounds__(256) matmul_experts_t8r4(Mats ms, const u64* tab, u32 E, const u32* items, const float* x, u32 ldx) {
+    matmul_experts<8, 4>(ms, tab, E, items, x, ldx);
+}
+
 // ---- One token (decode) ----
 //
 // A warp computes one group of R rows, each row's words in batches of U per lane (words
@@ -456,6 +493,9 @@ __device__ __forceinline__ bool offset_row(const Mat& m, u32 row) {
         else call(1, 7);                                      \
     }
 
+template <int R>
+__device__ __forceinline__ void t1_mat(const Mat& m, const float* x, u32 row);
+
 // Grid: ceil(padded rows / (8·R)) over the launch's matrices (which share a format: the host
 // splits launches by format and pads each matrix's first row to a multiple of R), block 256:
 // warp n computes launch rows R·n .. R·n + R - 1, numbered on across the matrices. The offset
@@ -473,6 +513,12 @@ __device__ __forceinline__ void t1_rows(const Mats& ms, const float* x, u32 rows
     const Mat& m = ms.m[i];
     const u32 row = n - m.row0;
     if (row >= m.rows) return;  // a padding row
+    t1_mat<R>(m, x, row);
+}
+
+// Rows row .. row + R - 1 of m for one token, with the offset decode where every row passes.
+template <int R>
+__device__ __forceinline__ void t1_mat(const Mat& m, const float* x, u32 row) {
     u32 fmt = m.fmt, sdt = m.sdtype;
     bool ofs = fmt == 4;
 #pragma unroll
@@ -490,6 +536,25 @@ __device__ __forceinline__ void t1_rows(const Mats& ms, const float* x, u32 rows
 }
 
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r1(Mats ms, const float* x, u32 rows) { t1_rows<1>(ms, x, rows); }
+
+// One token per item (a decode step of one row: each of its k experts is an item), the
+// one-token path of each expert's rows: matmul_experts's grid and items, then t1_mat with the
+// item's weights (the offset decode when the host says every expert's rows pass: offset 2).
+extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_experts_t1r2(Mats ms, const u64* tab, u32 E, const u32* items, const float* x, u32 ldx) {
+    pdl_enter();
+    if (blockIdx.y >= items[0]) return;
+    const u32* it = items + 1 + 3 * blockIdx.y;
+    u32 e = it[0], p0 = it[1];
+    u32 n = (blockIdx.x * WARPS + (threadIdx.x >> 5)) * 2;
+    u32 i = 0;
+    while (i + 1 < ms.count && n >= ms.m[i + 1].row0) i++;
+    Mat m = ms.m[i];
+    if (n < m.row0 || n - m.row0 >= m.rows) return;
+    m.w = (const u8*)tab[2 * ((u64)i * E + e)];
+    m.sb = (const u8*)tab[2 * ((u64)i * E + e) + 1];
+    m.y += (u64)p0 * m.ldy;
+    t1_mat<2>(m, x + (u64)p0 * ldx, n - m.row0);
+}
 // (At 64 registers ptxas spills a few values of the two-row kernel outside the loop; 3 blocks
 // per multiprocessor and no spills measured slower on the H200.)
 extern "C" __global__ void __launch_bounds__(256, T1_MINB) matmul_t1r2(Mats ms, const float* x, u32 rows) { t1_rows<2>(ms, x, rows); }
