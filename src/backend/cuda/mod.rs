@@ -1387,14 +1387,38 @@ impl Cuda {
         let (r, p) = (rows as u32, (rows * k) as u32);
         let (name, tile, rw) = moe_tile(rows, rows * k, e);
         let norm = moe.norm_topk_prob as u32;
+        // A step of one row needs no grouping (moe_route writes the work list) and no gathered
+        // input (every pair reads row 0 of u: the kernels step through x by ldx = 0).
+        let single = rows == 1;
         self.launch("moe_route", |_| unsafe {
-            self.kernel("moe_route", (r.div_ceil(4), 1, 1), 128, 0, self.args().buf(&s.logits.buf).val(r).val(e as u32).val(k as u32).val(norm).buf(&s.experts).buf(&s.weights))
-        });
-        self.launch("moe_plan", |_| unsafe {
-            self.kernel("moe_plan", (1, 1, 1), 1024, 0, self.args().buf(&s.experts).val(r).val(k as u32).val(e as u32).val(tile).buf(&s.perm).buf(&s.slot).buf(&s.items))
+            self.kernel(
+                "moe_route",
+                (r.div_ceil(4), 1, 1),
+                128,
+                0,
+                self.args()
+                    .buf(&s.logits.buf)
+                    .val(r)
+                    .val(e as u32)
+                    .val(k as u32)
+                    .val(norm)
+                    .buf(&s.experts)
+                    .buf(&s.weights)
+                    .val(single as u32)
+                    .buf(&s.perm)
+                    .buf(&s.slot)
+                    .buf(&s.items),
+            )
         });
         let cols = d as u32;
-        self.launch("gather_rows", |_| unsafe { self.kernel("gather_rows", (cols.div_ceil(256), p, 1), 256, 0, self.args().buf(&u.buf).buf(&s.perm).val(cols).buf(&s.xe.buf)) });
+        if !single {
+            self.launch("moe_plan", |_| unsafe {
+                self.kernel("moe_plan", (1, 1, 1), 1024, 0, self.args().buf(&s.experts).val(r).val(k as u32).val(e as u32).val(tile).buf(&s.perm).buf(&s.slot).buf(&s.items))
+            });
+            self.launch("gather_rows", |_| unsafe {
+                self.kernel("gather_rows", (cols.div_ceil(256), p, 1), 256, 0, self.args().buf(&u.buf).buf(&s.perm).val(cols).buf(&s.xe.buf))
+            });
+        }
         // The experts' products over the groups: gate and up in one launch, then down.
         let items = moe_items(rows * k, e, tile as usize) as u32;
         let experts = |mats: &[(&CudaMatrix, &CudaTensor, bool)], tab: u64, x: &CudaTensor, ldx: u32, what: &str| {
@@ -1417,7 +1441,8 @@ impl Cuda {
         let pair_bytes = 2 * std::mem::size_of::<u64>() as u64;
         let all = |f: fn(&MlpWeights<CudaMatrix>) -> &CudaMatrix| w.experts.iter().all(|x| f(x).offset_all);
         let (og, ou, od) = (all(|x| &x.gate_proj), all(|x| &x.up_proj), all(|x| &x.down_proj));
-        experts(&[(&e0.gate_proj, &s.ge, og), (&e0.up_proj, &s.ue, ou)], table, &s.xe, cols, "gate|up");
+        let (xe, ldx) = if single { (u, 0) } else { (&s.xe, cols) };
+        experts(&[(&e0.gate_proj, &s.ge, og), (&e0.up_proj, &s.ue, ou)], table, xe, ldx, "gate|up");
         self.swiglu_rows(&s.ge, &s.ue, rows * k, &mut s.ae);
         experts(&[(&e0.down_proj, &s.oe, od)], table + 2 * e as u64 * pair_bytes, &s.ae, s.ae.cols as u32, "down");
         self.launch("moe_combine", |_| unsafe {

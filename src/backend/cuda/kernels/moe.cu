@@ -11,7 +11,10 @@
 #define MOE_MAX_K 32
 #define MOE_MAX_E 1024
 #define MOE_ROUTE_WARPS 4
-extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(const float* logits, u32 rows, u32 E, u32 k, u32 norm, u32* experts, float* weights) {
+// With `plan` (a step of one row) it also writes what moe_plan would for that row: its k pairs
+// are already grouped (one per expert, in index order), item j = (expert j, pair j, 1 pair).
+extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(const float* logits, u32 rows, u32 E, u32 k, u32 norm, u32* experts, float* weights,
+                                                                             u32 plan, u32* perm, u32* slot, u32* items) {
     pdl_enter();
     __shared__ float ps[MOE_ROUTE_WARPS][MOE_MAX_E];
     __shared__ float sum[MOE_ROUTE_WARPS];
@@ -94,6 +97,16 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(con
     for (u32 j = 0; j < k; j++) {
         experts[(u64)r * k + j] = ce[j];
         weights[(u64)r * k + j] = cw[j];
+    }
+    if (plan) {
+        items[0] = k;
+        for (u32 j = 0; j < k; j++) {
+            perm[j] = 0;
+            slot[j] = j;
+            items[1 + 3 * j] = ce[j];
+            items[2 + 3 * j] = j;
+            items[3 + 3 * j] = 1;
+        }
     }
 }
 
