@@ -201,7 +201,7 @@ proptest! {
         let mut tools = ToolSchemas::new();
         tools.insert("f", Some(&json!({"type": "object", "properties": {"a": {"type": "integer"}}})));
         let options = ParserOptions { starts_in_reasoning: reasoning, tools: Some(tools), call_id_prefix: "call_".into() };
-        let whole = OutputParser::parse(&text, options.clone());
+        let whole = OutputParser::parse(&text, options.clone(), true);
         let mut p = OutputParser::new(options);
         let mut parsed = tensorfold::server::parse::ParsedOutput::default();
         let mut at = 0;
@@ -218,7 +218,7 @@ proptest! {
             }
         }
         p.push(&text[at..]).iter().for_each(|d| parsed.apply(d));
-        p.finish().iter().for_each(|d| parsed.apply(d));
+        p.finish(true).iter().for_each(|d| parsed.apply(d));
         prop_assert_eq!(&parsed, &whole);
         for call in &whole.tool_calls {
             prop_assert!(serde_json::from_str::<Value>(&call.arguments).is_ok_and(|v| v.is_object()), "{}", call.arguments);

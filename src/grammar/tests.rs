@@ -174,7 +174,7 @@ fn a_forced_call_accepts_what_the_output_parser_reads() {
     let code = |v: &str| CALL.replace("</function>", &format!("<parameter=code>\n{v}\n</parameter>\n</function>"));
     assert!(accepts_whole(&c, &code("AB1")));
     assert!(!accepts_whole(&c, &code("ABCD")), "over maxLength");
-    let parsed = OutputParser::parse(CALL, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() });
+    let parsed = OutputParser::parse(CALL, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() }, false);
     assert_eq!(parsed.tool_calls.len(), 1);
     assert_eq!(parsed.tool_calls[0].name, "get_weather");
     let args: Json = serde_json::from_str(&parsed.tool_calls[0].arguments).unwrap();
@@ -317,7 +317,7 @@ fn refs_and_alternatives_in_a_forced_call_are_enforced() {
     // What the grammar accepts, the output parser reads back as the schema's values.
     let text = call_of("plan", &[first, ("budget", "null"), ("tag", r#""ab""#), ("mode", "car")]);
     assert!(accepts_whole(&c, &text));
-    let parsed = OutputParser::parse(&text, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() });
+    let parsed = OutputParser::parse(&text, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() }, false);
     assert_eq!(parsed.tool_calls[0].input(), json!({"first": {"city": "Oslo", "nights": 2}, "budget": null, "tag": "ab", "mode": "car"}));
 }
 

@@ -288,6 +288,13 @@ pub(super) fn submit(st: &Arc<AppState>, job: &Job, start: Instant) -> Result<Ve
     Ok(out)
 }
 
+/// Whether `reason` stopped generation from outside (`max_tokens`, the context, a cancel, an
+/// error) rather than the model ending it (EOS, a stop string): what [`OutputParser::finish`]
+/// needs to tell a cut tag from text.
+pub(super) fn was_cut(reason: &FinishReason) -> bool {
+    !matches!(reason, FinishReason::Eos(_) | FinishReason::StopString(_))
+}
+
 /// A choice's text parsed as it comes: reasoning, content and tool calls.
 pub(super) struct Parsed {
     pub parser: OutputParser,
@@ -306,9 +313,9 @@ impl Parsed {
         d
     }
 
-    /// Ends the text; returns what was held back.
-    pub fn finish(&mut self) -> Vec<Delta> {
-        let d = self.parser.finish();
+    /// Ends the text as `reason` ended generation; returns what was held back.
+    pub fn finish(&mut self, reason: &FinishReason) -> Vec<Delta> {
+        let d = self.parser.finish(was_cut(reason));
         d.iter().for_each(|d| self.whole.apply(d));
         d
     }
@@ -411,7 +418,7 @@ pub(super) async fn collect(mut c: Choice, mut parsed: Option<Parsed>) -> Collec
             }
             Event::Finished(f) => {
                 if let Some(p) = parsed.as_mut() {
-                    p.finish();
+                    p.finish(&f.reason);
                 }
                 return Collected { choice: c, text, tokens, parsed: parsed.map(|p| p.whole), finished: Some(f) };
             }
@@ -474,7 +481,7 @@ pub(super) async fn run_turn<T: Turn>(mut c: Choice, mut parsed: Parsed, turn: &
                 turn.deltas(&parsed.push(&t.text));
             }
             Event::Finished(f) => {
-                turn.deltas(&parsed.finish());
+                turn.deltas(&parsed.finish(&f.reason));
                 let collected = Collected { choice: c, text: String::new(), tokens: Vec::new(), parsed: None, finished: Some(f) };
                 let f = collected.outcome()?.clone();
                 let end = TurnEnd::of(&f, parsed.whole.tool_calls.len()).unwrap_or(TurnEnd::Stop);
@@ -525,7 +532,7 @@ pub(super) fn stream_turn<T: Turn>(c: Choice, parsed: Parsed, mut turn: T, log: 
                     s.turn.deltas(&d);
                 }
                 Some(Event::Finished(f)) => {
-                    let d = s.parsed.finish();
+                    let d = s.parsed.finish(&f.reason);
                     s.turn.deltas(&d);
                     s.ended = true;
                     s.log.completion_tokens = f.usage.completion_tokens;

@@ -486,7 +486,7 @@ impl Streamer {
                 }
                 self.usage.add(nth, &f);
                 let (deltas, calls) = match self.parsers[index].as_mut() {
-                    Some(p) => (p.finish(), p.whole.tool_calls.len()),
+                    Some(p) => (p.finish(&f.reason), p.whole.tool_calls.len()),
                     None => (Vec::new(), 0),
                 };
                 self.chat_chunks(index, &deltas, Value::Null);

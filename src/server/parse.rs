@@ -34,9 +34,10 @@
 //! does; llama.cpp's parser rejects it and returns the text as content instead. Returning it
 //! keeps the streamed and the whole result equal (the start of the call has already been sent
 //! to a streaming client), and the finish reason tells the client it was cut. A call cut before
-//! its `<function=NAME>` is whole (`<tool_call>\n<func`, or `<tool_c` alone) is dropped: it
-//! was held back, so nothing of it was sent, and it is not text the model meant as an answer;
-//! so is a `</tool_call>` cut short after a call's `</function>`. Every API reports a cut turn
+//! its `<function=NAME>` is whole (`<tool_call>\n<func`, or `<tool_c` alone when generation was
+//! cut rather than ended by the model) is dropped: it was held back, so nothing of it was sent,
+//! and it is not text the model meant as an answer; so is a `</tool_call>` cut short after a
+//! call's `</function>`. A `<` or `<tool` the model ends its answer on is content. Every API reports a cut turn
 //! from these same calls and text. A `<tool_call>` that is not followed by `<function=NAME>`
 //! is not a call: its text is content.
 
@@ -415,6 +416,8 @@ pub struct OutputParser {
     function: String,
     params: usize,
     finished: bool,
+    /// Set by [`OutputParser::finish`]: generation was cut rather than ended by the model.
+    cut: bool,
 }
 
 impl OutputParser {
@@ -429,6 +432,7 @@ impl OutputParser {
             reasoning: Trim::default(),
             content: Trim::default(),
             fresh: true,
+            cut: false,
             calls: 0,
             function: String::new(),
             params: 0,
@@ -437,10 +441,10 @@ impl OutputParser {
     }
 
     /// Parses a whole completion.
-    pub fn parse(text: &str, options: ParserOptions) -> ParsedOutput {
+    pub fn parse(text: &str, options: ParserOptions, cut: bool) -> ParsedOutput {
         let mut parser = Self::new(options);
         let mut out = ParsedOutput::default();
-        for d in parser.push(text).iter().chain(parser.finish().iter()) {
+        for d in parser.push(text).iter().chain(parser.finish(cut).iter()) {
             out.apply(d);
         }
         out
@@ -458,12 +462,17 @@ impl OutputParser {
     }
 
     /// Ends the completion: returns what was held back (a partial tag is text after all; an
-    /// unclosed tool call is closed). Later calls to `push` and `finish` return nothing.
-    pub fn finish(&mut self) -> Vec<Delta> {
+    /// unclosed tool call is closed). `cut`: generation was stopped from outside (`max_tokens`,
+    /// the context, a cancel) rather than ended by the model (EOS, a stop string); then a
+    /// trailing start of `<tool_call>` is a call that never was and is dropped, where at the
+    /// model's own end it is text it wrote (an answer ending in `<`). Later calls to `push`
+    /// and `finish` return nothing.
+    pub fn finish(&mut self, cut: bool) -> Vec<Delta> {
         let mut out = Vec::new();
         if self.finished {
             return out;
         }
+        self.cut = cut;
         self.run(true, &mut out);
         self.finished = true;
         out
@@ -511,8 +520,8 @@ impl OutputParser {
         }
         let found = tags.iter().filter_map(|t| self.buf.find(t).map(|i| (i, *t))).min_by_key(|(i, _)| *i);
         let Some((i, tag)) = found else {
-            // At the end, a cut `<tool_call>` is the start of a call that never was: dropped.
-            let cut = if eof && self.tools_on() { partial_suffix(&self.buf, &[CALL_OPEN]) } else { 0 };
+            // At a cut end, a cut `<tool_call>` is the start of a call that never was: dropped.
+            let cut = if eof && self.cut && self.tools_on() { partial_suffix(&self.buf, &[CALL_OPEN]) } else { 0 };
             self.buf.truncate(self.buf.len() - cut);
             let hold = if eof { 0 } else { partial_suffix(&self.buf, &tags) };
             let text: String = self.buf.drain(..self.buf.len() - hold).collect();
@@ -864,8 +873,9 @@ mod tests {
         ParsedToolCall { id: format!("call_x_{index}"), name: name.into(), arguments: arguments.to_string() }
     }
 
+    /// `text` as a completion cut by `max_tokens` (what most tests here look at).
     fn parse(text: &str, starts_in_reasoning: bool, tools: bool) -> ParsedOutput {
-        OutputParser::parse(text, options(starts_in_reasoning, tools))
+        OutputParser::parse(text, options(starts_in_reasoning, tools), true)
     }
 
     fn streamed(pieces: &[&str], starts_in_reasoning: bool, tools: bool) -> ParsedOutput {
@@ -878,7 +888,7 @@ mod tests {
                 out.apply(&d);
             }
         }
-        for d in parser.finish() {
+        for d in parser.finish(true) {
             out.apply(&d);
         }
         out
@@ -1064,6 +1074,27 @@ mod tests {
     }
 
     #[test]
+    fn a_trailing_start_of_a_call_is_text_when_the_model_ended_and_dropped_when_cut() {
+        // The model ended its answer (EOS) on "<" or "<tool": what it wrote is content, whole
+        // and streamed; the same text cut by max_tokens is a call that never was.
+        for (text, kept) in [("Compare: a <", "Compare: a <"), ("x <tool", "x <tool"), ("see <tool_call", "see <tool_call")] {
+            let ended = OutputParser::parse(text, options(false, true), false);
+            assert_eq!((ended.content.as_str(), ended.tool_calls.len()), (kept, 0), "{text:?} ended");
+            let mut p = OutputParser::new(options(false, true));
+            let mut streamed = ParsedOutput::default();
+            for c in text.chars() {
+                p.push(&c.to_string()).iter().for_each(|d| streamed.apply(d));
+            }
+            p.finish(false).iter().for_each(|d| streamed.apply(d));
+            assert_eq!(streamed, ended, "{text:?} streamed");
+            let cut = OutputParser::parse(text, options(false, true), true);
+            assert_eq!(cut.content, text[..text.rfind('<').unwrap()].trim_end(), "{text:?} cut");
+        }
+        // Without tools a "<" is never held: the same either way.
+        assert_eq!(OutputParser::parse("a <", options(false, false), true).content, "a <");
+    }
+
+    #[test]
     fn without_tools_tool_call_text_is_content() {
         let out = parse(PROSE_AND_CALL, false, false);
         assert_eq!(out.content, PROSE_AND_CALL);
@@ -1095,7 +1126,7 @@ mod tests {
         assert_eq!(p.push("ris\n</parameter>\n<parameter=days>\n3"), [Delta::ToolCallArguments { index: 0, arguments: "ris\",\"days\":".into() }]);
         assert_eq!(p.push("\n</parameter>\n</function>\n</tool_call>"), [Delta::ToolCallArguments { index: 0, arguments: "3}".into() }]);
         assert_eq!(p.tool_calls(), 1);
-        assert_eq!(p.finish(), []);
+        assert_eq!(p.finish(true), []);
         assert_eq!(p.push("more"), []);
     }
 
