@@ -176,9 +176,8 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     let (wb, sb) = (cols * bits / 8, groups * scale_dtype.size());
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
-    scratch.v.resize(units, 0.0);
     scratch.ints.resize(units, 0);
-    let Scratch { s, b, v, ints } = scratch;
+    let Scratch { s, b, ints } = scratch;
     for n in n0..n0 + count {
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
@@ -189,24 +188,61 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
         for t in 0..xq.rows {
             let (d, sums, planes) = xq.row(t);
             unit_ints(isa, bits, ul, codes, planes, ints);
-            for u in 0..units {
-                let (g, blk) = (u * ul / gs, u * ul / ACT_BLOCK);
-                let sum = if ul == ACT_BLOCK { sums[2 * blk] + sums[2 * blk + 1] } else { sums[u] };
-                v[u] = unit_value(s[g], b[g], d[blk], ints[u], sum);
-            }
+            let r = Epilogue { ul, gs, s, b, d, sums, ints };
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: Avx2 (and Avx512) is only chosen when the CPU reports AVX2 and FMA.
+            let value = if isa >= Isa::Avx2 { unsafe { r.value_fma() } } else { r.value() };
+            #[cfg(not(target_arch = "x86_64"))]
+            let value = r.value();
             // SAFETY: the caller's contract on `y`.
-            unsafe { *y.add(t * ldy + n) = fold_units(units, |u| v[u]) };
+            unsafe { *y.add(t * ldy + n) = value };
         }
     }
 }
 
-/// Per-call buffers of [`matmul`]: a row's scales and biases, its unit values and integers.
+/// Per-call buffers of [`matmul`]: a row's scales and biases and its unit integers.
 #[derive(Debug, Default)]
 pub struct Scratch {
     s: Vec<f32>,
     b: Vec<f32>,
-    v: Vec<f32>,
     ints: Vec<i64>,
+}
+
+/// One output's epilogue (numerics §2.2): every unit's value from its integers, folded.
+struct Epilogue<'a> {
+    ul: usize,
+    gs: usize,
+    s: &'a [f32],
+    b: &'a [f32],
+    d: &'a [f32],
+    sums: &'a [i32],
+    ints: &'a [i64],
+}
+
+impl Epilogue<'_> {
+    /// The output: `fold_units` over `unit_value`, unit by unit in order. Unit `u` is in group
+    /// `u >> log2(gs/ul)` and block `u >> log2(64/ul)` (both powers of two): no division.
+    #[inline(always)]
+    fn value(&self) -> f32 {
+        let (gsh, bsh) = ((self.gs / self.ul).trailing_zeros(), (ACT_BLOCK / self.ul).trailing_zeros());
+        let whole = self.ul == ACT_BLOCK;
+        fold_units(self.ints.len(), |u| {
+            let (g, blk) = (u >> gsh, u >> bsh);
+            let sum = if whole { self.sums[2 * blk] + self.sums[2 * blk + 1] } else { self.sums[u] };
+            unit_value(self.s[g], self.b[g], self.d[blk], self.ints[u], sum)
+        })
+    }
+
+    /// [`Epilogue::value`] compiled for FMA hardware, so each `fma` is one instruction rather
+    /// than a call (the same rounding either way).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn value_fma(&self) -> f32 {
+        self.value()
+    }
 }
 
 /// `ints[u] = Σ q·xi` over every unit of one weight row against one quantized input row.
