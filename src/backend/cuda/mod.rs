@@ -1415,9 +1415,13 @@ impl Cuda {
             self.launch("moe_plan", |_| unsafe {
                 self.kernel("moe_plan", (1, 1, 1), 1024, 0, self.args().buf(&s.experts).val(r).val(k as u32).val(e as u32).val(tile).buf(&s.perm).buf(&s.slot).buf(&s.items))
             });
-            self.launch("gather_rows", |_| unsafe {
-                self.kernel("gather_rows", (cols.div_ceil(256), p, 1), 256, 0, self.args().buf(&u.buf).buf(&s.perm).val(cols).buf(&s.xe.buf))
-            });
+            // A launch's grid.y is at most 65 535 rows (rows·k reaches 131 072 at k = 32).
+            let (perm, xe) = (ptr(&s.perm, &self.stream), ptr(&s.xe.buf, &self.stream));
+            for first in (0..p).step_by(65_535) {
+                let n = (p - first).min(65_535);
+                let (perm, xe) = (perm + 4 * first as u64, xe + 4 * first as u64 * cols as u64);
+                self.launch("gather_rows", |_| unsafe { self.kernel("gather_rows", (cols.div_ceil(256), n, 1), 256, 0, self.args().buf(&u.buf).val(perm).val(cols).val(xe)) });
+            }
         }
         // The experts' products over the groups: gate and up in one launch, then down.
         let items = moe_items(rows * k, e, tile as usize) as u32;
