@@ -45,6 +45,13 @@ impl FinishReason {
             FinishReason::Cancelled | FinishReason::Error(_) => None,
         }
     }
+
+    /// Whether generation was stopped from outside (`max_tokens`, the context, a cancel, an
+    /// error) rather than ended by the model (EOS, a stop string): how the output parser tells
+    /// a cut tag from text ([`crate::server::parse::OutputParser::finish`]).
+    pub fn cut(&self) -> bool {
+        !matches!(self, FinishReason::Eos(_) | FinishReason::StopString(_))
+    }
 }
 
 /// What one generated token does to the output.

@@ -288,13 +288,6 @@ pub(super) fn submit(st: &Arc<AppState>, job: &Job, start: Instant) -> Result<Ve
     Ok(out)
 }
 
-/// Whether `reason` stopped generation from outside (`max_tokens`, the context, a cancel, an
-/// error) rather than the model ending it (EOS, a stop string): what [`OutputParser::finish`]
-/// needs to tell a cut tag from text.
-pub(super) fn was_cut(reason: &FinishReason) -> bool {
-    !matches!(reason, FinishReason::Eos(_) | FinishReason::StopString(_))
-}
-
 /// A choice's text parsed as it comes: reasoning, content and tool calls.
 pub(super) struct Parsed {
     pub parser: OutputParser,
@@ -315,7 +308,7 @@ impl Parsed {
 
     /// Ends the text as `reason` ended generation; returns what was held back.
     pub fn finish(&mut self, reason: &FinishReason) -> Vec<Delta> {
-        let d = self.parser.finish(was_cut(reason));
+        let d = self.parser.finish(reason.cut());
         d.iter().for_each(|d| self.whole.apply(d));
         d
     }

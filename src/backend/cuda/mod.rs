@@ -1339,8 +1339,8 @@ impl Cuda {
         let (ie, is, p) = (moe.moe_intermediate_size, moe.shared_expert_intermediate_size, rows * k);
         let u = |n: usize| self.stream.alloc_zeros::<u32>(n.max(1)).map_err(|e| dev_err("allocating expert buffers", e));
         let f = |n: usize| self.stream.alloc_zeros::<f32>(n.max(1)).map_err(|e| dev_err("allocating expert buffers", e));
-        let (_, tile, _) = moe_tile(rows, p, e);
-        let items = [1usize, 4, 8].iter().map(|&t| moe_items(p, e, t)).max().unwrap_or(0).max(moe_items(p, e, tile as usize));
+        // A step of fewer rows may use a smaller tile: size for tiles of one, the longest list.
+        let items = moe_items(p, e, 1);
         Ok(MoeScratch {
             rows,
             logits: self.tensor(rows, e)?,
