@@ -267,6 +267,25 @@ pub fn bench(mut a: BenchArgs) -> Result<()> {
                 for (name, ms, n) in rep {
                     notes.push(format!("  {name:<36} {:>8.1} us/token  ({} launches/token, {:.2} us each)", 1e3 * ms / 32.0, n / 32, 1e3 * ms / n as f64));
                 }
+                // One prompt of the first length, eagerly, in the bench's chunks: where prefill goes.
+                let len = a.prompts[0];
+                let mut p = engine.new_session(tensorfold::sampling::SamplingParams::greedy())?;
+                let ids: Vec<u32> = (0..len as u32).map(|i| 1 + i % (v as u32 - 1)).collect();
+                let b = &engine.model.backend;
+                b.set_graphs(false);
+                b.set_profile(true);
+                let t = std::time::Instant::now();
+                engine.feed_greedy(&mut p, &ids, v, &mut |_, _| {})?;
+                let wall = t.elapsed().as_secs_f64() * 1e3;
+                let b = &engine.model.backend;
+                let rep = b.profile_report()?;
+                b.set_profile(false);
+                b.set_graphs(true);
+                let total: f64 = rep.iter().map(|r| r.1).sum::<f64>();
+                notes.push(format!("profile (one eager prompt of {len} tokens in chunks of {}): {total:.3} ms of kernel time, {wall:.3} ms wall", a.chunk));
+                for (name, ms, n) in rep {
+                    notes.push(format!("  {name:<36} {:>9.3} ms  ({n} launches, {:.1} us each)", ms, 1e3 * ms / n as f64));
+                }
             }
             let pre = m.clone();
             report(&a, &dir, model_summary, describe, &pre, m, phases, notes)

@@ -95,6 +95,7 @@ pub const SOURCES: &[Source] = &[
     Source { file: "gather_rows.cu", text: include_str!("kernels/gather_rows.cu"), entries: &["gather_rows"] },
     Source { file: "gdn_conv.cu", text: include_str!("kernels/gdn_conv.cu"), entries: &["gdn_conv"] },
     Source { file: "gdn_heads.cu", text: include_str!("kernels/gdn_heads.cu"), entries: &["gdn_heads"] },
+    Source { file: "gdn_prompt.cu", text: include_str!("kernels/gdn_prompt.cu"), entries: &["gdn_prep", "gdn_scan", "gdn_out"] },
     Source { file: "attention_kv.cu", text: include_str!("kernels/attention_kv.cu"), entries: &["attn_write_kv"] },
     Source { file: "attention_scores.cu", text: include_str!("kernels/attention_scores.cu"), entries: &["attn_scores"] },
     Source { file: "attention_tiles.cu", text: include_str!("kernels/attention_tiles.cu"), entries: &["attn_tiles"] },

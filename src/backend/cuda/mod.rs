@@ -70,6 +70,8 @@ const PAD_SLOT: u32 = MAX_SLOTS as u32;
 const CHOOSER_MIN_ROWS: usize = 64;
 /// Slices per row of the two-pass argmax (`PARTS` in argmax.cu).
 const ARGMAX_PARTS: usize = 64;
+/// Value rows per block of `gdn_scan` (gdn_prompt.cu SCAN_WARPS).
+const GDN_SCAN_WARPS: u32 = 4;
 
 /// The bucket a decode step of `n` rows runs in when its buffers hold `cap` rows: the smallest of
 /// [`DECODE_BUCKETS`] that is `>= n` and `<= cap`, else `n`.
@@ -444,6 +446,8 @@ struct Step {
     rope_rows_on_device: usize,
     /// GDN temporary: silu(conv) `[rows, conv_dim]`.
     gdn_y: Option<CudaSlice<f32>>,
+    /// gdn_prep's rows for prompt steps, `[rows][conv_dim + 2·Hv]` (gdn_prompt.cu).
+    gdn_prep: Option<CudaSlice<f32>>,
     /// The input of integer-exact products, quantized (`quantize_rows`).
     int_in: Option<IntScratch>,
     /// A mixture-of-experts block's buffers (taken out while `Cuda::moe` runs).
@@ -666,6 +670,7 @@ impl Cuda {
             rope_host: None,
             rope_rows_on_device: 0,
             gdn_y: None,
+            gdn_prep: None,
             int_in: None,
             moe: None,
             part_eager: None,
@@ -1082,6 +1087,12 @@ impl Cuda {
                 st.moe = Some(self.moe_scratch(cfg, moe, cap)?);
                 st.graphs.clear();
             }
+        }
+        // Prompt steps prepare every token's GDN inputs in parallel (gdn_prompt.cu); not used
+        // by decode graphs, so growing it keeps them.
+        let prep_cols = cfg.conv_dim() + 2 * cfg.linear_num_value_heads;
+        if rows > 1 && need(&st.gdn_prep, rows * prep_cols) {
+            st.gdn_prep = Some(a(cap * prep_cols)?);
         }
         // The conv output goes through memory only when gdn_conv runs on its own.
         if !Self::conv_in_heads(cfg) && need(&st.gdn_y, rows * cfg.conv_dim()) {
@@ -2186,6 +2197,42 @@ impl Backend for Cuda {
         let nseq = self.eff(batch.seqs.len()) as u32;
         let eps = cfg.rms_norm_eps;
         let conv_here = u32::from(Self::conv_in_heads(cfg));
+        let longest = batch.seqs.iter().map(|s| s.len).max().unwrap_or(0);
+        if longest > 1 {
+            // A prompt step: conv, norms and gates in parallel over tokens, then the delta rule
+            // a warp per value row, then the gated norm (gdn_prompt.cu; the bits of gdn_heads).
+            self.launch("gdn_prep", |st| unsafe {
+                let prep = st.gdn_prep.as_ref().expect("ensure_temps sizes the GDN prompt rows");
+                let a = self
+                    .args()
+                    .buf(&qkv.buf)
+                    .buf(&w.conv1d)
+                    .val(kc)
+                    .buf(&b.buf)
+                    .buf(&a.buf)
+                    .buf(&w.a)
+                    .buf(&w.dt_bias)
+                    .val(hk)
+                    .val(hv)
+                    .val(dk)
+                    .val(dv)
+                    .val(l)
+                    .buf(&st.seqs)
+                    .buf(&st.slot_table)
+                    .buf(prep);
+                self.kernel("gdn_prep", (2 * hk + hv, longest, nseq), 128, 0, a)
+            });
+            self.launch("gdn_scan", |st| unsafe {
+                let prep = st.gdn_prep.as_ref().expect("ensure_temps sizes the GDN prompt rows");
+                let a = self.args().buf(prep).buf(&qkv.buf).val(kc).val(hk).val(hv).val(dk).val(dv).val(l).buf(&st.seqs).buf(&st.slot_table).buf(&out.buf);
+                self.kernel("gdn_scan", (hv, dv.div_ceil(GDN_SCAN_WARPS), nseq), 32 * GDN_SCAN_WARPS, 0, a)
+            });
+            self.launch("gdn_out", |st| unsafe {
+                let a = self.args().buf(&z.buf).buf(&w.norm).val(eps).val(hv).val(dv).buf(&st.seqs).buf(&out.buf);
+                self.kernel("gdn_out", (hv, longest, nseq), 128, 0, a)
+            });
+            return;
+        }
         if conv_here == 0 {
             self.launch("gdn_conv", |st| unsafe {
                 let a = self.args().buf(&qkv.buf).buf(&w.conv1d).val(kc).val(cd).val(l).buf(&st.seqs).buf(&st.slot_table).buf(st.gdn_y.as_ref().unwrap());
