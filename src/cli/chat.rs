@@ -187,13 +187,19 @@ pub fn chat(a: ChatArgs) -> Result<()> {
                         eprintln!("(nothing to save yet: the conversation is empty)");
                         continue;
                     };
-                    let data = SessionData { tokens: st.tokens.clone(), params, meta: serde_json::to_string(&Meta { messages: messages.clone() })?, state: st.state.clone() };
+                    let data = SessionData {
+                        tokens: st.tokens.clone(),
+                        params,
+                        meta: serde_json::to_string(&Meta { messages: messages.clone() })?,
+                        state: st.state.clone(),
+                        products: runtime.info().products,
+                    };
                     match identity().and_then(|id| data.save(Path::new(arg), id, &host.config)) {
                         Ok(()) => eprintln!("(session saved to {arg}: {} tokens, {} messages)", data.tokens.len(), messages.len()),
                         Err(e) => eprintln!("error: {e}"),
                     }
                 }
-                "load" if !arg.is_empty() => match identity().and_then(|id| SessionData::load(Path::new(arg), &host.config, id)) {
+                "load" if !arg.is_empty() => match identity().and_then(|id| SessionData::load(Path::new(arg), &host.config, id, runtime.info().products)) {
                     Ok(data) => {
                         messages = match serde_json::from_str::<Meta>(&data.meta) {
                             Ok(m) => m.messages,

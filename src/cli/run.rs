@@ -300,7 +300,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let resume = match &a.load_session {
         Some(path) => {
             let identity = ModelIdentity::of_dir(&dir)?;
-            let mut data = SessionData::load(path, &host.config, identity).context("loading the session")?;
+            let mut data = SessionData::load(path, &host.config, identity, products).context("loading the session")?;
             // The session's own settings (seed included), with the flags given over them.
             data.params = a.sampling.apply(data.params);
             data.params.validate()?;
@@ -522,7 +522,7 @@ fn generate(
     );
     if let Some(path) = &a.save_session {
         let saved = f.saved.context("the runtime returned no state to save")?;
-        let data = SessionData { tokens: saved.tokens, params, meta, state: saved.state };
+        let data = SessionData { tokens: saved.tokens, params, meta, state: saved.state, products: info.products };
         data.save(path, ModelIdentity::of_dir(dir)?, &host.config).context("saving the session")?;
         eprintln!("session: {} tokens saved to {}", data.tokens.len(), path.display());
     }
