@@ -500,7 +500,7 @@ impl<B: Backend> Engine<B> {
     /// stays where it is.
     pub fn save_session(&self, s: &Session, path: &Path) -> Result<(), SessionError> {
         let identity = self.identity()?;
-        let rec = SessionRecord { tokens: &s.tokens, params: s.params, meta: &s.meta, state: self.state_of(s)? };
+        let rec = SessionRecord { tokens: &s.tokens, params: s.params, meta: &s.meta, state: self.state_of(s)?, products: self.model.backend.products() };
         session::write_session(path, &rec, identity, &self.model.config)
     }
 
@@ -508,10 +508,11 @@ impl<B: Backend> Engine<B> {
     ///
     /// # Errors
     /// The file's own problems ([`SessionError`]: unreadable, not a session, another format
-    /// version, truncated, checksum mismatch, another model, shapes of another model), or no
-    /// free slot.
+    /// version, truncated, checksum mismatch, another model, saved with other products than
+    /// this backend's, shapes of another model), or no free slot.
     pub fn load_session(&mut self, path: &Path) -> Result<Session, SessionError> {
-        let l = session::read_session(path, &self.model.config, &mut || self.identity())?;
+        let products = self.model.backend.products();
+        let l = session::read_session(path, &self.model.config, products, &mut || self.identity())?;
         let slot = self.place(&l.state)?;
         let mut s = Session::new(Residence::Device(slot), l.params);
         s.tokens = l.tokens;

@@ -22,7 +22,7 @@
 //! |---|---|---|
 //! | 0 | 8 | magic `\x89TFSESS\n` |
 //! | 8 | 4 | format version, u32 = 1 |
-//! | 12 | 4 | flags, u32 = 0 (reserved) |
+//! | 12 | 4 | flags, u32: bit 0 set = integer products ([`Products::Int`]), clear = f32 products; the other bits 0 (reserved) |
 //! | 16 | 8 | file length in bytes, u64, checksum included |
 //! | 24 | 16 | model identity ([`ModelIdentity`], xxh3-128, little-endian u128) |
 //! | 40 | 48 | sampling: temperature, top_p, min_p, repetition_penalty, presence_penalty, frequency_penalty (f32 each), top_k (u64), repeat_last_n (i64), seed (u64) |
@@ -34,6 +34,15 @@
 //! | | `M` | meta: UTF-8 chosen by the application (the chat stores its messages as JSON) |
 //! | | | conv windows, then recurrent states, then keys, then values (f32; keys and values `position · Hkv · Dh` each) |
 //! | end − 8 | 8 | checksum: xxh3-64 of every byte before it |
+//!
+//! The state and every later logit depend on the arithmetic of the products
+//! ([`crate::backend::Products`], docs/numerics.md §2 and §2.2), so the file records it in bit 0
+//! of the flags and a restore under the other mode is refused ([`SessionError::Products`]). The
+//! field was reserved and written as 0 before, so the layout and the version are unchanged: a
+//! file of an earlier build reads as f32 products, which is what it was computed with unless
+//! `TENSORFOLD_PRODUCTS=int` was set (those builds did not record it). A reader refuses flag bits
+//! it does not know ([`SessionError::Flags`]). Builds before this field ignored the flags, so
+//! they would resume an integer-products file with f32 products.
 
 use std::borrow::Cow;
 use std::fs::File;
@@ -42,7 +51,7 @@ use std::path::{Path, PathBuf};
 
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::backend::{BackendError, SequenceState};
+use crate::backend::{BackendError, Products, SequenceState};
 use crate::config::{LayerType, ModelConfig};
 use crate::sampling::{Sampler, SamplingParams};
 
@@ -66,6 +75,13 @@ pub enum SessionError {
     OtherModel { path: PathBuf, file: ModelIdentity, this: ModelIdentity },
     #[error("{path}: the session does not fit this model: {reason}")]
     Shape { path: PathBuf, reason: String },
+    /// The state was computed with other products than this run's: continuing it would mix two
+    /// arithmetics (other bits than either gives alone).
+    #[error("{path}: the session was saved with {saved} products and this run uses {this} products; resume it with the mode it was saved with (--products {saved})")]
+    Products { path: PathBuf, saved: Products, this: Products },
+    /// The header's flags hold bits this build does not know (a file of a newer format).
+    #[error("{path}: session flags {flags:#x} hold bits this build does not know (bit 0, integer products, is the only one)")]
+    Flags { path: PathBuf, flags: u32 },
     /// Writing the file failed (the error names it; nothing was left behind).
     #[error(transparent)]
     Write(#[from] crate::fsutil::WriteError),
@@ -654,6 +670,8 @@ pub(crate) struct SessionRecord<'a> {
     pub params: SamplingParams,
     pub meta: &'a str,
     pub state: Cow<'a, SequenceState>,
+    /// The products the state was computed with.
+    pub products: Products,
 }
 
 /// A session read back from a file.
@@ -662,6 +680,26 @@ pub(crate) struct LoadedSession {
     pub params: SamplingParams,
     pub meta: String,
     pub state: SequenceState,
+}
+
+/// Bit 0 of a session file's flags: the state was computed with integer products.
+const FLAG_INT_PRODUCTS: u32 = 1;
+
+/// The flags of a file whose state was computed with `products`.
+fn flags_of(products: Products) -> u32 {
+    match products {
+        Products::F32 => 0,
+        Products::Int => FLAG_INT_PRODUCTS,
+    }
+}
+
+/// The products a file's flags record, or `None` when they hold unknown bits.
+fn products_of(flags: u32) -> Option<Products> {
+    match flags {
+        0 => Some(Products::F32),
+        FLAG_INT_PRODUCTS => Some(Products::Int),
+        _ => None,
+    }
 }
 
 /// What the body of a session file held, as far as it was read.
@@ -724,7 +762,7 @@ pub(crate) fn write_session(path: &Path, rec: &SessionRecord, identity: ModelIde
         let mut w = Hashing { inner: BufWriter::with_capacity(1 << 20, file), hash: Xxh3::new() };
         w.put(&MAGIC)?;
         w.put(&FORMAT_VERSION.to_le_bytes())?;
-        w.put(&0u32.to_le_bytes())?;
+        w.put(&flags_of(rec.products).to_le_bytes())?;
         w.put(&total.to_le_bytes())?;
         w.put(&identity.0.to_le_bytes())?;
         let p = &rec.params;
@@ -803,9 +841,14 @@ impl<R: Read> Hashed<R> {
 }
 
 /// Reads and checks a session file: magic, version, length, checksum, model identity (against
-/// `identity()`, called only once the file is known intact), then the state's shapes against
-/// `cfg`.
-pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn FnMut() -> Result<ModelIdentity, SessionError>) -> Result<LoadedSession, SessionError> {
+/// `identity()`, called only once the file is known intact), the products it was computed with
+/// (against `products`, this run's), then the state's shapes against `cfg`.
+pub(crate) fn read_session(
+    path: &Path,
+    cfg: &ModelConfig,
+    products: Products,
+    identity: &mut dyn FnMut() -> Result<ModelIdentity, SessionError>,
+) -> Result<LoadedSession, SessionError> {
     let p = || path.to_path_buf();
     let io = |error| SessionError::Io { path: p(), error };
     let file = File::open(path).map_err(io)?;
@@ -827,7 +870,7 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
     if version != FORMAT_VERSION {
         return Err(SessionError::Version { path: p(), found: version, supported: FORMAT_VERSION });
     }
-    let _flags = r.u32().map_err(io)?;
+    let flags = r.u32().map_err(io)?;
     let expected = r.u64().map_err(io)?;
     if found < expected {
         return Err(SessionError::Truncated { path: p(), expected, found });
@@ -918,10 +961,15 @@ pub(crate) fn read_session(path: &Path, cfg: &ModelConfig, identity: &mut dyn Fn
         }
         Err(reason) => return Err(checksum_error(path, found).unwrap_or_else(|| SessionError::Corrupt { path: p(), reason })),
     };
+    // Known intact from here: what its header says was written so.
+    let saved = products_of(flags).ok_or(SessionError::Flags { path: p(), flags })?;
     loaded.params.validate().map_err(|e| SessionError::Corrupt { path: p(), reason: e.to_string() })?;
     let this = identity()?;
     if file_id != this {
         return Err(SessionError::OtherModel { path: p(), file: file_id, this });
+    }
+    if saved != products {
+        return Err(SessionError::Products { path: p(), saved, this: products });
     }
     loaded.state.check(cfg).map_err(|e| SessionError::Shape { path: p(), reason: e.to_string() })?;
     let (n_conv, n_rec, n_attn, conv_len, rec_len, _) = layout(cfg);
@@ -1036,19 +1084,62 @@ mod tests {
         let id = ModelIdentity(7);
         for counts in [(u32::MAX, 0, 0), (0, 0, u32::MAX), (2, 3, 1)] {
             empty_arrays_file(&path, id, counts);
-            let err = read_session(&path, &cfg, &mut || Ok(id)).err().expect("refused");
+            let err = read_session(&path, &cfg, Products::F32, &mut || Ok(id)).err().expect("refused");
             assert!(matches!(err, SessionError::Shape { .. }), "{counts:?}: {err}");
             assert!(err.to_string().contains(&format!("its state has {} conv arrays of 0", counts.0)), "{err}");
             // Another model's file is still reported as such.
-            let err = read_session(&path, &cfg, &mut || Ok(ModelIdentity(8))).err().expect("refused");
+            let err = read_session(&path, &cfg, Products::F32, &mut || Ok(ModelIdentity(8))).err().expect("refused");
             assert!(matches!(err, SessionError::OtherModel { .. }), "{counts:?}: {err}");
         }
         // A damaged one is reported as damaged.
         let mut b = std::fs::read(&path).unwrap();
         b[30] ^= 1;
         std::fs::write(&path, b).unwrap();
-        let err = read_session(&path, &cfg, &mut || Ok(id)).err().expect("refused");
+        let err = read_session(&path, &cfg, Products::F32, &mut || Ok(id)).err().expect("refused");
         assert!(matches!(err, SessionError::Checksum { .. }), "{err}");
+    }
+
+    #[test]
+    fn the_products_are_bit_0_of_the_flags_and_zero_flags_read_as_f32() {
+        let cfg = ModelConfig::from_dir(&crate::testutil::shared("fixtures/tiny/mlx-q4")).unwrap();
+        let tmp = crate::testutil::TempDir::new("session-flags");
+        let id = ModelIdentity(9);
+        let state = SequenceState::new(&cfg);
+        let write = |name: &str, products: Products| -> (PathBuf, Vec<u8>) {
+            let path = tmp.path().join(name);
+            let rec = SessionRecord { tokens: &[], params: SamplingParams::default(), meta: "", state: Cow::Borrowed(&state), products };
+            write_session(&path, &rec, id, &cfg).unwrap();
+            let b = std::fs::read(&path).unwrap();
+            (path, b)
+        };
+        let read = |path: &Path, products: Products| read_session(path, &cfg, products, &mut || Ok(id));
+        // f32 writes the flags earlier builds wrote (0), so their files read as f32.
+        let (f32_path, f32_bytes) = write("f32.session", Products::F32);
+        assert_eq!(f32_bytes[8..16], [1, 0, 0, 0, 0, 0, 0, 0], "version 1, flags 0");
+        assert!(read(&f32_path, Products::F32).is_ok());
+        assert!(matches!(read(&f32_path, Products::Int), Err(SessionError::Products { saved: Products::F32, this: Products::Int, .. })));
+        let (int_path, int_bytes) = write("int.session", Products::Int);
+        assert_eq!(int_bytes[12..16], [1, 0, 0, 0], "bit 0 of the flags");
+        assert_eq!(int_bytes[..12], f32_bytes[..12]);
+        assert_eq!(int_bytes[16..int_bytes.len() - 8], f32_bytes[16..f32_bytes.len() - 8], "the flags are the only difference");
+        assert_eq!(read(&int_path, Products::Int).unwrap().state, state);
+        assert!(matches!(read(&int_path, Products::F32), Err(SessionError::Products { saved: Products::Int, this: Products::F32, .. })));
+        // Bits this build does not know (with a valid checksum) are refused, under either mode.
+        let mut b = int_bytes.clone();
+        b[12] = 3;
+        let n = b.len() - 8;
+        let sum = xxhash_rust::xxh3::xxh3_64(&b[..n]);
+        b[n..].copy_from_slice(&sum.to_le_bytes());
+        std::fs::write(&int_path, &b).unwrap();
+        for products in [Products::F32, Products::Int] {
+            let err = read(&int_path, products).err().expect("refused");
+            assert!(matches!(err, SessionError::Flags { flags: 3, .. }), "{err}");
+        }
+        // A flipped flag bit without a new checksum is damage.
+        let mut b = f32_bytes.clone();
+        b[12] ^= 1;
+        std::fs::write(&f32_path, &b).unwrap();
+        assert!(matches!(read(&f32_path, Products::Int), Err(SessionError::Checksum { .. })));
     }
 
     #[test]
@@ -1118,13 +1209,17 @@ mod tests {
 }
 
 /// A session file's contents, for clients of the batched runtime (which keeps no `Session`s of
-/// theirs): the history, settings, application data and state.
+/// theirs): the history, settings, application data and state, and the products the state was
+/// computed with.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SessionData {
     pub tokens: Vec<u32>,
     pub params: SamplingParams,
     pub meta: String,
     pub state: SequenceState,
+    /// The arithmetic of the products that computed `state` (the backend's
+    /// [`crate::backend::Backend::products`]; recorded in the file).
+    pub products: Products,
 }
 
 impl SessionData {
@@ -1133,16 +1228,17 @@ impl SessionData {
     /// # Errors
     /// As [`crate::engine::Engine::save_session`].
     pub fn save(&self, path: &Path, identity: ModelIdentity, cfg: &ModelConfig) -> Result<(), SessionError> {
-        let rec = SessionRecord { tokens: &self.tokens, params: self.params, meta: &self.meta, state: std::borrow::Cow::Borrowed(&self.state) };
+        let rec = SessionRecord { tokens: &self.tokens, params: self.params, meta: &self.meta, state: std::borrow::Cow::Borrowed(&self.state), products: self.products };
         write_session(path, &rec, identity, cfg)
     }
 
-    /// Reads a session file written for the model of `identity` and `cfg`.
+    /// Reads a session file written for the model of `identity` and `cfg`, to continue with
+    /// `products` (this run's: a file saved under the other mode is refused).
     ///
     /// # Errors
     /// As [`crate::engine::Engine::load_session`].
-    pub fn load(path: &Path, cfg: &ModelConfig, identity: ModelIdentity) -> Result<Self, SessionError> {
-        let l = read_session(path, cfg, &mut || Ok(identity))?;
-        Ok(Self { tokens: l.tokens, params: l.params, meta: l.meta, state: l.state })
+    pub fn load(path: &Path, cfg: &ModelConfig, identity: ModelIdentity, products: Products) -> Result<Self, SessionError> {
+        let l = read_session(path, cfg, products, &mut || Ok(identity))?;
+        Ok(Self { tokens: l.tokens, params: l.params, meta: l.meta, state: l.state, products })
     }
 }

@@ -242,6 +242,87 @@ fn user_errors_are_clear() {
     assert!(e.contains("unknown device `quantum`"), "{e}");
 }
 
+/// `tensorfold ARGS` with `TENSORFOLD_PRODUCTS` set to `env`, or unset.
+fn with_products_env(args: &[&str], env: Option<&str>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_tensorfold"));
+    c.args(args).env("TENSORFOLD_SHARED", shared(""));
+    match env {
+        Some(v) => c.env("TENSORFOLD_PRODUCTS", v),
+        None => c.env_remove("TENSORFOLD_PRODUCTS"),
+    };
+    c.output().expect("run tensorfold")
+}
+
+#[test]
+fn products_flag_and_environment_choose_the_same_arithmetic_and_the_flag_wins() {
+    let tmp = TempDir::new("products");
+    let d = shared("fixtures/tiny/mlx-q4");
+    // Greedy ids, the dumped logits' bytes and the log of one run.
+    let run = |extra: &[&str], env: Option<&str>, dump: &str| -> (Vec<u32>, Vec<u8>, String) {
+        let path = tmp.path().join(dump);
+        let mut args = vec![
+            "run",
+            "-m",
+            d.to_str().unwrap(),
+            "--device",
+            "cpu",
+            "--prompt-ids",
+            "5,6,7,300,42",
+            "--print-ids",
+            "--temp",
+            "0",
+            "-n",
+            "12",
+            "--dump-logits",
+            path.to_str().unwrap(),
+        ];
+        args.extend(extra);
+        let o = with_products_env(&args, env);
+        assert!(o.status.success(), "{args:?} (TENSORFOLD_PRODUCTS {env:?}) failed: {}", String::from_utf8_lossy(&o.stderr));
+        (ids(&String::from_utf8(o.stdout).unwrap()), std::fs::read(&path).unwrap(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let (flag_ids, flag_logits, flag_log) = run(&["--products", "int"], None, "flag.st");
+    let (env_ids, env_logits, env_log) = run(&[], Some("int"), "env.st");
+    assert_eq!(flag_ids.len(), 12);
+    assert_eq!(flag_ids, env_ids, "--products int and TENSORFOLD_PRODUCTS=int give other ids");
+    assert!(flag_logits == env_logits, "--products int and TENSORFOLD_PRODUCTS=int give other logits");
+    assert!(flag_log.contains(", integer products)") && env_log.contains(", integer products)"), "{flag_log}\n{env_log}");
+    // f32 by default (and with an empty variable): other bits, and the log says nothing of integers.
+    let (_, f32_logits, f32_log) = run(&[], None, "f32.st");
+    assert!(f32_logits != flag_logits, "integer and f32 products gave the same logits");
+    assert!(!f32_log.contains("integer products"), "{f32_log}");
+    assert!(run(&[], Some(""), "empty.st").1 == f32_logits);
+    // The flag wins over the environment, both ways (even over a value that is not a mode).
+    assert!(run(&["--products", "f32"], Some("int"), "f32-over-int.st").1 == f32_logits);
+    assert!(run(&["--products", "int"], Some("f32"), "int-over-f32.st").1 == flag_logits);
+    assert!(run(&["--products", "f32"], Some("fast"), "f32-over-bad.st").1 == f32_logits);
+}
+
+#[test]
+fn an_unknown_products_mode_is_refused_naming_it_on_every_inference_command() {
+    let d = shared("fixtures/tiny/mlx-q4");
+    let d = d.to_str().unwrap();
+    let fail = |args: &[&str], env: Option<&str>| -> String {
+        let o = with_products_env(args, env);
+        assert!(!o.status.success(), "{args:?} (TENSORFOLD_PRODUCTS {env:?}) should fail");
+        String::from_utf8_lossy(&o.stderr).into_owned()
+    };
+    for cmd in [
+        &["run", "-m", d, "--device", "cpu", "--prompt-ids", "5,6", "--print-ids", "-n", "1"][..],
+        &["chat", "-m", d, "--device", "cpu"],
+        &["bench", "-m", d, "--device", "cpu"],
+        &["verify", "-m", d],
+        &["serve", "-m", d, "--device", "cpu", "--port", "0"],
+    ] {
+        let e = fail(cmd, Some("integer"));
+        assert!(e.contains("TENSORFOLD_PRODUCTS=\"integer\" is not a products mode: expected f32 or int"), "{cmd:?}: {e}");
+        let e = fail(&[cmd, &["--products", "integer"]].concat(), None);
+        assert!(e.contains("--products") && e.contains("integer") && e.contains("f32") && e.contains("int"), "{cmd:?}: {e}");
+        let help = ok(&[&cmd[..1], &["--help"]].concat());
+        assert!(help.contains("--products") && help.contains("docs/numerics.md") && help.contains("TENSORFOLD_PRODUCTS"), "{cmd:?}: {help}");
+    }
+}
+
 /// Copies a fixture directory, then rewrites its model.safetensors with `edit` applied to the
 /// tensor list (name, dtype, shape, bytes).
 fn doctored(tag: &str, src: &Path, edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>)) -> TempDir {

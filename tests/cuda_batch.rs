@@ -7,13 +7,27 @@
 //! device sampling of more than 64 rows. On a machine without a CUDA device the GPU tests print
 //! that they skipped and pass. `CUDA_BATCH_NS=2,63,65` runs the decode test at those N only and
 //! `CUDA_BATCH_FIXTURES=1` on the first fixture only (for compute-sanitizer, which is slow).
+//! `TENSORFOLD_PRODUCTS=int` runs both backends with integer products (numerics §2.2).
 
 use tensorfold::backend::cpu::Cpu;
 use tensorfold::backend::cuda::{self, Cuda};
-use tensorfold::backend::{Backend, BackendError, Batch, RowSampling, SeqRows};
+use tensorfold::backend::{Backend, BackendError, Batch, Products, RowSampling, SeqRows};
 use tensorfold::model::{HostModel, Model, Scratch};
 use tensorfold::sampling::{self, SamplingParams};
 use tensorfold::testutil::shared;
+
+/// The products both backends run: `TENSORFOLD_PRODUCTS`, else f32.
+fn products() -> Products {
+    Products::from_env().unwrap().unwrap_or_default()
+}
+
+fn cpu_backend() -> Cpu {
+    Cpu::new().with_products(products())
+}
+
+fn cuda_backend() -> Cuda {
+    Cuda::new(0).unwrap().with_products(products())
+}
 
 const FIXTURES: [&str; 2] = ["fixtures/tiny/mlx-q4", "fixtures/heads/mlx-q4"];
 /// Decode ticks after the prefill.
@@ -163,14 +177,14 @@ fn copy_then_continue<B: Backend>(m: &Model<B>, what: &str) {
 fn cpu_copy_slot_then_both_continue_as_the_source() {
     for dir in FIXTURES {
         let host = HostModel::open(&shared(dir)).unwrap();
-        copy_then_continue(&Model::new(&host, Cpu::new()).unwrap(), dir);
+        copy_then_continue(&Model::new(&host, cpu_backend()).unwrap(), dir);
     }
 }
 
 #[test]
 fn cpu_sequences_decoded_together_match_their_solo_runs() {
     let host = HostModel::open(&shared(FIXTURES[0])).unwrap();
-    let cpu = Model::new(&host, Cpu::new()).unwrap();
+    let cpu = Model::new(&host, cpu_backend()).unwrap();
     let prompts: Vec<Vec<u32>> = (0..9).map(|i| prompt(i, host.config.vocab_size)).collect();
     let runs = batched(&cpu, &prompts, 9, true);
     for (i, want) in solos(&cpu, &prompts).iter().enumerate() {
@@ -201,8 +215,8 @@ fn gpu_sequences_decoded_together_match_their_solo_runs_and_the_cpu() {
     for dir in &FIXTURES[..fixtures] {
         let host = HostModel::open(&shared(dir)).unwrap();
         let v = host.config.vocab_size;
-        let gpu = Model::new(&host, Cuda::new(0).unwrap()).unwrap();
-        let cpu = Model::new(&host, Cpu::new()).unwrap();
+        let gpu = Model::new(&host, cuda_backend()).unwrap();
+        let cpu = Model::new(&host, cpu_backend()).unwrap();
         let most = cases.iter().map(|c| c.0).max().unwrap_or(0).max(65);
         let prompts: Vec<Vec<u32>> = (0..most).map(|i| prompt(i, v)).collect();
         let solos_gpu = solos(&gpu, &prompts);
@@ -241,8 +255,8 @@ fn gpu_mixture_of_experts_decoded_together_match_their_solo_runs_and_the_cpu() {
     let host = HostModel::open(std::path::Path::new(dir)).unwrap();
     assert!(host.config.moe.is_some(), "{dir} is not a mixture of experts");
     let v = host.config.vocab_size;
-    let gpu = Model::new(&host, Cuda::new(0).unwrap()).unwrap();
-    let cpu = Model::new(&host, Cpu::new()).unwrap();
+    let gpu = Model::new(&host, cuda_backend()).unwrap();
+    let cpu = Model::new(&host, cpu_backend()).unwrap();
     let prompts: Vec<Vec<u32>> = (0..257).map(|i| prompt(i, v)).collect();
     let solos_gpu = solos(&gpu, &prompts);
     for (i, want) in solos(&cpu, &prompts).iter().enumerate() {
@@ -263,7 +277,7 @@ fn gpu_copy_slot_then_both_continue_as_the_source() {
     }
     for dir in FIXTURES {
         let host = HostModel::open(&shared(dir)).unwrap();
-        copy_then_continue(&Model::new(&host, Cuda::new(0).unwrap()).unwrap(), dir);
+        copy_then_continue(&Model::new(&host, cuda_backend()).unwrap(), dir);
     }
 }
 
@@ -276,7 +290,7 @@ fn gpu_samples_more_than_64_rows() {
     }
     let host = HostModel::open(&shared(FIXTURES[1])).unwrap();
     let v = host.config.vocab_size;
-    let gpu = Model::new(&host, Cuda::new(0).unwrap()).unwrap();
+    let gpu = Model::new(&host, cuda_backend()).unwrap();
     for n in [65usize, 128] {
         let mut states = gpu.backend.new_states(&gpu.config).unwrap();
         let mut pre = gpu.scratch(MAX_PROMPT, 1).unwrap();
@@ -335,14 +349,14 @@ fn gpu_slot_snapshots_resume_with_the_cpu_bits() {
     let v = host.config.vocab_size;
     let base = prompt_of_len(3, 4 * STRIDE, v);
     let more = prompt_of_len(4, 3, v);
-    let mut cpu = Engine::new(Model::new(&host, Cpu::new()).unwrap(), 5).unwrap();
+    let mut cpu = Engine::new(Model::new(&host, cpu_backend()).unwrap(), 5).unwrap();
     let mut cold = |ids: &[u32]| {
         let mut s = cpu.new_session(SamplingParams::greedy()).unwrap();
         let l = bits(cpu.feed(&mut s, ids, false, &mut |_, _| {}).unwrap());
         cpu.free_session(s).unwrap();
         l
     };
-    let mut e = Engine::new(Model::new(&host, Cuda::new(0).unwrap()).unwrap(), 5).unwrap();
+    let mut e = Engine::new(Model::new(&host, cuda_backend()).unwrap(), 5).unwrap();
     let three = 3 * snapshot_bytes(&host.config, base.len());
     e.set_snapshots(SnapshotConfig { every: STRIDE, budget_bytes: 1 << 30, device_budget_bytes: three });
     let mut first = e.new_session(SamplingParams::greedy()).unwrap();

@@ -7,12 +7,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use tensorfold::backend::cpu::Cpu;
-use tensorfold::backend::Backend;
+use tensorfold::backend::{Backend, Products};
 use tensorfold::engine::Engine;
 use tensorfold::model::cost::Costs;
 use tensorfold::model::{HostModel, Model};
 use tensorfold::sampling::{Sampler, SamplingParams};
-use tensorfold::session::{ModelIdentity, Session, SessionError, SnapshotConfig, SnapshotHome};
+use tensorfold::session::{ModelIdentity, Session, SessionData, SessionError, SnapshotConfig, SnapshotHome};
 use tensorfold::testutil::{shared, TempDir};
 
 const TINY: &str = "fixtures/tiny/mlx-q4";
@@ -20,8 +20,12 @@ const HEADS: &str = "fixtures/heads/mlx-q4";
 const VOCAB: &str = "fixtures/vocab/mlx-q4";
 
 fn engine(dir: &str) -> Engine<Cpu> {
+    engine_with(dir, Products::F32)
+}
+
+fn engine_with(dir: &str, products: Products) -> Engine<Cpu> {
     let host = HostModel::open(&shared(dir)).unwrap_or_else(|e| panic!("{dir}: {e}"));
-    Engine::new(Model::new(&host, Cpu::new()).unwrap(), 16).unwrap().with_model_dir(shared(dir))
+    Engine::new(Model::new(&host, Cpu::new().with_products(products)).unwrap(), 16).unwrap().with_model_dir(shared(dir))
 }
 
 /// splitmix64: a deterministic stream for prompts and interleavings.
@@ -362,6 +366,60 @@ fn a_saved_session_restored_in_a_new_engine_continues_exactly() {
 }
 
 #[test]
+fn a_session_saved_with_integer_products_resumes_only_with_them_and_then_exactly() {
+    let tmp = TempDir::new("session-products");
+    let mut int = engine_with(TINY, Products::Int);
+    let mut f32 = engine_with(TINY, Products::F32);
+    let prompt = Rng(13).ids(12, int.vocab_size());
+    let (want_ids, want_rows) = solo(&mut int, &prompt, sampling(41), 12);
+    let (_, f32_rows) = solo(&mut f32, &prompt, sampling(41), 1);
+    assert!(bits(&want_rows[0]) != bits(&f32_rows[0]), "the two modes must give other bits, or this test shows nothing");
+
+    // Saved with integer products after 4 sampled tokens (the 5th pushed, not fed).
+    let mut s = int.new_session(sampling(41)).unwrap();
+    let mut sampler = Sampler::new();
+    let mut logits = int.feed(&mut s, &prompt, false, &mut |_, _| {}).unwrap().to_vec();
+    for &want in &want_ids[..4] {
+        let (id, l) = step(&mut int, &mut s, &mut sampler, &logits);
+        assert_eq!(id, want);
+        logits = l;
+    }
+    s.push(s.sample(&mut sampler, &logits));
+    let path = tmp.path().join("int.session");
+    int.save_session(&s, &path).unwrap();
+
+    // Refused by an f32 engine, naming the file, both modes and the flag that resumes it.
+    let x = f32.load_session(&path).expect_err("a session of integer products restored with f32 products");
+    let msg = x.to_string();
+    assert!(matches!(x, SessionError::Products { saved: Products::Int, this: Products::F32, .. }), "{msg}");
+    assert!(msg.contains(&path.display().to_string()) && msg.contains("saved with int products") && msg.contains("uses f32 products") && msg.contains("--products int"), "{msg}");
+    // The same through SessionData (the runtime's clients).
+    let (cfg, id) = (&int.model.config, int.identity().unwrap());
+    assert!(matches!(SessionData::load(&path, cfg, id, Products::F32), Err(SessionError::Products { saved: Products::Int, this: Products::F32, .. })));
+    assert_eq!(SessionData::load(&path, cfg, id, Products::Int).unwrap().products, Products::Int);
+    // And the other way round: an f32 session in an integer engine.
+    let mut g = f32.new_session(sampling(41)).unwrap();
+    f32.feed(&mut g, &prompt, false, &mut |_, _| {}).unwrap();
+    let f32_path = tmp.path().join("f32.session");
+    f32.save_session(&g, &f32_path).unwrap();
+    assert!(matches!(int.load_session(&f32_path), Err(SessionError::Products { saved: Products::F32, this: Products::Int, .. })));
+
+    // Restored with integer products in a new engine: the bits of the uninterrupted run.
+    let mut int2 = engine_with(TINY, Products::Int);
+    let mut r = int2.load_session(&path).unwrap();
+    assert_eq!(r.tokens(), s.tokens());
+    let mut sampler = Sampler::new();
+    let mut logits = int2.feed(&mut r, &[], false, &mut |_, _| {}).unwrap().to_vec();
+    assert!(bits(&logits) == bits(&want_rows[5]));
+    for t in 5..12 {
+        let (id, l) = step(&mut int2, &mut r, &mut sampler, &logits);
+        assert_eq!(id, want_ids[t], "step {t} after restore");
+        assert!(bits(&l) == bits(&want_rows[t + 1]), "step {t} after restore: logits differ");
+        logits = l;
+    }
+}
+
+#[test]
 fn session_files_of_other_models_truncated_or_corrupt_are_refused() {
     let tmp = TempDir::new("session-errors");
     let mut e = engine(TINY);
@@ -554,6 +612,35 @@ fn run_saved_and_loaded_in_a_new_process_equals_one_uninterrupted_run() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("belongs to a different model") && err.contains("s.session"), "{err}");
+}
+
+#[test]
+fn run_refuses_a_session_of_other_products_and_resumes_it_with_the_same() {
+    let tmp = TempDir::new("session-cli-products");
+    let t = |n: &str| tmp.path().join(n).to_str().unwrap().to_string();
+    let model = shared(TINY).to_str().unwrap().to_string();
+    let common = ["run", "-m", &model, "--device", "cpu", "--prompt-ids", "5,17,300,42,9,1000,7", "--print-ids", "--temp", "0"];
+    let run = |extra: &[&str]| -> Output { ok(&common.iter().chain(extra).copied().collect::<Vec<_>>(), None) };
+    let lines = |o: &Output| String::from_utf8(o.stdout.clone()).unwrap().lines().map(str::to_string).collect::<Vec<_>>();
+    let (session, whole_dump, b_dump) = (t("int.session"), t("whole.st"), t("b.st"));
+    let whole = run(&["--products", "int", "-n", "12", "--dump-logits", &whole_dump]);
+    let first = run(&["--products", "int", "-n", "5", "--save-session", &session]);
+
+    let resume = |products: &str, dump: &str| {
+        tensorfold_cmd(&["run", "-m", &model, "--device", "cpu", "--products", products, "--load-session", &session, "-n", "7", "--print-ids", "--dump-logits", dump], None)
+    };
+    let out = resume("f32", &t("never.st"));
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("int.session") && err.contains("saved with int products") && err.contains("--products int"), "{err}");
+    assert!(!Path::new(&t("never.st")).exists(), "refused before any work");
+
+    let second = resume("int", &b_dump);
+    assert!(second.status.success(), "{}", String::from_utf8_lossy(&second.stderr));
+    assert_eq!([lines(&first), lines(&second)].concat(), lines(&whole));
+    let (wl, _) = read_dump(whole_dump.as_ref());
+    let (bl, _) = read_dump(b_dump.as_ref());
+    assert!(wl.ends_with(&bl), "logits after the resume differ from the uninterrupted run");
 }
 
 #[test]

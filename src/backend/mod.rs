@@ -175,13 +175,60 @@ pub enum Products {
 }
 
 impl Products {
-    /// `TENSORFOLD_PRODUCTS` (`f32` or `int`), else the default.
-    pub fn from_env() -> Self {
-        match std::env::var("TENSORFOLD_PRODUCTS").ok().as_deref() {
-            Some("int") => Products::Int,
-            _ => Products::default(),
+    /// The environment variable programs may read the mode from ([`Products::from_env`]).
+    pub const ENV: &'static str = "TENSORFOLD_PRODUCTS";
+
+    /// The mode's name as the `--products` flag and [`Products::ENV`] spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Products::F32 => "f32",
+            Products::Int => "int",
         }
     }
+
+    /// The mode named by [`Products::ENV`]: `None` when it is unset or empty. For a program's
+    /// edge (the command line, a test harness): no backend reads the environment; they take
+    /// the mode from their constructors.
+    ///
+    /// # Errors
+    /// [`ProductsError::Env`] for a value other than `f32` or `int` (or one not UTF-8).
+    pub fn from_env() -> Result<Option<Self>, ProductsError> {
+        match std::env::var(Self::ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => Err(ProductsError::Env { value: v.to_string_lossy().into_owned() }),
+            Ok(v) if v.is_empty() => Ok(None),
+            Ok(v) => v.parse().map(Some).map_err(|_| ProductsError::Env { value: v }),
+        }
+    }
+}
+
+impl std::fmt::Display for Products {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Products {
+    type Err = ProductsError;
+    /// `f32` or `int`.
+    fn from_str(s: &str) -> Result<Self, ProductsError> {
+        match s {
+            "f32" => Ok(Products::F32),
+            "int" => Ok(Products::Int),
+            _ => Err(ProductsError::Unknown { value: s.to_string() }),
+        }
+    }
+}
+
+/// A products mode that is not one ([`Products`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProductsError {
+    /// A name other than `f32` or `int`.
+    #[error("unknown products mode `{value}` (expected f32 or int)")]
+    Unknown { value: String },
+    /// [`Products::ENV`] holds something other than `f32` or `int`.
+    #[error("TENSORFOLD_PRODUCTS={value:?} is not a products mode: expected f32 or int (or unset it; --products overrides it)")]
+    Env { value: String },
 }
 
 pub trait Backend {
@@ -196,6 +243,9 @@ pub trait Backend {
 
     /// A short description for logs (`cpu (avx512, 2 threads)`).
     fn describe(&self) -> String;
+    /// The arithmetic of this backend's affine products (fixed when it is built, before any
+    /// weight is uploaded): the logits and states it computes depend on it.
+    fn products(&self) -> Products;
     /// The most rows (tokens) one step may hold; the engine splits prompts to fit. A step's
     /// logits rows are bounded by the same number.
     fn max_rows(&self) -> usize {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::{machine, Cpu};
-use tensorfold::backend::Backend;
+use tensorfold::backend::{Backend, Products};
 use tensorfold::bench::{self, Kind, Phase, Plan, Spread};
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::cost::Costs;
@@ -44,6 +44,8 @@ pub struct BenchArgs {
     /// Where to run: `cpu`, `cuda` or `cuda:N` (each measures its own bandwidth and peak).
     #[arg(long = "device", default_value = "cpu")]
     pub device: super::Device,
+    #[command(flatten)]
+    pub products: super::ProductsArgs,
     /// GPU: also time every kernel of 32 decode tokens run without graphs (CUDA events) and print
     /// the device time per kernel.
     #[arg(long)]
@@ -64,6 +66,7 @@ struct Resolved {
     prompts: Vec<usize>,
     contexts: Vec<usize>,
     repeats: usize,
+    products: Products,
     args: BenchArgs,
 }
 
@@ -178,7 +181,8 @@ pub fn bench(mut a: BenchArgs) -> Result<()> {
     let (prompts, contexts, repeats): (&[usize], &[usize], usize) = if a.full { (&[128, 512, 4096], &[0, 512, 4096], 3) } else { (&[128, 512], &[0, 512], 2) };
     let prompts = a.prompts.take().unwrap_or_else(|| prompts.to_vec());
     let contexts = a.contexts.take().unwrap_or_else(|| contexts.to_vec());
-    let a = Resolved { prompts, contexts, repeats: a.repeats.unwrap_or(repeats), args: a };
+    let products = a.products.resolve()?;
+    let a = Resolved { prompts, contexts, repeats: a.repeats.unwrap_or(repeats), products, args: a };
     // Arguments first, before a model loads or the machine is measured.
     if a.repeats == 0 {
         bail!("--repetitions must be at least 1");
@@ -208,8 +212,7 @@ pub fn bench(mut a: BenchArgs) -> Result<()> {
     let plan = Plan { prompt_lens: a.prompts.clone(), decode_contexts: a.contexts.clone(), decode_tokens: a.decode_tokens, repeats: a.repeats };
     match a.device {
         super::Device::Cuda(n) => {
-            use tensorfold::backend::cuda::Cuda;
-            let gpu = Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
+            let gpu = super::run::cuda_backend(n, a.products)?;
             eprintln!("measuring the device (copy bandwidth, FMA peak) ...");
             let m = MachineFigures {
                 description: gpu.device_name(),
@@ -292,7 +295,7 @@ pub fn bench(mut a: BenchArgs) -> Result<()> {
         }
         super::Device::Cpu => {
             let threads = a.threads.unwrap_or_else(|| Cpu::new().threads());
-            let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads);
+            let cpu = Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), threads).with_products(a.products);
             eprintln!("measuring the machine (copy bandwidth, FMA peak) ...");
             let mut m = cpu_machine(&cpu);
             let describe = cpu.describe();
@@ -467,7 +470,7 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
     let max = levels.iter().copied().max().unwrap_or(1);
     let prompt = a.prompts[0];
     let cfg = RuntimeConfig { max_seqs: max, max_waiting: max, max_batch_tokens: a.chunk.max(max), chunk: a.chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
-    let (chunk, threads) = (a.chunk, a.threads);
+    let (chunk, threads, products) = (a.chunk, a.threads, a.products);
     // The backend driven directly first (its own engine, dropped before the runtime starts).
     let mut direct = Vec::new();
     {
@@ -479,16 +482,11 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
         };
         match a.device {
             super::Device::Cpu => {
-                let cpu = match threads {
-                    Some(t) => Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), t),
-                    None => Cpu::new(),
-                };
-                let mut e = Engine::new(Model::new(&host, cpu)?, chunk)?;
+                let mut e = Engine::new(Model::new(&host, super::run::cpu_backend(threads, products))?, chunk)?;
                 run_direct(&mut |c| Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000)?))?;
             }
             super::Device::Cuda(n) => {
-                let gpu = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-                let mut e = Engine::new(Model::new(&host, gpu)?, chunk)?;
+                let mut e = Engine::new(Model::new(&host, super::run::cuda_backend(n, products)?)?, chunk)?;
                 run_direct(&mut |c| {
                     tensorfold::bench::direct(&mut e, c, prompt.min(16), 4, 1)?;
                     Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000)?)
@@ -499,17 +497,8 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
     let host = Arc::new(host);
     let h = host.clone();
     let rt = match a.device {
-        super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> {
-            let cpu = match threads {
-                Some(t) => Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), t),
-                None => Cpu::new(),
-            };
-            Ok(Engine::new(Model::new(&h, cpu)?, chunk)?)
-        }),
-        super::Device::Cuda(n) => Runtime::start(cfg, None, move || -> Result<_> {
-            let gpu = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-            Ok(Engine::new(Model::new(&h, gpu)?, chunk)?)
-        }),
+        super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads, products))?, chunk)?) }),
+        super::Device::Cuda(n) => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cuda_backend(n, products)?)?, chunk)?) }),
     }?;
     println!("model: {} ({}), commit {}", dir.display(), rt.info().backend, commit());
     println!(

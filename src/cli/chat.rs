@@ -40,6 +40,8 @@ pub struct ChatArgs {
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
+    #[command(flatten)]
+    pub products: super::ProductsArgs,
     /// CPU threads (default: one per core, or TENSORFOLD_THREADS); the CPU backend only.
     #[arg(short = 't', long = "threads", value_name = "N")]
     pub threads: Option<usize>,
@@ -120,6 +122,7 @@ struct Meta {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
+    let products = a.products.resolve()?;
     let dir = super::model_dir(a.model.as_deref())?;
     let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir).with_context(|| format!("loading the tokenizer in {}", dir.display()))?);
@@ -145,12 +148,11 @@ pub fn chat(a: ChatArgs) -> Result<()> {
         super::Device::Cpu => {
             let threads = a.threads;
             Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
-                Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads))?, chunk)?.with_model_dir(model_dir))
+                Ok(Engine::new(Model::new(&h, super::run::cpu_backend(threads, products))?, chunk)?.with_model_dir(model_dir))
             })
         }
         super::Device::Cuda(n) => Runtime::start(cfg, Some(tokenizer.clone()), move || -> Result<_> {
-            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-            Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
+            Ok(Engine::new(Model::new(&h, super::run::cuda_backend(n, products)?)?, chunk)?.with_model_dir(model_dir))
         }),
     }?;
     let interactive = std::io::stdin().is_terminal();
@@ -185,13 +187,19 @@ pub fn chat(a: ChatArgs) -> Result<()> {
                         eprintln!("(nothing to save yet: the conversation is empty)");
                         continue;
                     };
-                    let data = SessionData { tokens: st.tokens.clone(), params, meta: serde_json::to_string(&Meta { messages: messages.clone() })?, state: st.state.clone() };
+                    let data = SessionData {
+                        tokens: st.tokens.clone(),
+                        params,
+                        meta: serde_json::to_string(&Meta { messages: messages.clone() })?,
+                        state: st.state.clone(),
+                        products: runtime.info().products,
+                    };
                     match identity().and_then(|id| data.save(Path::new(arg), id, &host.config)) {
                         Ok(()) => eprintln!("(session saved to {arg}: {} tokens, {} messages)", data.tokens.len(), messages.len()),
                         Err(e) => eprintln!("error: {e}"),
                     }
                 }
-                "load" if !arg.is_empty() => match identity().and_then(|id| SessionData::load(Path::new(arg), &host.config, id)) {
+                "load" if !arg.is_empty() => match identity().and_then(|id| SessionData::load(Path::new(arg), &host.config, id, runtime.info().products)) {
                     Ok(data) => {
                         messages = match serde_json::from_str::<Meta>(&data.meta) {
                             Ok(m) => m.messages,

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use tensorfold::backend::Products;
 
 /// An exact, fast inference engine for Qwen3.5 models.
 #[derive(Parser, Debug)]
@@ -83,6 +84,41 @@ impl std::str::FromStr for Device {
                 None => Err(format!("unknown device `{s}` (expected cpu, cuda, cuda:N or auto)")),
             },
         }
+    }
+}
+
+/// `--products`: the arithmetic of the products with quantized weights (every command that
+/// loads a model for inference).
+#[derive(clap::Args, Debug, Clone, Copy)]
+pub struct ProductsArgs {
+    /// Arithmetic of the products with quantized (affine) weights: f32, decoded weights times
+    /// f32 activations (docs/numerics.md §2), or int, integer-exact (§2.2: faster in batches on
+    /// a GPU, other bits than f32; the CUDA backend has no expert kernels for it yet). Default:
+    /// TENSORFOLD_PRODUCTS (f32 or int) when set, else f32.
+    #[arg(long = "products", value_enum, value_name = "f32|int")]
+    pub products: Option<ProductsFlag>,
+}
+
+/// The values of `--products` ([`tensorfold::backend::Products`]).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProductsFlag {
+    /// Decoded weights times f32 activations (docs/numerics.md §2).
+    F32,
+    /// Integer-exact products (docs/numerics.md §2.2).
+    Int,
+}
+
+impl ProductsArgs {
+    /// The mode of this run: the flag, else `TENSORFOLD_PRODUCTS`, else f32.
+    ///
+    /// # Errors
+    /// `TENSORFOLD_PRODUCTS` set (and no flag) to something other than f32 or int.
+    pub fn resolve(&self) -> Result<Products> {
+        Ok(match self.products {
+            Some(ProductsFlag::F32) => Products::F32,
+            Some(ProductsFlag::Int) => Products::Int,
+            None => Products::from_env()?.unwrap_or_default(),
+        })
     }
 }
 

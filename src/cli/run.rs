@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use tensorfold::backend::cpu::Cpu;
+use tensorfold::backend::Products;
 use tensorfold::config::GenerationConfig;
 use tensorfold::engine::{Engine, DEFAULT_CHUNK};
 use tensorfold::model::{HostModel, Model};
@@ -58,6 +59,8 @@ pub struct RunArgs {
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
+    #[command(flatten)]
+    pub products: super::ProductsArgs,
     /// CPU threads (default: one per core, or TENSORFOLD_THREADS); the CPU backend only.
     #[arg(short = 't', long = "threads", value_name = "N")]
     pub threads: Option<usize>,
@@ -162,12 +165,19 @@ impl SamplingArgs {
     }
 }
 
-/// The CPU backend with `-t N` threads (else one per core, or `TENSORFOLD_THREADS`).
-pub fn cpu_backend(threads: Option<usize>) -> Cpu {
+/// The CPU backend with `-t N` threads (else one per core, or `TENSORFOLD_THREADS`) and the
+/// given products.
+pub fn cpu_backend(threads: Option<usize>, products: Products) -> Cpu {
     match threads {
         Some(n) => Cpu::with(tensorfold::backend::cpu::simd::Isa::detect(), n),
         None => Cpu::new(),
     }
+    .with_products(products)
+}
+
+/// The CUDA backend on device `n` with the given products.
+pub fn cuda_backend(n: usize, products: Products) -> Result<tensorfold::backend::cuda::Cuda> {
+    Ok(tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?.with_products(products))
 }
 
 /// `-t N` checked: at least one thread.
@@ -190,6 +200,7 @@ pub fn template_kwargs(json: Option<&str>) -> Result<serde_json::Map<String, ser
 }
 
 pub fn run(a: RunArgs) -> Result<()> {
+    let products = a.products.resolve()?;
     let dir = super::model_dir(a.model.as_deref())?;
     let t_load = Instant::now();
     let host = HostModel::open(&dir).with_context(|| format!("loading the model in {}", dir.display()))?;
@@ -289,7 +300,7 @@ pub fn run(a: RunArgs) -> Result<()> {
     let resume = match &a.load_session {
         Some(path) => {
             let identity = ModelIdentity::of_dir(&dir)?;
-            let mut data = SessionData::load(path, &host.config, identity).context("loading the session")?;
+            let mut data = SessionData::load(path, &host.config, identity, products).context("loading the session")?;
             // The session's own settings (seed included), with the flags given over them.
             data.params = a.sampling.apply(data.params);
             data.params.validate()?;
@@ -332,12 +343,11 @@ pub fn run(a: RunArgs) -> Result<()> {
     let runtime = match a.device {
         super::Device::Cpu => {
             let threads = a.threads;
-            Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> { Ok(Engine::new(Model::new(&h, cpu_backend(threads))?, chunk)?.with_model_dir(model_dir)) })
+            Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> { Ok(Engine::new(Model::new(&h, cpu_backend(threads, products))?, chunk)?.with_model_dir(model_dir)) })
         }
-        super::Device::Cuda(n) => Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> {
-            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-            Ok(Engine::new(Model::new(&h, backend)?, chunk)?.with_model_dir(model_dir))
-        }),
+        super::Device::Cuda(n) => {
+            Runtime::start(cfg, tokenizer.clone(), move || -> Result<_> { Ok(Engine::new(Model::new(&h, cuda_backend(n, products)?)?, chunk)?.with_model_dir(model_dir)) })
+        }
     }?;
     generate(&a, &dir, &host, tokenizer.as_deref(), prompt_ids, params, resume, runtime, t_load, echo, ctx_limit)
 }
@@ -512,7 +522,7 @@ fn generate(
     );
     if let Some(path) = &a.save_session {
         let saved = f.saved.context("the runtime returned no state to save")?;
-        let data = SessionData { tokens: saved.tokens, params, meta, state: saved.state };
+        let data = SessionData { tokens: saved.tokens, params, meta, state: saved.state, products: info.products };
         data.save(path, ModelIdentity::of_dir(dir)?, &host.config).context("saving the session")?;
         eprintln!("session: {} tokens saved to {}", data.tokens.len(), path.display());
     }

@@ -39,6 +39,8 @@ pub struct ServeArgs {
     /// cpu, cuda, cuda:N or auto (a GPU when one is present).
     #[arg(long = "device", default_value = "auto")]
     pub device: super::Device,
+    #[command(flatten)]
+    pub products: super::ProductsArgs,
     /// Sequences resident at once.
     #[arg(long = "max-seqs", default_value_t = 64)]
     pub max_seqs: usize,
@@ -73,6 +75,7 @@ pub struct ServeArgs {
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
+    let products = a.products.resolve()?;
     let dir = super::model_dir(a.model.as_deref())?;
     // tracing's lines go to stderr; RUST_LOG overrides the default (info for tensorfold).
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("tensorfold=info"));
@@ -100,7 +103,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let gc = GenerationConfig::from_dir(&dir)?;
     let defaults = a.sampling.apply(checkpoint_params(&gc, dir.join("generation_config.json").exists()));
     defaults.validate()?;
-    let fingerprint = serve::fingerprint(&dir).map_err(anyhow::Error::msg).context("hashing the model for system_fingerprint")?;
+    let fingerprint = serve::fingerprint(&dir, products).map_err(anyhow::Error::msg).context("hashing the model for system_fingerprint")?;
     let dir_name = dir.canonicalize().unwrap_or_else(|_| dir.clone()).file_name().map_or_else(|| "model".to_string(), |n| n.to_string_lossy().into_owned());
 
     let config = RuntimeConfig {
@@ -117,11 +120,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let d = dir.clone();
     // The engine is built on the runtime's thread (CUDA's backend is not Send).
     let runtime = match a.device {
-        super::Device::Cpu => Runtime::start(config, Some(tokenizer.clone()), move || build(&d, Cpu::new())),
-        super::Device::Cuda(n) => Runtime::start(config, Some(tokenizer.clone()), move || {
-            let backend = tensorfold::backend::cuda::Cuda::new(n).with_context(|| format!("opening CUDA device {n}"))?;
-            build(&d, backend)
-        }),
+        super::Device::Cpu => Runtime::start(config, Some(tokenizer.clone()), move || build(&d, Cpu::new().with_products(products))),
+        super::Device::Cuda(n) => Runtime::start(config, Some(tokenizer.clone()), move || build(&d, super::run::cuda_backend(n, products)?)),
     }
     .with_context(|| format!("loading the model in {}", dir.display()))?;
     let max_pos = runtime.info().config.max_position_embeddings;

@@ -9,6 +9,7 @@ use clap::Args;
 use std::sync::Arc;
 use tensorfold::backend::cpu::Cpu;
 use tensorfold::backend::cuda::Cuda;
+use tensorfold::backend::Products;
 use tensorfold::engine::Engine;
 use tensorfold::model::{HostModel, Model};
 use tensorfold::runtime::{Event, FinishReason, Handle, Request, Runtime, RuntimeConfig, StopRules};
@@ -37,6 +38,9 @@ pub struct VerifyArgs {
     /// The GPU to compare against the CPU.
     #[arg(long, default_value = "cuda:0")]
     pub device: super::Device,
+    /// Both sides (the CPU reference and --device) run the products given here.
+    #[command(flatten)]
+    pub products: super::ProductsArgs,
     /// Tokens per prompt step.
     #[arg(long, default_value_t = 256)]
     pub chunk: usize,
@@ -60,8 +64,10 @@ fn same(a: &[f32], b: &[f32]) -> (bool, f32) {
 }
 
 pub fn verify(a: VerifyArgs) -> Result<()> {
+    // One mode for both sides: the CPU is the reference of that mode's bits.
+    let products = a.products.resolve()?;
     if let Some(n) = a.concurrency {
-        return concurrent(&a, n);
+        return concurrent(&a, n, products);
     }
     let super::Device::Cuda(ordinal) = a.device else { bail!("verify compares the CPU with a GPU: pass --device cuda[:N]") };
     let dir = super::model_dir(a.model.as_deref())?;
@@ -87,9 +93,9 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
     if prompt.is_empty() || prompt.iter().any(|&i| i as usize >= vocab) {
         bail!("the prompt must be non-empty ids below vocab_size {vocab}");
     }
-    let gpu = Cuda::new(ordinal).with_context(|| format!("opening CUDA device {ordinal}"))?;
+    let gpu = super::run::cuda_backend(ordinal, products)?;
     let device = gpu.device_name();
-    let mut ec = Engine::new(Model::new(&host, Cpu::new())?, a.chunk)?;
+    let mut ec = Engine::new(Model::new(&host, Cpu::new().with_products(products))?, a.chunk)?;
     let mut eg = Engine::new(Model::new(&host, gpu)?, a.chunk)?;
 
     // The portable functions on the device against the host, over a sweep of inputs.
@@ -192,7 +198,7 @@ pub fn verify(a: VerifyArgs) -> Result<()> {
         "sampling: {sample_steps} steps (temp {}, top-k {}, top-p {}, min-p {}, repeat-penalty {}): device ids == host ids",
         params.temperature, params.top_k, params.top_p, params.min_p, params.repetition_penalty
     );
-    println!("verify: OK on {device}");
+    println!("verify: OK on {device} ({products} products on both)");
     Ok(())
 }
 
@@ -242,7 +248,7 @@ fn drain(h: &mut Handle, cancel_after: Option<usize>) -> Outcome {
 }
 
 /// `verify --concurrency N`.
-fn concurrent(a: &VerifyArgs, n: usize) -> Result<()> {
+fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
     if n == 0 {
         bail!("--concurrency must be at least 1");
     }
@@ -273,10 +279,8 @@ fn concurrent(a: &VerifyArgs, n: usize) -> Result<()> {
         let h = host.clone();
         let cfg = RuntimeConfig { max_seqs, max_waiting: n.max(1), max_batch_tokens: chunk.max(max_seqs), chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
         Ok(match device {
-            super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new())?, chunk)?) })?,
-            super::Device::Cuda(o) => {
-                Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cuda::new(o).with_context(|| format!("opening CUDA device {o}"))?)?, chunk)?) })?
-            }
+            super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new().with_products(products))?, chunk)?) })?,
+            super::Device::Cuda(o) => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cuda_backend(o, products)?)?, chunk)?) })?,
         })
     };
     let t0 = Instant::now();

@@ -252,6 +252,8 @@ pub struct ModelInfo {
     pub config: ModelConfig,
     /// The backend's description (`cpu (avx2, 2 threads)`).
     pub backend: String,
+    /// The arithmetic of the backend's products (what session files record).
+    pub products: crate::backend::Products,
     /// Ids sampling chooses among (the tokenizer's, within the logits row).
     pub v_eff: usize,
 }
@@ -399,7 +401,7 @@ impl Runtime {
                 engine.set_batch_capacity(cfg.max_seqs);
                 let mc = engine.model.config.clone();
                 let v_eff = tokenizer.as_ref().map_or(mc.vocab_size, |t| t.vocab_size().min(mc.vocab_size));
-                let info = ModelInfo { config: mc, backend: engine.model.backend.describe(), v_eff };
+                let info = ModelInfo { config: mc, backend: engine.model.backend.describe(), products: engine.model.backend.products(), v_eff };
                 let _ = ready_tx.send(Ok(info));
                 Worker::new(engine, cfg, tokenizer, v_eff, rx, sh).run();
             })

@@ -205,11 +205,13 @@ impl IntoResponse for ApiError {
 
 /// `system_fingerprint`: `fp_` and 16 hex digits of xxh3-64 over the weights' identity
 /// ([`ModelIdentity::of_dir`]: config.json and every shard), the tokenizer and chat template
-/// files, and [`NUMERICS_VERSION`]: equal fingerprints mean the same ids for the same request.
+/// files, [`NUMERICS_VERSION`], and the arithmetic of the products the server runs (`products`:
+/// the integer-exact form gives other bits): equal fingerprints mean the same ids for the same
+/// request.
 ///
 /// # Errors
 /// A file that exists but cannot be read, or a checkpoint that cannot be hashed.
-pub fn fingerprint(dir: &Path) -> Result<String, String> {
+pub fn fingerprint(dir: &Path, products: crate::backend::Products) -> Result<String, String> {
     let id = ModelIdentity::of_dir(dir).map_err(|e| e.to_string())?;
     let mut h = Xxh3::new();
     h.update(b"tensorfold system fingerprint\0");
@@ -228,7 +230,7 @@ pub fn fingerprint(dir: &Path) -> Result<String, String> {
     }
     h.update(&NUMERICS_VERSION.to_le_bytes());
     // The integer-exact products give other bits (numerics §2.2).
-    if crate::backend::Products::from_env() == crate::backend::Products::Int {
+    if products == crate::backend::Products::Int {
         h.update(b"integer products");
     }
     Ok(format!("fp_{:016x}", h.digest()))
@@ -397,6 +399,15 @@ mod tests {
         h.insert("x-api-key", HeaderValue::from_static("k1"));
         assert!(key_matches(&h, "k1"));
         assert!(!key_matches(&h, "k10"));
+    }
+
+    #[test]
+    fn the_fingerprint_differs_between_products_modes() {
+        use crate::backend::Products;
+        let dir = crate::testutil::shared("fixtures/tiny/mlx-q4");
+        let f32 = fingerprint(&dir, Products::F32).unwrap();
+        assert_eq!(f32, fingerprint(&dir, Products::F32).unwrap());
+        assert_ne!(f32, fingerprint(&dir, Products::Int).unwrap());
     }
 
     #[test]

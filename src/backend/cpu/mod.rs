@@ -70,18 +70,20 @@ const PANEL_TASK_ROWS: usize = 24;
 
 impl Cpu {
     /// The fastest instruction set this CPU has ([`Isa::detect`]) and one thread per core
-    /// (`TENSORFOLD_THREADS` overrides).
+    /// (`TENSORFOLD_THREADS` overrides), with f32 products ([`Cpu::with_products`] to change).
     pub fn new() -> Self {
         let threads = std::env::var("TENSORFOLD_THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1));
         Self::with(Isa::detect(), threads)
     }
 
-    /// A backend with a given instruction set and thread count (tests compare them).
+    /// A backend with a given instruction set and thread count (tests compare them), with f32
+    /// products ([`Cpu::with_products`] to change).
     pub fn with(isa: Isa, threads: usize) -> Self {
-        Self { isa, products: Products::from_env(), pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()) }
+        Self { isa, products: Products::default(), pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()) }
     }
 
-    /// This backend with the given form of the affine products.
+    /// This backend with the given form of the affine products (before the model is uploaded:
+    /// the weights' layout depends on it).
     pub fn with_products(mut self, products: Products) -> Self {
         self.products = products;
         self
@@ -189,6 +191,10 @@ impl Backend for Cpu {
         let t = self.threads();
         let ints = if self.products == Products::Int { ", integer products" } else { "" };
         format!("cpu ({}, {t} thread{}{ints})", self.isa.name(), if t == 1 { "" } else { "s" })
+    }
+
+    fn products(&self) -> Products {
+        self.products
     }
 
     fn upload_matrix(&self, m: &Matrix) -> Result<Matrix, BackendError> {

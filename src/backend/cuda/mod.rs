@@ -727,10 +727,17 @@ impl Cuda {
             sms,
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
-            products: Products::from_env(),
+            products: Products::default(),
             expert_tables: Mutex::new(HashMap::new()),
             attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
         })
+    }
+
+    /// This backend with the given form of the affine products (f32 unless set; before the
+    /// model is uploaded).
+    pub fn with_products(mut self, products: Products) -> Self {
+        self.products = products;
+        self
     }
 
     /// The device's name and architecture.
@@ -1781,6 +1788,10 @@ impl Backend for Cuda {
         format!("cuda ({}, {}{ints})", self.name, self.arch)
     }
 
+    fn products(&self) -> Products {
+        self.products
+    }
+
     fn max_rows(&self) -> usize {
         MAX_ROWS
     }
@@ -1796,7 +1807,7 @@ impl Backend for Cuda {
                 return refuse(format!("{} experts, {} per token: the CUDA expert kernels route at most 1024 experts and 32 per token", m.num_experts, m.num_experts_per_tok));
             }
             if self.products == Products::Int {
-                return refuse("the CUDA backend runs mixture-of-experts models with f32 products only (TENSORFOLD_PRODUCTS=int has no expert kernels yet)".into());
+                return refuse("the CUDA backend runs mixture-of-experts models with f32 products only (integer products, --products int, have no expert kernels yet)".into());
             }
         }
         Ok(())
