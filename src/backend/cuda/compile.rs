@@ -20,8 +20,9 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 
 /// matmul_int.cu's entry points: `quantize_rows`, then `matmul_int{bits}_s{sdt}_u{unit}_{tile}`
 /// for bits 4, 8 × units 64, 32 × scale dtypes 0, 1, 2 × tiles one, small, large, in that
-/// order ([`matmul_int_entry`] indexes it).
-const MATMUL_INT_ENTRIES: [&str; 37] = [
+/// order ([`matmul_int_entry`] indexes it), then the wide prompt tile of 4-bit codes
+/// `matmul_int4_s{sdt}_u{unit}_wide` for units 64, 32 × scale dtypes 0, 1, 2.
+const MATMUL_INT_ENTRIES: [&str; 43] = [
     "quantize_rows",
     "matmul_int4_s0_u64_one",
     "matmul_int4_s0_u64_small",
@@ -59,11 +60,21 @@ const MATMUL_INT_ENTRIES: [&str; 37] = [
     "matmul_int8_s2_u32_one",
     "matmul_int8_s2_u32_small",
     "matmul_int8_s2_u32_large",
+    "matmul_int4_s0_u64_wide",
+    "matmul_int4_s1_u64_wide",
+    "matmul_int4_s2_u64_wide",
+    "matmul_int4_s0_u32_wide",
+    "matmul_int4_s1_u32_wide",
+    "matmul_int4_s2_u32_wide",
 ];
 
 /// The `matmul_int` kernel for `bits` (4, 8), scale dtype `sdt` (0 f32, 1 f16, 2 bf16), unit
-/// length `unit` (64, 32) and tile `tile` (0 one, 1 small, 2 large).
+/// length `unit` (64, 32) and tile `tile` (0 one, 1 small, 2 large, 3 wide: 4-bit codes only).
 pub fn matmul_int_entry(bits: u32, sdt: u32, unit: u32, tile: usize) -> &'static str {
+    if tile == 3 {
+        assert_eq!(bits, 4, "the wide integer tile is for 4-bit codes");
+        return MATMUL_INT_ENTRIES[37 + usize::from(unit == 32) * 3 + sdt as usize];
+    }
     let i = ((usize::from(bits == 8) * 2 + usize::from(unit == 32)) * 3 + sdt as usize) * 3 + tile;
     MATMUL_INT_ENTRIES[1 + i]
 }

@@ -596,6 +596,9 @@ pub struct Cuda {
     /// One-token launches of a single matrix of at least this many rows stream it
     /// (`matmul_t1s`; `TENSORFOLD_T1S_MIN_ROWS`, default 65 536: the LM head).
     t1s_min_rows: usize,
+    /// Tokens from which integer products of 4-bit codes take the wide tile (matmul_int.cu
+    /// `_wide`); `TENSORFOLD_INT_WIDE_ROWS`, a scheduling knob (the bits are the same).
+    int_wide_rows: usize,
     /// The arithmetic of affine products ([`Products`]).
     products: Products,
     /// Per mixture-of-experts layer (keyed by its router's weight address), `[3][E]` pairs of
@@ -727,6 +730,7 @@ impl Cuda {
             sms,
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
+            int_wide_rows: std::env::var("TENSORFOLD_INT_WIDE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
             products: Products::default(),
             expert_tables: Mutex::new(HashMap::new()),
             attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
@@ -1187,7 +1191,7 @@ impl Cuda {
                 unsafe { self.kernel("quantize_rows", (blocks.div_ceil(8), rows as u32, 1), 256, 0, a) }
             });
         }
-        let (tr, tt) = if tile == 2 { (32u32, 32u32) } else { (16, 8) };
+        let wide = tile == 2 && rows >= self.int_wide_rows;
         // Launches of up to four matrices stored alike (format, scale dtype, unit length).
         let affine: Vec<&(&CudaMatrix, &mut CudaTensor)> = outs.iter().filter(|(m, _)| m.fmt >= 4).collect();
         let key = |m: &CudaMatrix| (m.fmt, m.sdtype, m.group.min(64));
@@ -1198,6 +1202,13 @@ impl Cuda {
                 j += 1;
             }
             let (fmt, sdt, ul) = key(affine[i].0);
+            // The tile of this launch: wide (128 rows × 32 tokens) for 4-bit codes in prompts.
+            let tile = if wide && fmt == 4 { 3 } else { tile };
+            let (tr, tt) = match tile {
+                3 => (128u32, 32u32),
+                2 => (32, 32),
+                _ => (16, 8),
+            };
             let mut d = IntMatDescs::default();
             let mut tiles = 0u32;
             for (k, (m, y)) in affine[i..j].iter().map(|p| (p.0, &p.1)).enumerate() {
@@ -1234,7 +1245,8 @@ impl Cuda {
                     kpad,
                     pad: 0,
                 };
-                unsafe { self.kernel(fname, grid, 256, 0, self.args().val(d).val(inp).val(x_buf).val(tiles)) }
+                let threads = if tile == 3 { 128 } else { 256 };
+                unsafe { self.kernel(fname, grid, threads, 0, self.args().val(d).val(inp).val(x_buf).val(tiles)) }
             });
             i = j;
         }

@@ -393,3 +393,230 @@ MM_INT_SDT(4, 64)
 MM_INT_SDT(4, 32)
 MM_INT_SDT(8, 64)
 MM_INT_SDT(8, 32)
+
+// Prompt chunks with 4-bit codes: a block computes 128 rows × 32 tokens, its four warps 32 rows
+// each (2 × 4 fragments), every warp walking all units in order: the eight chunks of the fold one
+// after another, each summed in unit order from +0.0 and added in order into the output (the
+// same sums as the split kernel above, where each warp is one chunk). A unit's codes, planes,
+// scales and biases and activation scales are copied into shared memory by cp.async, the next
+// next unit's while the current one multiplies; the warps share the planes and the
+// weights are read once per 32 tokens.
+#define WIDE_N 32
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* s, const void* g) {
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(s)), "l"(g) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(smem_addr(s)), "l"(g), "n"(BYTES) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// Units in shared memory at once: the next one is copied while the current one multiplies
+// (four measured no faster on the H200: bench/results/2026-12-02-h200-int-wide-tile-2b.txt).
+#define WIDE_STAGES 2
+
+#define WIDE_WARPS 4
+template <int UL, int SDT>
+struct __align__(16) WideStage {
+    u8 a[32 * WIDE_WARPS][UL / 2];             // the unit's code bytes of each row
+    signed char b[WIDE_N][3 * UL];    // the unit's three planes of each token
+    typename Sb<SDT>::T sb[32 * WIDE_WARPS];   // each row's scale and bias of the unit's group
+    float d[WIDE_N], ds[WIDE_N];      // each token's block scale and d·f32(Σxi) of the unit
+};
+
+// Grid (Σ ceil(rows / 128) over the matrices, ceil(tokens / 32)), 128 threads.
+template <int SDT, int UL>
+__device__ __forceinline__ void matmul_int_wide(const IntMats& ms, const IntIn& in) {
+    constexpr int KS = UL / 32, MT = 2, NT = 4, AB = UL / 2, W = WIDE_WARPS, WIDE_M = 32 * W;
+    __shared__ WideStage<UL, SDT> stg[WIDE_STAGES];
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const u32 tile = blockIdx.x;
+    u32 mi = 0;
+    for (u32 i = 1; i < ms.count; i++)
+        if (tile >= ms.m[i].tile0) mi = i;
+    const IntMat& m = ms.m[mi];
+    const u32 r0 = (tile - m.tile0) * WIDE_M, n0 = blockIdx.y * WIDE_N;
+    const u32 units = m.cols / UL, rowbytes = m.cols / 2, groups = m.cols / m.group, sbs = sb_size(SDT);
+    // Weights (codes, scales and biases) of unit u into stage s; then what the previous kernel
+    // wrote (planes, activation scales).
+    auto issue_w = [&](u32 u, int s) {
+        for (u32 i = threadIdx.x; i < WIDE_M * (AB / 16); i += 32 * W) {
+            const u32 rl = i / (AB / 16), c = i % (AB / 16), r = min(r0 + rl, m.rows - 1);
+            cp_async<16>(&stg[s].a[rl][16 * c], m.w + (u64)r * rowbytes + u * AB + 16 * c);
+        }
+        for (u32 rl = threadIdx.x; rl < WIDE_M; rl += 32 * W) {
+            const u32 r = min(r0 + rl, m.rows - 1);
+            cp_async<SDT == 0 ? 8 : 4>(&stg[s].sb[rl], m.sb + ((u64)r * groups + u * UL / m.group) * sbs);
+        }
+    };
+    auto issue_x = [&](u32 u, int s) {
+        for (u32 i = threadIdx.x; i < WIDE_N * 3 * (UL / 16); i += 32 * W) {
+            const u32 tl = i / (3 * (UL / 16)), rest = i % (3 * (UL / 16)), p = rest / (UL / 16), c = rest % (UL / 16);
+            const u32 tk = min(n0 + tl, in.tokens - 1);
+            cp_async<16>(&stg[s].b[tl][p * UL + 16 * c], in.planes + ((u64)tk * 3 + p) * in.kpad + u * UL + 16 * c);
+        }
+        if (threadIdx.x < 2 * WIDE_N) {
+            const u32 tl = threadIdx.x % WIDE_N, tk = min(n0 + tl, in.tokens - 1);
+            if (threadIdx.x < WIDE_N)
+                cp_async<4>(&stg[s].d[tl], in.d + tk * in.blocks + u * UL / 64);
+            else
+                cp_async<4>(&stg[s].ds[tl], UL == 64 ? in.ds64 + tk * in.blocks + u : in.ds32 + tk * 2 * in.blocks + u);
+        }
+    };
+    // The first units' weights before the wait, then their inputs; one commit group per unit
+    // (empty past the last unit, so the count of groups in flight stays fixed).
+#pragma unroll
+    for (int k = 0; k < WIDE_STAGES - 1; k++)
+        if (k < units) issue_w(k, k);
+    pdl_enter();
+#pragma unroll
+    for (int k = 0; k < WIDE_STAGES - 1; k++) {
+        if (k < units) issue_x(k, k);
+        cp_commit();
+    }
+    float cacc[MT][NT][4], yacc[MT][NT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) cacc[mt][nt][i] = yacc[mt][nt][i] = 0.0f;
+    auto flush = [&]() {
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    yacc[mt][nt][i] = yacc[mt][nt][i] + cacc[mt][nt][i];
+                    cacc[mt][nt][i] = 0.0f;
+                }
+    };
+    // Chunk c of the fold is units floor(c·U/8) .. floor((c+1)·U/8) − 1 (numerics::fold_units).
+    u32 c = 0, cend = units / CHUNKS;
+    for (u32 u = 0; u < units; u++) {
+        const int s = u % WIDE_STAGES;
+        cp_wait<WIDE_STAGES - 2>();
+        // Every thread's copies of unit u have landed, and every warp is done with unit u − 1,
+        // whose stage the next copies overwrite.
+        __syncthreads();
+        if (u + WIDE_STAGES - 1 < units) {
+            const int sn = (u + WIDE_STAGES - 1) % WIDE_STAGES;
+            issue_w(u + WIDE_STAGES - 1, sn);
+            issue_x(u + WIDE_STAGES - 1, sn);
+        }
+        cp_commit();
+        while (u == cend) {
+            flush();
+            c++;
+            cend = (c + 1) * units / CHUNKS;
+        }
+        const WideStage<UL, SDT>& S = stg[s];
+        u32 alo[MT][2][KS], ahi[MT][2][KS];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) load_a<4, UL>(S.a[32 * warp + 16 * mt + g + 8 * h], 0, t, alo[mt][h], ahi[mt][h]);
+        // I per output: Horner over the planes in one s32 accumulator (numerics §2.2: every
+        // partial sum of a 4-bit unit fits).
+        int acc[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) acc[mt][nt][i] = 0;
+#pragma unroll
+        for (int p = 2; p >= 0; p--) {
+            u32 b[NT][KS][2];
+#pragma unroll
+            for (int nt = 0; nt < NT; nt++) {
+                const signed char* pp = S.b[8 * nt + g] + p * UL;
+                if (UL == 64) {
+                    uint4 v = *(const uint4*)(pp + 16 * t);
+                    b[nt][0][0] = v.x;
+                    b[nt][0][1] = v.y;
+                    b[nt][KS - 1][0] = v.z;
+                    b[nt][KS - 1][1] = v.w;
+                } else {
+                    uint2 v = *(const uint2*)(pp + 8 * t);
+                    b[nt][0][0] = v.x;
+                    b[nt][0][1] = v.y;
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++) {
+                    if (p < 2) {
+#pragma unroll
+                        for (int i = 0; i < 4; i++) acc[mt][nt][i] *= 256;
+                    }
+#pragma unroll
+                    for (int ks = 0; ks < KS; ks++) {
+                        const u32 a[4] = {alo[mt][0][ks], alo[mt][1][ks], ahi[mt][0][ks], ahi[mt][1][ks]};
+                        mma_u8s8(acc[mt][nt], a, b[nt][ks][0], b[nt][ks][1]);
+                    }
+                }
+        }
+        // The unit's value into each output's chunk sum.
+        float dd[NT][2], dsum[NT][2];
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++) {
+            const float2 dv = *(const float2*)&S.d[8 * nt + 2 * t];
+            const float2 sv = *(const float2*)&S.ds[8 * nt + 2 * t];
+            dd[nt][0] = dv.x;
+            dd[nt][1] = dv.y;
+            dsum[nt][0] = sv.x;
+            dsum[nt][1] = sv.y;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                float sc, bi;
+                unpack_sb<SDT>(S.sb[32 * warp + 16 * mt + g + 8 * h], sc, bi);
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int j = 0; j < 2; j++) {
+                        const float v = __fmaf_rn(sc * dd[nt][j], (float)acc[mt][nt][2 * h + j], bi * dsum[nt][j]);
+                        cacc[mt][nt][2 * h + j] = cacc[mt][nt][2 * h + j] + v;
+                    }
+            }
+    }
+    while (c < CHUNKS) {
+        flush();
+        c++;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const u32 r = r0 + 32 * warp + 16 * mt + g + 8 * (i >> 1), tk = n0 + 8 * nt + 2 * t + (i & 1);
+                if (r >= m.rows || tk >= in.tokens) continue;
+                const float yv = yacc[mt][nt][i];
+                m.y[(u64)tk * m.ldy + r] = yv;
+                if (m.res) m.res[(u64)tk * m.ldy + r] = m.res[(u64)tk * m.ldy + r] + yv;
+            }
+}
+
+#define MM_INT_WIDE(SDT, UL)                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(128) matmul_int4_s##SDT##_u##UL##_wide(IntMats m, IntIn in, const float* x, u32 tiles) { \
+        matmul_int_wide<SDT, UL>(m, in);                                                                                             \
+    }
+MM_INT_WIDE(0, 64)
+MM_INT_WIDE(1, 64)
+MM_INT_WIDE(2, 64)
+MM_INT_WIDE(0, 32)
+MM_INT_WIDE(1, 32)
+MM_INT_WIDE(2, 32)
