@@ -165,7 +165,8 @@ __device__ __forceinline__ float tf_rsqrt(float v) { return 1.0f / sqrtf(v); }
 // are visible, then lets the next kernel start. Every step kernel calls it before it writes
 // anything and before it reads what the previous kernel may write. Before it a kernel reads
 // only weights, the tables the host writes before the step (rows, sequences, slots, KV page
-// pointers), and state that only this same kernel writes (a layer's GDN state, last written in
+// pointers), and state that only this layer's GDN kernels write (its recurrent state and conv
+// windows, by gdn_heads, gdn_conv or gdn_scan, never by the kernel just before; last written in
 // an earlier step: when this kernel starts, every block of the previous one has passed its own
 // pdl_enter() or exited, so every kernel before that one has completed, and a completed grid's
 // writes are visible to later grids). That needs at least one block of every kernel to reach

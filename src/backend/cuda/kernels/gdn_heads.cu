@@ -53,7 +53,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_heads(const float* src, c
     // Per-head parameters (weights; the conv taps above too): read before waiting.
     const float a_neg_h = a_neg[h], dt_bias_h = dt_bias[h];
     const float norm_wj = threadIdx.x < dv ? norm_w[threadIdx.x] : 0.0f;
-    // The recurrent state and conv windows were last written by this kernel in an earlier step,
+    // The recurrent state and conv windows were last written by this layer's GDN kernels
+    // (gdn_heads, or gdn_conv / gdn_scan of a prompt step) in an earlier step,
     // which had completed before the kernel before this one began (stream order with
     // programmatic dependent launch), and the slot and sequence tables are written by the host
     // before the step: all may be read before waiting on the previous kernel (the projection

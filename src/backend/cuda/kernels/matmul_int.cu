@@ -399,7 +399,7 @@ MM_INT_SDT(8, 32)
 // after another, each summed in unit order from +0.0 and added in order into the output (the
 // same sums as the split kernel above, where each warp is one chunk). A unit's codes, planes,
 // scales and biases and activation scales are copied into shared memory by cp.async, the next
-// next unit's while the current one multiplies; the warps share the planes and the
+// unit's while the current one multiplies; the warps share the planes and the
 // weights are read once per 32 tokens.
 #define WIDE_N 32
 
@@ -431,7 +431,8 @@ struct __align__(16) WideStage {
     float d[WIDE_N], ds[WIDE_N];      // each token's block scale and d·f32(Σxi) of the unit
 };
 
-// Grid (Σ ceil(rows / 128) over the matrices, ceil(tokens / 32)), 128 threads.
+// Grid (Σ ceil(rows / 128) over the matrices, ceil(tokens / 32)), 128 threads: grid.x is the
+// tile count (the entry points' `x` and `tiles` are unused, kept for the launch's one signature).
 template <int SDT, int UL>
 __device__ __forceinline__ void matmul_int_wide(const IntMats& ms, const IntIn& in) {
     constexpr int KS = UL / 32, MT = 2, NT = 4, AB = UL / 2, W = WIDE_WARPS, WIDE_M = 32 * W;
