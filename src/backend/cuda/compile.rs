@@ -21,8 +21,10 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// matmul_int.cu's entry points: `quantize_rows`, then `matmul_int{bits}_s{sdt}_u{unit}_{tile}`
 /// for bits 4, 8 × units 64, 32 × scale dtypes 0, 1, 2 × tiles one, small, large, in that
 /// order ([`matmul_int_entry`] indexes it), then the wide prompt tile of 4-bit codes
-/// `matmul_int4_s{sdt}_u{unit}_wide` for units 64, 32 × scale dtypes 0, 1, 2.
-const MATMUL_INT_ENTRIES: [&str; 43] = [
+/// `matmul_int4_s{sdt}_u{unit}_wide` for units 64, 32 × scale dtypes 0, 1, 2, then the one-token
+/// gate|up products with SwiGLU `matmul_int{bits}_s{sdt}_u{unit}_one_swiglu` in the order of the
+/// first.
+const MATMUL_INT_ENTRIES: [&str; 55] = [
     "quantize_rows",
     "matmul_int4_s0_u64_one",
     "matmul_int4_s0_u64_small",
@@ -66,11 +68,27 @@ const MATMUL_INT_ENTRIES: [&str; 43] = [
     "matmul_int4_s0_u32_wide",
     "matmul_int4_s1_u32_wide",
     "matmul_int4_s2_u32_wide",
+    "matmul_int4_s0_u64_one_swiglu",
+    "matmul_int4_s1_u64_one_swiglu",
+    "matmul_int4_s2_u64_one_swiglu",
+    "matmul_int4_s0_u32_one_swiglu",
+    "matmul_int4_s1_u32_one_swiglu",
+    "matmul_int4_s2_u32_one_swiglu",
+    "matmul_int8_s0_u64_one_swiglu",
+    "matmul_int8_s1_u64_one_swiglu",
+    "matmul_int8_s2_u64_one_swiglu",
+    "matmul_int8_s0_u32_one_swiglu",
+    "matmul_int8_s1_u32_one_swiglu",
+    "matmul_int8_s2_u32_one_swiglu",
 ];
 
 /// The `matmul_int` kernel for `bits` (4, 8), scale dtype `sdt` (0 f32, 1 f16, 2 bf16), unit
-/// length `unit` (64, 32) and tile `tile` (0 one, 1 small, 2 large, 3 wide: 4-bit codes only).
+/// length `unit` (64, 32) and tile `tile` (0 one, 1 small, 2 large, 3 wide: 4-bit codes only,
+/// 4 one token with SwiGLU).
 pub fn matmul_int_entry(bits: u32, sdt: u32, unit: u32, tile: usize) -> &'static str {
+    if tile == 4 {
+        return MATMUL_INT_ENTRIES[43 + (usize::from(bits == 8) * 2 + usize::from(unit == 32)) * 3 + sdt as usize];
+    }
     if tile == 3 {
         assert_eq!(bits, 4, "the wide integer tile is for 4-bit codes");
         return MATMUL_INT_ENTRIES[37 + usize::from(unit == 32) * 3 + sdt as usize];
@@ -251,7 +269,10 @@ mod tests {
         for bits in [4, 8] {
             for sdt in 0..3 {
                 for unit in [64, 32] {
-                    for (tile, name) in ["one", "small", "large"].iter().enumerate() {
+                    for (tile, name) in ["one", "small", "large", "wide", "one_swiglu"].iter().enumerate() {
+                        if tile == 3 && bits == 8 {
+                            continue;
+                        }
                         assert_eq!(matmul_int_entry(bits, sdt, unit, tile), format!("matmul_int{bits}_s{sdt}_u{unit}_{name}"));
                     }
                 }

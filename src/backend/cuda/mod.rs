@@ -599,6 +599,10 @@ pub struct Cuda {
     /// Tokens from which integer products of 4-bit codes take the wide tile (matmul_int.cu
     /// `_wide`); `TENSORFOLD_INT_WIDE_ROWS`, a scheduling knob (the bits are the same).
     int_wide_rows: usize,
+    /// Blocks of the one-token integer products (matmul_int.cu `_one`) resident at once on the
+    /// device, at most `TENSORFOLD_INT_ONE_BLOCKS` (default 2) per multiprocessor: their grid,
+    /// so a launch of many rows has no tail wave.
+    int_one_blocks: u32,
     /// The arithmetic of affine products ([`Products`]).
     products: Products,
     /// Per mixture-of-experts layer (keyed by its router's weight address), `[3][E]` pairs of
@@ -659,6 +663,14 @@ impl Cuda {
             if optin > 0 && funcs["matmul_t1s"].set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, optin).is_ok() {
                 t1s_smem = optin as u32;
             }
+        }
+        // At most TENSORFOLD_INT_ONE_BLOCKS blocks per multiprocessor (a scheduling knob: each
+        // block quantizes the token once, so fewer, longer-lived blocks repeat less of it).
+        let per_sm_cap = std::env::var("TENSORFOLD_INT_ONE_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u32).max(1);
+        let mut int_one_blocks = u32::MAX;
+        for &entry in compile::SOURCES.iter().flat_map(|s| s.entries.iter()).filter(|e| e.starts_with("matmul_int") && e.ends_with("_one")) {
+            let per_sm = funcs[entry].occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| dev_err(&format!("occupancy of {entry}"), e))?;
+            int_one_blocks = int_one_blocks.min(per_sm.clamp(1, per_sm_cap) * sms);
         }
         let alloc = |n: usize| -> Result<CudaSlice<u32>, BackendError> { stream.alloc_zeros::<u32>(n).map_err(|e| dev_err("allocating step buffers", e)) };
         let step = Step {
@@ -728,6 +740,7 @@ impl Cuda {
             pdl,
             t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
             sms,
+            int_one_blocks,
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             int_wide_rows: std::env::var("TENSORFOLD_INT_WIDE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
@@ -1204,10 +1217,13 @@ impl Cuda {
             let (fmt, sdt, ul) = key(affine[i].0);
             // The tile of this launch: wide (128 rows × 32 tokens) for 4-bit codes in prompts.
             let tile = if wide && fmt == 4 { 3 } else { tile };
+            // Rows and tokens of a tile. The one-token kernel counts rows instead, each matrix
+            // starting at a multiple of 4 (a warp's rows never straddle two matrices).
             let (tr, tt) = match tile {
                 3 => (128u32, 32u32),
                 2 => (32, 32),
-                _ => (16, 8),
+                1 => (16, 8),
+                _ => (1, 1),
             };
             let mut d = IntMatDescs::default();
             let mut tiles = 0u32;
@@ -1224,12 +1240,12 @@ impl Cuda {
                     tile0: tiles,
                     pad: 0,
                 };
-                tiles += (m.rows as u32).div_ceil(tr);
+                tiles += if tile == 0 { (m.rows as u32).next_multiple_of(4) } else { (m.rows as u32).div_ceil(tr) };
             }
             d.count = (j - i) as u32;
-            // One-token launches loop over row tiles (the block's quantization amortized), a
-            // few blocks per multiprocessor.
-            let blocks_x = if tile == 0 { tiles.min(4 * self.sms.max(1)) } else { tiles };
+            // One-token launches: eight warps a block, each looping over pairs of rows, at most
+            // the blocks resident at once (each block quantizes the token once).
+            let blocks_x = if tile == 0 { self.int_one_grid(tiles) } else { tiles };
             let grid = (blocks_x, (rows as u32).div_ceil(tt), 1);
             let fname = compile::matmul_int_entry(fmt, sdt, ul, tile);
             let label = self.profile_label(fname, tiles * tr, affine[i].0.cols, res);
@@ -1245,12 +1261,53 @@ impl Cuda {
                     kpad,
                     pad: 0,
                 };
+                if tile == 0 {
+                    return unsafe { self.kernel(fname, grid, 256, 0, self.args().val(d).val(x_buf).val(tiles)) };
+                }
                 let threads = if tile == 3 { 128 } else { 256 };
                 unsafe { self.kernel(fname, grid, threads, 0, self.args().val(d).val(inp).val(x_buf).val(tiles)) }
             });
             i = j;
         }
         rest
+    }
+
+    /// The grid of a one-token integer product of `rows` rows: a block of eight warps per 16
+    /// rows, at most the blocks resident at once.
+    fn int_one_grid(&self, rows: u32) -> u32 {
+        rows.div_ceil(16).clamp(1, self.int_one_blocks)
+    }
+
+    /// `act = silu(W_gate·x) ⊙ (W_up·x)` for one token in one integer-product launch
+    /// (matmul_int.cu `_one_swiglu`), when both matrices are affine and stored alike and the
+    /// token fits the kernel's shared memory; false (nothing launched) otherwise.
+    fn matmul_int_swiglu_one(&self, x: &CudaTensor, gate_w: &CudaMatrix, up_w: &CudaMatrix, up: &CudaTensor, act: &CudaTensor) -> bool {
+        if gate_w.fmt < 4 || gate_w.cols > 12288 || gate_w.group.min(64) != up_w.group.min(64) {
+            return false;
+        }
+        let mut d = IntMatDescs::default();
+        for (k, (m, y)) in [(gate_w, act), (up_w, up)].into_iter().enumerate() {
+            d.m[k] = IntMatDesc {
+                w: ptr(&m.w, &self.stream),
+                sb: ptr(&m.sb, &self.stream),
+                y: ptr(&y.buf, &self.stream),
+                res: 0,
+                rows: m.rows as u32,
+                cols: m.cols as u32,
+                group: m.group,
+                ldy: y.cols as u32,
+                tile0: 0,
+                pad: 0,
+            };
+        }
+        d.count = 2;
+        let rows = gate_w.rows as u32;
+        let fname = compile::matmul_int_entry(gate_w.fmt, gate_w.sdtype, gate_w.group.min(64), 4);
+        let label = self.labels_wanted().then(|| format!("{fname} 2x{}x{}", gate_w.rows, gate_w.cols));
+        let x_buf = ptr(&x.buf, &self.stream);
+        let grid = (self.int_one_grid(2 * rows), 1, 1);
+        self.launch_as(fname, label, |_| unsafe { self.kernel(fname, grid, 256, 0, self.args().val(d).val(x_buf).val(rows)) });
+        true
     }
 
     /// `y_i = W_i · x` over `rows` tokens (one token, prompt steps, batched decode), adding each output to
@@ -1337,6 +1394,9 @@ impl Cuda {
     #[allow(clippy::too_many_arguments)]
     fn matmul_swiglu_rows(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
         let pair = Self::same_format(gate_w, up_w) && gate_w.rows == up_w.rows && gate.cols == up.cols && gate.cols == act.cols;
+        if pair && rows == 1 && self.products == Products::Int && self.matmul_int_swiglu_one(x, gate_w, up_w, up, act) {
+            return;
+        }
         if rows == 0 || !pair || self.products == Products::Int {
             self.matmul_rows(x, rows, &mut [(gate_w, &mut *gate), (up_w, &mut *up)], None);
             self.swiglu_rows(gate, up, rows, act);

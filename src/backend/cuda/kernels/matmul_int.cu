@@ -1,4 +1,5 @@
-// Integer-exact products of affine weights (numerics §2.2), on int8 tensor cores.
+// Integer-exact products of affine weights (numerics §2.2): one token by dp4a, batches and
+// prompt chunks on int8 tensor cores.
 // CPU twins: backend::cpu::intdot (QuantRows::fill_rows for quantize_rows; matmul for
 // matmul_int), whose scalar definition is numerics::dot_affine_int.
 //
@@ -20,9 +21,17 @@
 #define ACT_LEVELS 2080768.0f  // numerics::ACT_LEVELS
 #define CHUNKS 8               // numerics::PRODUCT_CHUNKS: one warp each
 
+// The byte offset `at` of a plane in shared memory for the dp4a kernels: the 16-byte piece
+// index inside each 128-byte line XORed with the line's index, so that the eight lanes of a
+// 128-bit load phase (two lane groups, four consecutive units of 64 each, in chunks of 4 or 12
+// units: 2048- and 6144-wide rows) meet eight different bank groups. Other widths may meet
+// two-way conflicts.
+__device__ __forceinline__ u32 swizzle16(u32 at) { return at ^ (((at >> 7) & 7u) << 4); }
+
 // One block of a row by one warp, lane l holding elements 2l and 2l + 1 (v0, v1): its scale
 // into d[blk], d·f32(Σxi) into ds64[blk] and ds32[2·blk + h], its planes into `planes` (the
 // row's, [3][kpad]). Twin of cpu::intdot::quantize_row for one block.
+template <bool SWZ = false>
 __device__ __forceinline__ void quantize_block(float v0, float v1, u32 blk, u32 lane, u32 kpad, signed char* planes, float* d, float* ds64, float* ds32) {
     // max|x| (exact in any order) and whether any element is NaN (numerics::act_scale).
     float m = fmaxf(fabsf(v0), fabsf(v1));
@@ -53,6 +62,7 @@ __device__ __forceinline__ void quantize_block(float v0, float v1, u32 blk, u32 
         int p2 = (r1 - p1) >> 8;
         u32 e = e0 + k, in = e & 7;
         u32 at = (e & ~7u) + ((in & 1) ? 4 + (in >> 1) : (in >> 1));
+        if (SWZ) at = swizzle16(at);
         planes[at] = (signed char)p0;
         planes[kpad + at] = (signed char)p1;
         planes[2 * kpad + at] = (signed char)p2;
@@ -133,26 +143,255 @@ __device__ __forceinline__ void load_a(const u8* row, u32 u, u32 t, u32 (&lo)[UL
 }
 
 // Elements of a row the one-token kernels quantize into shared memory themselves (wider rows
-// take quantize_rows first).
+// take quantize_rows and the small tile).
 #define FUSED_COLS 12288
 
 // Twin of quantize_rows for one row into shared memory, by the whole block: warp w takes
-// blocks w, w + 8, ..., four at a time with their loads issued together.
-__device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blocks, signed char* planes, float* d, float* ds64, float* ds32) {
-    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, kpad = 64 * blocks;
-    for (u32 base = warp; base < blocks; base += 32) {
-        float v[4][2];
+// blocks w, w + 8, ..., QB at a time with their loads issued together. SWZ: the planes
+// swizzled (swizzle16), each `kpad` bytes apart (a multiple of 128 then, so that no swizzled
+// byte leaves its plane).
+template <bool SWZ = false, int QB = 4>
+__device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blocks, u32 kpad, signed char* planes, float* d, float* ds64, float* ds32) {
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (u32 base = warp; base < blocks; base += 8 * QB) {
+        float v[QB][2];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < QB; i++) {
             u32 e0 = (base + 8 * i) * 64 + 2 * lane;
             v[i][0] = e0 < cols ? xr[e0] : 0.0f;
             v[i][1] = e0 + 1 < cols ? xr[e0 + 1] : 0.0f;
         }
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < QB; i++) {
             const u32 blk = base + 8 * i;
             if (blk >= blocks) break;
-            quantize_block(v[i][0], v[i][1], blk, lane, kpad, planes, d, ds64, ds32);
+            quantize_block<SWZ>(v[i][0], v[i][1], blk, lane, kpad, planes, d, ds64, ds32);
+        }
+    }
+}
+
+// ---- One token by dp4a (decode) ----
+//
+// A block quantizes the token into shared memory once (quantize_smem, planes swizzled), then
+// each warp computes groups of T1I_R rows: warp n of the grid takes groups n, n + 8·gridDim.x,
+// ... (the launch's rows numbered on across its matrices, each matrix's first row at a multiple
+// of 4, so a group never straddles two). Its lanes are eight groups of four, lane group c the
+// units of fold chunk c (numerics §2.2: floor(c·U/8) .. floor((c+1)·U/8) − 1): at step j lane i
+// of the group takes the chunk's unit 4j + i of every row, its exact I = Σ q·xi by dp4a (three
+// planes, three independent s32 sums per row), and its value v; the lane group then adds the
+// four values to its chunk sum in unit order (shuffles), and after the last step lane 0 adds the
+// eight chunk sums in order. Integer sums, so the dp4a order is free; the f32 epilogue and fold
+// are those of the tensor-core tiles. A group's codes are loaded a step at a time into T1I_NBUF
+// register buffers, the first ones before pdl_enter (weights only).
+//
+// SWI: the launch is a gate and an up matrix of the same shape, a warp's two rows are row g of
+// each, and it writes silu(gate)·up (swiglu.cu's twin) into the gate matrix's output.
+#ifndef T1I_NBUF
+#define T1I_NBUF 2
+#endif
+#ifndef T1I_R
+#define T1I_R 2
+#endif
+// Blocks of the token a warp quantizes with their loads issued together (more registers).
+#ifndef T1I_QB
+#define T1I_QB 8
+#endif
+#if T1I_R != 1 && T1I_R != 2 && T1I_R != 4
+#error "T1I_R must divide 4 (the host starts each matrix at a multiple of 4 rows)"
+#endif
+
+__device__ __forceinline__ int dp4a_s8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int dp4a_u8(u32 a, u32 b, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+
+// `rows`: the launch's rows (each matrix's padded to a multiple of 4), or with SWI the rows of
+// the gate matrix.
+template <int BITS, int SDT, int UL, bool SWI>
+__device__ __forceinline__ void matmul_int_t1(const IntMats& ms, const float* x, u32 rows) {
+    __shared__ __align__(16) signed char qplanes[3 * FUSED_COLS];
+    __shared__ float qd[FUSED_COLS / 64], qds64[FUSED_COLS / 64], qds32[FUSED_COLS / 32];
+    constexpr int R = SWI ? 2 : T1I_R;
+    constexpr int NW = BITS * UL / 32;  // code words of a unit
+    constexpr int NP = UL / 16;         // 16-byte pieces of a unit's plane
+    typedef typename Sb<SDT>::T SbT;
+    const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, c = lane >> 2, li = lane & 3;
+    const u32 cols = ms.m[0].cols, units = cols / UL, blocks = (cols + 63) / 64, kpad = (64 * blocks + 127) & ~127u;
+    const u32 ua = c * units / CHUNKS, ub = (c + 1) * units / CHUNKS;
+    const u32 steps = ((units + CHUNKS - 1) / CHUNKS + 3) / 4;
+    const u32 groups = SWI ? rows : rows / R;
+    const u32 base = blockIdx.x * 8 + warp, stride = gridDim.x * 8;
+    const u32 nb = base < groups ? ((groups - 1 - base) / stride + 1) * steps : 0;
+    struct Buf {
+        u32 w[R][NW];
+        SbT sb[R];
+    };
+    // Batch n of this warp: group base + (n / steps)·stride, step n % steps; row r of the group
+    // is row r0 + r of matrix *mp[r].
+    auto where = [&](u32 n, const IntMat* (&mp)[R], u32& r0, u32& j) {
+        const u32 grp = base + (n / steps) * stride;
+        j = n % steps;
+        if (SWI) {
+#pragma unroll
+            for (int r = 0; r < R; r++) mp[r] = &ms.m[r];
+            r0 = grp;
+        } else {
+            const u32 row = R * grp;
+            u32 mi = 0;
+            for (u32 i = 1; i < ms.count; i++)
+                if (row >= ms.m[i].tile0) mi = i;
+#pragma unroll
+            for (int r = 0; r < R; r++) mp[r] = &ms.m[mi];
+            r0 = row - ms.m[mi].tile0;
+        }
+    };
+    auto rowof = [&](u32 r0, int r) { return SWI ? r0 : r0 + r; };
+    auto load = [&](Buf& b, u32 n) {
+        const IntMat* mp[R];
+        u32 r0, j;
+        where(n, mp, r0, j);
+        const u32 u = ua + 4 * j + li;
+        if (u >= ub) return;
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            const IntMat& m = *mp[r];
+            const u32 row = min(rowof(r0, r), m.rows - 1);
+            const uint4* wp = (const uint4*)(m.w + (u64)row * (m.cols * BITS / 8) + (u64)u * (UL * BITS / 8));
+#pragma unroll
+            for (int k = 0; k < NW / 4; k++) {
+                const uint4 v = wp[k];
+                b.w[r][4 * k] = v.x;
+                b.w[r][4 * k + 1] = v.y;
+                b.w[r][4 * k + 2] = v.z;
+                b.w[r][4 * k + 3] = v.w;
+            }
+            b.sb[r] = load_sb_raw<SDT>(m.sb + (u64)row * (m.cols / m.group) * sb_size(SDT), u * UL / m.group);
+        }
+    };
+    Buf buf[T1I_NBUF];
+#pragma unroll
+    for (int s = 0; s < T1I_NBUF; s++)
+        if (s < nb) load(buf[s], s);
+    pdl_enter();
+    quantize_smem<true, T1I_QB>(x, cols, blocks, kpad, qplanes, qd, qds64, qds32);
+    __syncthreads();
+    float cacc[R];
+    auto compute = [&](const Buf& b, u32 n) {
+        const IntMat* mp[R];
+        u32 r0, j;
+        where(n, mp, r0, j);
+        const u32 u = ua + 4 * j + li;
+        float v[R];
+#pragma unroll
+        for (int r = 0; r < R; r++) v[r] = 0.0f;
+        if (u < ub) {
+            // Each code word's even and odd elements as four bytes (the planes' order).
+            u32 lo[R][NP * 2], hi[R][NP * 2];
+#pragma unroll
+            for (int r = 0; r < R; r++)
+#pragma unroll
+                for (int k = 0; k < NP * 2; k++) {
+                    if (BITS == 4) {
+                        lo[r][k] = b.w[r][k] & 0x0F0F0F0Fu;
+                        hi[r][k] = (b.w[r][k] >> 4) & 0x0F0F0F0Fu;
+                    } else {
+                        lo[r][k] = prmt(b.w[r][2 * k], b.w[r][2 * k + 1], 0x6420);
+                        hi[r][k] = prmt(b.w[r][2 * k], b.w[r][2 * k + 1], 0x7531);
+                    }
+                }
+            int acc[3][R];
+#pragma unroll
+            for (int p = 0; p < 3; p++) {
+#pragma unroll
+                for (int r = 0; r < R; r++) acc[p][r] = 0;
+#pragma unroll
+                for (int q = 0; q < NP; q++) {
+                    const uint4 pv = *(const uint4*)(qplanes + p * kpad + swizzle16(u * UL + 16 * q));
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        int a = acc[p][r];
+                        if (BITS == 4) {
+                            a = dp4a_s8(lo[r][2 * q], pv.x, a);
+                            a = dp4a_s8(hi[r][2 * q], pv.y, a);
+                            a = dp4a_s8(lo[r][2 * q + 1], pv.z, a);
+                            a = dp4a_s8(hi[r][2 * q + 1], pv.w, a);
+                        } else {
+                            a = dp4a_u8(lo[r][2 * q], pv.x, a);
+                            a = dp4a_u8(hi[r][2 * q], pv.y, a);
+                            a = dp4a_u8(lo[r][2 * q + 1], pv.z, a);
+                            a = dp4a_u8(hi[r][2 * q + 1], pv.w, a);
+                        }
+                        acc[p][r] = a;
+                    }
+                }
+            }
+            const float dd = qd[u * UL / 64], ds = UL == 64 ? qds64[u] : qds32[u];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                float fi;
+                if (BITS == 4) {
+                    fi = (float)(acc[2][r] * 65536 + acc[1][r] * 256 + acc[0][r]);
+                } else {
+                    long long ii = (long long)acc[0][r] + ((long long)acc[1][r] << 8) + ((long long)acc[2][r] << 16);
+                    fi = __ll2float_rn(ii);
+                }
+                float sc, bi;
+                unpack_sb<SDT>(b.sb[r], sc, bi);
+                v[r] = __fmaf_rn(sc * dd, fi, bi * ds);
+            }
+        }
+        // The lane group's four values into its chunk sum, in unit order.
+        if (j == 0) {
+#pragma unroll
+            for (int r = 0; r < R; r++) cacc[r] = 0.0f;
+        }
+#pragma unroll
+        for (int t = 0; t < 4; t++) {
+            const bool take = ua + 4 * j + t < ub;
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                const float vt = __shfl_sync(FULL_MASK, v[r], t, 4);
+                if (take) cacc[r] = cacc[r] + vt;
+            }
+        }
+        if (j + 1 == steps) {
+            float y[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                y[r] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < CHUNKS; k++) y[r] = y[r] + __shfl_sync(FULL_MASK, cacc[r], 4 * k);
+            }
+            if (lane == 0) {
+                if (SWI) {
+                    if (r0 < mp[0]->rows) mp[0]->y[r0] = tf_silu(y[0]) * y[R - 1];
+                } else {
+#pragma unroll
+                    for (int r = 0; r < R; r++) {
+                        const IntMat& m = *mp[r];
+                        const u32 o = r0 + r;
+                        if (o < m.rows) {
+                            m.y[o] = y[r];
+                            if (m.res) m.res[o] = m.res[o] + y[r];
+                        }
+                    }
+                }
+            }
+        }
+    };
+    for (u32 n = 0; n < nb; n += T1I_NBUF) {
+#pragma unroll
+        for (int s = 0; s < T1I_NBUF; s++) {
+            if (n + s < nb) {
+                compute(buf[s], n + s);
+                if (n + s + T1I_NBUF < nb) load(buf[s], n + s + T1I_NBUF);
+            }
         }
     }
 }
@@ -162,13 +401,10 @@ __device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blo
 
 // y = W·x for tokens n0 .. n0 + 8·NT and rows r0 .. r0 + 16·MT of one of the matrices, for
 // each row tile blockIdx.x, blockIdx.x + gridDim.x, ... below `tiles` (Σ ceil(rows / 16·MT)):
-// grid (≤ tiles, ceil(tokens / 8·NT)), 256 threads (the eight chunks). FUSED: one token,
-// quantized once by this block into shared memory (`x` its row) instead of read from `in`.
-template <int BITS, int SDT, int UL, int MT, int NT, bool FUSED>
-__device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, const float* x, u32 tiles) {
+// grid (≤ tiles, ceil(tokens / 8·NT)), 256 threads (the eight chunks).
+template <int BITS, int SDT, int UL, int MT, int NT>
+__device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, u32 tiles) {
     __shared__ float part[CHUNKS][16 * MT][8 * NT];
-    __shared__ __align__(16) signed char qplanes[FUSED ? 3 * FUSED_COLS : 16];
-    __shared__ float qd[FUSED ? FUSED_COLS / 64 : 1], qds64[FUSED ? FUSED_COLS / 64 : 1], qds32[FUSED ? FUSED_COLS / 32 : 1];
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const u32 n0 = blockIdx.y * 8 * NT;
     constexpr int KS = UL / 32;
@@ -224,15 +460,6 @@ __device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, const fl
         prefetched = true;
     }
     pdl_enter();
-    if (FUSED) {
-        quantize_smem(x, ms.m[0].cols, in.blocks, qplanes, qd, qds64, qds32);
-        in.planes = qplanes;
-        in.d = qd;
-        in.ds64 = qds64;
-        in.ds32 = qds32;
-        in.tokens = 1;
-        __syncthreads();
-    }
     u32 tok[NT];
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) tok[nt] = min(n0 + 8 * nt + g, in.tokens - 1);
@@ -379,14 +606,17 @@ __device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, const fl
 // token quantized in the block (decode), 16 rows × 8 tokens (a few rows), or 32 × 32 (prompts,
 // batched decode).
 #define MM_INT(BITS, SDT, UL)                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_one(IntMats m, IntIn in, const float* x, u32 tiles) {    \
-        matmul_int<BITS, SDT, UL, 1, 1, true>(m, in, x, tiles);                                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_one(IntMats m, const float* x, u32 rows) {                              \
+        matmul_int_t1<BITS, SDT, UL, false>(m, x, rows);                                                                                \
+    }                                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_one_swiglu(IntMats m, const float* x, u32 rows) {                       \
+        matmul_int_t1<BITS, SDT, UL, true>(m, x, rows);                                                                                 \
     }                                                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_small(IntMats m, IntIn in, const float* x, u32 tiles) {  \
-        matmul_int<BITS, SDT, UL, 1, 1, false>(m, in, x, tiles);                                                                                \
+        matmul_int<BITS, SDT, UL, 1, 1>(m, in, tiles);                                                                                       \
     }                                                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_large(IntMats m, IntIn in, const float* x, u32 tiles) {  \
-        matmul_int<BITS, SDT, UL, 2, 4, false>(m, in, x, tiles);                                                                                \
+        matmul_int<BITS, SDT, UL, 2, 4>(m, in, tiles);                                                                                       \
     }
 #define MM_INT_SDT(BITS, UL) MM_INT(BITS, 0, UL) MM_INT(BITS, 1, UL) MM_INT(BITS, 2, UL)
 MM_INT_SDT(4, 64)
