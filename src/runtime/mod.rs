@@ -831,28 +831,29 @@ impl<B: Backend> Worker<B> {
             let r = &self.running[i].req;
             r.prompt_logits || (smp && (r.return_logits || r.logprobs.is_some() || !r.logit_bias.is_empty() || r.constraint.is_some()))
         });
-        let sampling_rows: Vec<RowSampling> = stepped
-            .iter()
-            .zip(&samples)
-            .filter(|(_, &smp)| smp)
-            .map(|(&i, _)| {
-                let se = self.running[i].session();
-                let p = se.params;
-                let h = se.tokens();
-                let n = match p.repeat_last_n {
-                    0 => 0,
-                    n if n < 0 => h.len(),
-                    n => (n as usize).min(h.len()),
-                };
-                RowSampling { params: p, window: h[h.len() - n..].to_vec(), position: h.len() as u64 }
-            })
-            .collect();
-        let all_greedy = sampling_rows.iter().all(|r| is_plain_greedy(&r.params));
-        let choose = if needs_host || sampling_rows.is_empty() {
+        let sampled: Vec<usize> = stepped.iter().zip(&samples).filter(|(_, &smp)| smp).map(|(&i, _)| i).collect();
+        let all_greedy = sampled.iter().all(|&i| is_plain_greedy(&self.running[i].session().params));
+        let choose = if needs_host || sampled.is_empty() {
             Choose::Logits
         } else if all_greedy {
             Choose::Greedy { v_eff: self.v_eff }
         } else {
+            // Only the device sampler reads the rows' settings and penalty windows: a greedy
+            // tick builds none (a 64-id copy per row).
+            let sampling_rows: Vec<RowSampling> = sampled
+                .iter()
+                .map(|&i| {
+                    let se = self.running[i].session();
+                    let p = se.params;
+                    let h = se.tokens();
+                    let n = match p.repeat_last_n {
+                        0 => 0,
+                        n if n < 0 => h.len(),
+                        n => (n as usize).min(h.len()),
+                    };
+                    RowSampling { params: p, window: h[h.len() - n..].to_vec(), position: h.len() as u64 }
+                })
+                .collect();
             match self.engine.model.backend.set_sampling(&sampling_rows) {
                 Ok(true) => Choose::Sample { v_eff: self.v_eff },
                 _ => Choose::Logits,
