@@ -89,7 +89,8 @@ out, reps, levels = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].
 print("level  rep   bench t/s   serve t/s   ratio | bench ttft   serve ttft   ratio | bench itl  serve itl")
 ratios = {c: ([], []) for c in levels}
 for r in range(1, reps + 1):
-    b = {row["runtime"]["concurrency"]: row["runtime"] for row in json.load(open(f"{out}/bench-{r}.json"))["levels"]}
+    # serve_bar.py's decode window runs to the last token, as the bench's tail_inclusive one does.
+    b = {row["runtime"]["concurrency"]: dict(row["runtime"], decode_tokens_per_second=row["runtime"].get("tail_inclusive_tokens_per_second", row["runtime"]["decode_tokens_per_second"])) for row in json.load(open(f"{out}/bench-{r}.json"))["levels"]}
     s = {row["concurrency"]: row for row in json.load(open(f"{out}/serve-bar-{r}.json"))["levels"]}
     for c in levels:
         tp = s[c]["decode_tokens_per_second"] / b[c]["decode_tokens_per_second"]

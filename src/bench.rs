@@ -224,17 +224,32 @@ mod tests {
     }
 }
 
-/// The figures of one concurrency level ([`concurrent`]).
+/// The figures of one concurrency level ([`concurrent`]). Token times are the runtime's
+/// [`Token::at`](crate::runtime::Token::at) stamps (when the step that computed the token
+/// returned), measured from submission.
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Concurrent {
     /// Requests submitted together.
     pub concurrency: usize,
     pub prompt_tokens: usize,
     pub generated_tokens: usize,
-    /// Tokens per second of all sequences together while all of them decode: tokens emitted
-    /// after the last sequence's first token, over the time from then to the last token.
+    /// Tokens per second of all sequences together while every one of them decodes: the ticks
+    /// after the last sequence's first token up to the first sequence's last token. Those ticks
+    /// carry one decode row per sequence and no prompt chunk, the steps [`direct`] times, so
+    /// the two figures compare like for like.
     pub decode_tokens_per_second: f64,
-    /// Every token of every sequence over the whole run (prompts included).
+    /// Ticks in that window, and rows per tick in it (the concurrency, unless a budget cut it).
+    pub decode_window_ticks: usize,
+    pub decode_window_rows_per_tick: f64,
+    /// Median time from one tick's step end to the next in that window, seconds: robust to the
+    /// stalls another process's load puts into a few ticks (compare [`Direct::step_median`]).
+    pub decode_tick_median: f64,
+    /// Tokens after the last sequence's first token over the time from then to the last
+    /// token: the window also holds the tail where sequences that started earlier have
+    /// finished and fewer rows run (what `decode t/s` measured before 2026-12-03).
+    pub tail_inclusive_tokens_per_second: f64,
+    /// Every token of every sequence (prompts included) over the time from submission to the
+    /// last token.
     pub total_tokens_per_second: f64,
     /// Time to first token, seconds (from submission).
     pub ttft_median: f64,
@@ -242,8 +257,14 @@ pub struct Concurrent {
     /// Gaps between a sequence's consecutive tokens, seconds.
     pub itl_median: f64,
     pub itl_p99: f64,
-    /// The runtime's own work per tick outside the model steps, as a share of the ticks' time.
+    /// The runtime thread's busy time outside model steps ([`Stats::host_time`]) as a share of
+    /// its busy time, over every tick of the level (prompt ticks included).
+    ///
+    /// [`Stats::host_time`]: crate::runtime::Stats::host_time
     pub host_share: f64,
+    /// Ticks of the level, and host seconds per tick.
+    pub ticks: u64,
+    pub host_per_tick: f64,
     pub seconds: f64,
 }
 
@@ -257,8 +278,26 @@ fn quantile(xs: &mut [f64], q: f64) -> f64 {
     xs[i]
 }
 
+/// The runtime's stats once its thread is idle (it publishes a tick's stats after sending that
+/// tick's events, so the last `Finished` can arrive first); at most a second's wait.
+fn settled(rt: &crate::runtime::Runtime) -> crate::runtime::Stats {
+    let t = std::time::Instant::now();
+    loop {
+        let s = rt.stats();
+        if (s.running == 0 && s.waiting == 0) || t.elapsed().as_secs() >= 1 {
+            return s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
 /// Submits `c` greedy requests of `prompt_len` distinct ids each, every one generating exactly
 /// `generate` tokens (no end-of-sequence ids), all at once, and times their tokens.
+///
+/// The client reads the events every 20 ms rather than as they come: its times are the
+/// runtime's stamps, and each wake of its thread takes a core from the step on a machine whose
+/// cores the step uses (2-core CPU: polling every 50 us cost the steps 10-30 %, reading every
+/// 2 ms still about 9 % of the median tick at 8 streams).
 ///
 /// # Errors
 /// A request the runtime refuses, or one that does not finish by length.
@@ -266,73 +305,84 @@ pub fn concurrent(rt: &crate::runtime::Runtime, c: usize, prompt_len: usize, gen
     use crate::runtime::{Event, FinishReason, Request, StopRules};
     use std::time::Instant;
     let vocab = rt.info().v_eff;
-    let before = rt.stats();
+    let before = settled(rt);
     let t0 = Instant::now();
     let mut handles = Vec::with_capacity(c);
     for i in 0..c {
         let r = Request::new(ids(prompt_len, vocab, seed + i as u64), SamplingParams::greedy(), StopRules { eos_ids: Vec::new(), strings: Vec::new(), max_tokens: Some(generate) });
         handles.push(rt.submit(r).map_err(|e| e.to_string())?);
     }
-    // Token times per sequence (read in turn: the channels keep every event).
+    // Token times per sequence, seconds from submission (the channels keep every event).
     let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(generate); c];
     let mut open: Vec<bool> = vec![true; c];
     while open.iter().any(|&o| o) {
-        let mut idle = true;
         for (i, h) in handles.iter_mut().enumerate() {
-            if !open[i] {
-                continue;
-            }
-            while let Some(ev) = h.try_next() {
-                idle = false;
-                match ev {
-                    Event::Token(_) => times[i].push(t0.elapsed().as_secs_f64()),
-                    Event::Finished(f) => {
+            while open[i] {
+                match h.try_next() {
+                    Some(Event::Token(t)) => times[i].push(t.at.saturating_duration_since(t0).as_secs_f64()),
+                    Some(Event::Finished(f)) => {
                         open[i] = false;
                         if f.reason != FinishReason::Length {
                             return Err(format!("request {i} ended by {:?}", f.reason));
                         }
-                        break;
                     }
-                    _ => {}
+                    Some(_) => {}
+                    None => break,
                 }
             }
         }
-        if idle {
-            std::thread::sleep(std::time::Duration::from_micros(50));
+        if open.iter().any(|&o| o) {
+            std::thread::sleep(std::time::Duration::from_millis(20));
         }
     }
-    let seconds = t0.elapsed().as_secs_f64();
-    let after = rt.stats();
-    let all_started = times.iter().filter_map(|t| t.first().copied()).fold(0.0, f64::max);
-    let end = times.iter().filter_map(|t| t.last().copied()).fold(0.0, f64::max);
-    let in_window = times.iter().flatten().filter(|&&t| t > all_started).count();
-    let mut ttft: Vec<f64> = times.iter().filter_map(|t| t.first().copied()).collect();
+    let after = settled(rt);
+    let first = |t: &Vec<f64>| t.first().copied();
+    let last = |t: &Vec<f64>| t.last().copied();
+    let all_started = times.iter().filter_map(first).fold(0.0, f64::max);
+    let first_done = times.iter().filter_map(last).fold(f64::INFINITY, f64::min);
+    let end = times.iter().filter_map(last).fold(0.0, f64::max);
+    // Every token of a tick has the same stamp, so a window bounded by stamps holds whole ticks.
+    let in_full: Vec<f64> = times.iter().flatten().copied().filter(|&t| t > all_started && t <= first_done).collect();
+    let mut full_ticks = in_full.clone();
+    full_ticks.sort_by(f64::total_cmp);
+    full_ticks.dedup();
+    let mut periods: Vec<f64> = std::iter::once(all_started).chain(full_ticks.iter().copied()).collect::<Vec<_>>().windows(2).map(|w| w[1] - w[0]).collect();
+    let in_tail = times.iter().flatten().filter(|&&t| t > all_started).count();
+    let mut ttft: Vec<f64> = times.iter().filter_map(first).collect();
     let mut itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| w[1] - w[0])).collect();
     let host = (after.host_time - before.host_time).as_secs_f64();
     let step = (after.step_time - before.step_time).as_secs_f64();
+    let ticks = after.ticks - before.ticks;
+    let rate = |n: usize, dt: f64| if dt > 0.0 { n as f64 / dt } else { f64::NAN };
     Ok(Concurrent {
         concurrency: c,
         prompt_tokens: prompt_len,
         generated_tokens: generate,
-        decode_tokens_per_second: if end > all_started { in_window as f64 / (end - all_started) } else { f64::NAN },
-        total_tokens_per_second: (c * (prompt_len + generate)) as f64 / seconds,
+        decode_tokens_per_second: rate(in_full.len(), first_done - all_started),
+        decode_window_ticks: full_ticks.len(),
+        decode_window_rows_per_tick: in_full.len() as f64 / full_ticks.len() as f64,
+        decode_tick_median: quantile(&mut periods, 0.5),
+        tail_inclusive_tokens_per_second: rate(in_tail, end - all_started),
+        total_tokens_per_second: rate(c * (prompt_len + generate), end),
         ttft_median: quantile(&mut ttft, 0.5),
         ttft_p99: quantile(&mut ttft, 0.99),
         itl_median: quantile(&mut itl, 0.5),
         itl_p99: quantile(&mut itl, 0.99),
         host_share: host / (host + step),
-        seconds,
+        ticks,
+        host_per_tick: host / ticks.max(1) as f64,
+        seconds: end,
     })
 }
 
 /// The same work as [`concurrent`] without the runtime: `c` sessions, each prompt fed alone,
 /// then `generate − 1` steps of all `c` rows at once through [`Engine::step_sessions`] with
-/// greedy choice on the device; returns the decode tokens per second of those steps (the
-/// backend driven directly, the floor the runtime's ticks are measured against).
+/// greedy choice on the device; times those steps (the backend driven directly, the floor the
+/// runtime's ticks are measured against).
 ///
 /// # Errors
 /// The backend's.
-pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, generate: usize, seed: u64) -> Result<f64, BackendError> {
+pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, generate: usize, seed: u64) -> Result<Direct, BackendError> {
     use crate::engine::{Choose, Chosen, StepRows};
     let vocab = engine.vocab_size();
     let mut sessions = Vec::with_capacity(c);
@@ -345,16 +395,30 @@ pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, g
     engine.set_batch_capacity(c);
     let t0 = std::time::Instant::now();
     let steps = generate.saturating_sub(1).max(1);
+    let mut periods = Vec::with_capacity(steps);
+    let mut prev = t0;
     for _ in 0..steps {
         let mut rows: Vec<StepRows<'_>> = sessions.iter_mut().map(|s| StepRows { session: s, take: 1, logits: true, all_logits: false }).collect();
         let Chosen::Ids(next) = engine.step_sessions(&mut rows, Choose::Greedy { v_eff: vocab })? else { unreachable!("greedy steps return ids") };
         for (s, id) in sessions.iter_mut().zip(next) {
             s.push(id);
         }
+        let now = std::time::Instant::now();
+        periods.push((now - prev).as_secs_f64());
+        prev = now;
     }
     let dt = t0.elapsed().as_secs_f64();
     for s in sessions {
         engine.free_session(s)?;
     }
-    Ok((steps * c) as f64 / dt)
+    Ok(Direct { tokens_per_second: (steps * c) as f64 / dt, step_median: quantile(&mut periods, 0.5) })
+}
+
+/// What [`direct`] measures.
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Direct {
+    /// Tokens of all sequences over the steps' time.
+    pub tokens_per_second: f64,
+    /// Median time of one step (with the loop's own work), seconds.
+    pub step_median: f64,
 }

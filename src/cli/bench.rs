@@ -55,9 +55,26 @@ pub struct BenchArgs {
     pub json: Option<PathBuf>,
     /// Instead of the phases: this many requests at once through the batched runtime, for each
     /// value given (e.g. 1,8,32,64), each with a prompt of the first --n-prompt length and
-    /// --n-gen generated tokens; reports aggregate decode tokens/s, inter-token latency and time
-    /// to first token.
-    #[arg(long = "concurrency", value_delimiter = ',')]
+    /// --n-gen generated tokens, greedy; beside the same sequences decoded by the backend
+    /// driven directly.
+    ///
+    /// Columns (token times are when the step that computed the token returned):
+    /// `decode t/s`: tokens of all sequences over the ticks where every one of them decodes
+    /// (after the last sequence's first token, up to the first sequence's last), i.e. one row
+    /// per sequence and no prompt chunk; `direct t/s`: the same sessions advanced by
+    /// `Engine::step_sessions` in a plain loop, --n-gen − 1 steps of one row per sequence,
+    /// greedy on the device, prompts fed beforehand and untimed; `vs direct`: the first over
+    /// the second (the runtime's cost on the same steps); `window`: ticks in the decode window;
+    /// `tick ms`: the median tick in that window and the median direct step (robust to stalls
+    /// from other load); `tail t/s`: from the last sequence's first token to the very last token, so it also
+    /// holds the ticks where sequences that started earlier have finished and fewer rows run
+    /// (a tick holds max(--chunk, largest level) tokens, so prompts start a few per tick); `total
+    /// t/s`: every prompt and generated token over submission to the last token; `ttft`: from
+    /// submission; `itl`: gaps between a sequence's tokens; `host %`: the runtime thread's busy
+    /// time outside model steps over its busy time, every tick of the level; `host/tick`: that
+    /// time per tick. TENSORFOLD_TICK_LOG=FILE writes one line per tick (rows, step and host
+    /// microseconds).
+    #[arg(long = "concurrency", value_delimiter = ',', verbatim_doc_comment)]
     pub concurrency: Option<Vec<usize>>,
 }
 
@@ -474,7 +491,7 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
     // The backend driven directly first (its own engine, dropped before the runtime starts).
     let mut direct = Vec::new();
     {
-        let mut run_direct = |engine: &mut dyn FnMut(usize) -> Result<f64>| -> Result<()> {
+        let mut run_direct = |engine: &mut dyn FnMut(usize) -> Result<tensorfold::bench::Direct>| -> Result<()> {
             for &c in levels {
                 direct.push(engine(c)?);
             }
@@ -502,29 +519,49 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
     }?;
     println!("model: {} ({}), commit {}", dir.display(), rt.info().backend, commit());
     println!(
-        "{:>5} {:>7} {:>5} {:>12} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7}",
-        "conc", "prompt", "gen", "decode t/s", "direct t/s", "total t/s", "ttft med", "ttft p99", "itl med", "itl p99", "host %"
+        "{:>5} {:>7} {:>5} {:>12} {:>12} {:>9} {:>6} {:>13} {:>12} {:>12} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9}",
+        "conc",
+        "prompt",
+        "gen",
+        "decode t/s",
+        "direct t/s",
+        "vs direct",
+        "window",
+        "tick ms",
+        "tail t/s",
+        "total t/s",
+        "ttft med",
+        "ttft p99",
+        "itl med",
+        "itl p99",
+        "host %",
+        "host/tick"
     );
     let mut rows = Vec::new();
-    for (&c, &direct_tps) in levels.iter().zip(&direct) {
+    for (&c, &direct) in levels.iter().zip(&direct) {
         // Warm-up at this size (a device records its graphs for this batch shape).
         tensorfold::bench::concurrent(&rt, c, prompt.min(16), 4, 1).map_err(anyhow::Error::msg)?;
         let r = tensorfold::bench::concurrent(&rt, c, prompt, a.decode_tokens, 1000).map_err(anyhow::Error::msg)?;
         println!(
-            "{:>5} {:>7} {:>5} {:>12.1} {:>12.1} {:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms {:>6.2}%",
+            "{:>5} {:>7} {:>5} {:>12.1} {:>12.1} {:>8.1}% {:>6} {:>13} {:>12.1} {:>12.1} {:>8.1}ms {:>8.1}ms {:>8.2}ms {:>8.2}ms {:>6.2}% {:>7.1}us",
             c,
             prompt,
             a.decode_tokens,
             r.decode_tokens_per_second,
-            direct_tps,
+            direct.tokens_per_second,
+            100.0 * r.decode_tokens_per_second / direct.tokens_per_second,
+            r.decode_window_ticks,
+            format!("{:.2}|{:.2}", r.decode_tick_median * 1e3, direct.step_median * 1e3),
+            r.tail_inclusive_tokens_per_second,
             r.total_tokens_per_second,
             r.ttft_median * 1e3,
             r.ttft_p99 * 1e3,
             r.itl_median * 1e3,
             r.itl_p99 * 1e3,
-            r.host_share * 100.0
+            r.host_share * 100.0,
+            r.host_per_tick * 1e6
         );
-        rows.push(serde_json::json!({ "runtime": r, "direct_decode_tokens_per_second": direct_tps }));
+        rows.push(serde_json::json!({ "runtime": r, "direct_decode_tokens_per_second": direct.tokens_per_second, "direct_step_median": direct.step_median }));
     }
     if let Some(p) = &a.json {
         let j =

@@ -20,6 +20,7 @@ pub mod scheduler;
 pub mod stop;
 
 use std::collections::VecDeque;
+use std::io::Write;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -148,6 +149,10 @@ pub struct Token {
     /// The logits row it was sampled from (with [`Request::return_logits`]).
     pub logits: Option<Vec<f32>>,
     pub logprobs: Option<TokenLogprobs>,
+    /// When the model step that computed it returned, on the runtime's thread: one instant for
+    /// every token of a tick, so a client can time ticks without reading each event as it comes
+    /// (`bench --concurrency` does, to keep its own thread off the cores the step uses).
+    pub at: Instant,
 }
 
 /// Token counts of a request.
@@ -237,7 +242,11 @@ pub struct Stats {
     /// Prompt tokens fed and tokens generated, so far.
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
-    /// Time inside model steps, and the tick's other work on the runtime's thread.
+    /// Time inside model steps ([`Engine::step_sessions`], the batch's host-side assembly and
+    /// the read of its ids or logits included), and every other moment the runtime's thread is
+    /// busy: commands, admission, preemption, planning, sampling, stop rules, snapshots, events,
+    /// publishing these stats. Not counted: waiting for a command while idle (and the snapshot
+    /// spilling done then), and the pause when nothing can run.
     pub step_time: Duration,
     pub host_time: Duration,
     /// Requests finished, by reason: stop rule, cancelled, error.
@@ -537,16 +546,64 @@ struct Worker<B: Backend> {
     sampler: Sampler,
     stats: Stats,
     stopping: bool,
+    /// Start of the busy time not yet counted (host time is busy time less step time).
+    busy_since: Instant,
+    /// `TENSORFOLD_TICK_LOG=FILE`: one line per tick, times from the worker's start.
+    tick_log: Option<(Instant, std::io::BufWriter<std::fs::File>)>,
+}
+
+/// What one tick ran, for the tick log.
+#[derive(Clone, Copy, Default)]
+struct TickRows {
+    rows: usize,
+    decode: usize,
+    seqs: usize,
 }
 
 impl<B: Backend> Worker<B> {
     fn new(engine: Engine<B>, cfg: RuntimeConfig, tokenizer: Option<Arc<Tokenizer>>, v_eff: usize, rx: mpsc::Receiver<Command>, shared: Arc<Shared>) -> Self {
-        Self { engine, cfg, tokenizer, v_eff, rx, shared, waiting: VecDeque::new(), running: Vec::new(), sampler: Sampler::new(), stats: Stats::default(), stopping: false }
+        let tick_log = std::env::var_os("TENSORFOLD_TICK_LOG").and_then(|p| match std::fs::File::create(&p) {
+            Ok(f) => {
+                let mut w = std::io::BufWriter::new(f);
+                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us (host: busy time since the previous tick's end less the step)");
+                Some((Instant::now(), w))
+            }
+            Err(e) => {
+                eprintln!("TENSORFOLD_TICK_LOG: {}: {e}", std::path::Path::new(&p).display());
+                None
+            }
+        });
+        Self {
+            engine,
+            cfg,
+            tokenizer,
+            v_eff,
+            rx,
+            shared,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            sampler: Sampler::new(),
+            stats: Stats::default(),
+            stopping: false,
+            busy_since: Instant::now(),
+            tick_log,
+        }
+    }
+
+    /// Counts the busy time so far as host time (published with the next tick) before the
+    /// thread waits.
+    fn pause(&mut self) {
+        self.stats.host_time += self.busy_since.elapsed();
+    }
+
+    fn resume(&mut self) {
+        self.busy_since = Instant::now();
     }
 
     fn run(mut self) {
         while !self.stopping {
             if self.running.is_empty() && self.waiting.is_empty() {
+                self.pause();
                 // Idle: snapshots move out of the slot tier one at a time until a command comes.
                 let c = loop {
                     match self.rx.try_recv() {
@@ -555,6 +612,7 @@ impl<B: Backend> Worker<B> {
                         r => break r.map_err(|_| mpsc::RecvError),
                     }
                 };
+                self.resume();
                 match c {
                     Ok(c) => self.command(c),
                     Err(_) => break,
@@ -567,6 +625,9 @@ impl<B: Backend> Worker<B> {
                 break;
             }
             self.tick();
+        }
+        if let Some((_, mut w)) = self.tick_log.take() {
+            let _ = w.flush();
         }
         let sessions: Vec<Session> = self.running.drain(..).chain(self.waiting.drain(..)).filter_map(|s| s.session).collect();
         for s in sessions {
@@ -725,7 +786,6 @@ impl<B: Backend> Worker<B> {
     }
 
     fn tick(&mut self) {
-        let t0 = Instant::now();
         // Requests whose client went away.
         let gone: Vec<u64> = self.running.iter().chain(self.waiting.iter()).filter(|s| s.events.is_closed()).map(|s| s.id).collect();
         for id in gone {
@@ -755,12 +815,14 @@ impl<B: Backend> Worker<B> {
         let take = scheduler::plan(&views, self.cfg.max_batch_tokens.min(self.engine.model.backend.max_rows()), self.cfg.chunk);
         let stepped: Vec<usize> = (0..self.running.len()).filter(|&i| take[i] > 0).collect();
         if stepped.is_empty() {
-            self.publish(t0, Duration::ZERO);
+            self.publish(Duration::ZERO, TickRows::default());
             if self.waiting.is_empty() || !self.running.is_empty() {
                 return;
             }
             // Nothing runs and the head of the queue cannot be admitted: wait for a command.
+            self.pause();
             std::thread::sleep(Duration::from_millis(1));
+            self.resume();
             return;
         }
         // Which rows sample, and how.
@@ -769,28 +831,29 @@ impl<B: Backend> Worker<B> {
             let r = &self.running[i].req;
             r.prompt_logits || (smp && (r.return_logits || r.logprobs.is_some() || !r.logit_bias.is_empty() || r.constraint.is_some()))
         });
-        let sampling_rows: Vec<RowSampling> = stepped
-            .iter()
-            .zip(&samples)
-            .filter(|(_, &smp)| smp)
-            .map(|(&i, _)| {
-                let se = self.running[i].session();
-                let p = se.params;
-                let h = se.tokens();
-                let n = match p.repeat_last_n {
-                    0 => 0,
-                    n if n < 0 => h.len(),
-                    n => (n as usize).min(h.len()),
-                };
-                RowSampling { params: p, window: h[h.len() - n..].to_vec(), position: h.len() as u64 }
-            })
-            .collect();
-        let all_greedy = sampling_rows.iter().all(|r| is_plain_greedy(&r.params));
-        let choose = if needs_host || sampling_rows.is_empty() {
+        let sampled: Vec<usize> = stepped.iter().zip(&samples).filter(|(_, &smp)| smp).map(|(&i, _)| i).collect();
+        let all_greedy = sampled.iter().all(|&i| is_plain_greedy(&self.running[i].session().params));
+        let choose = if needs_host || sampled.is_empty() {
             Choose::Logits
         } else if all_greedy {
             Choose::Greedy { v_eff: self.v_eff }
         } else {
+            // Only the device sampler reads the rows' settings and penalty windows: a greedy
+            // tick builds none (a 64-id copy per row).
+            let sampling_rows: Vec<RowSampling> = sampled
+                .iter()
+                .map(|&i| {
+                    let se = self.running[i].session();
+                    let p = se.params;
+                    let h = se.tokens();
+                    let n = match p.repeat_last_n {
+                        0 => 0,
+                        n if n < 0 => h.len(),
+                        n => (n as usize).min(h.len()),
+                    };
+                    RowSampling { params: p, window: h[h.len() - n..].to_vec(), position: h.len() as u64 }
+                })
+                .collect();
             match self.engine.model.backend.set_sampling(&sampling_rows) {
                 Ok(true) => Choose::Sample { v_eff: self.v_eff },
                 _ => Choose::Logits,
@@ -811,8 +874,10 @@ impl<B: Backend> Worker<B> {
             self.engine.step_sessions(&mut rows, choose)
         };
         let step_time = t_step.elapsed();
+        let at = t_step + step_time;
+        let rows = TickRows { rows: stepped.iter().map(|&i| take[i]).sum(), decode: stepped.iter().filter(|&&i| views[i].decoding).count(), seqs: stepped.len() };
         match result {
-            Ok(chosen) => self.after_step(&stepped, &take, &samples, &all_logits, chosen),
+            Ok(chosen) => self.after_step(&stepped, &take, &samples, &all_logits, chosen, at),
             Err(e) => {
                 // The step's sequences end; the others go on.
                 let msg = e.to_string();
@@ -822,11 +887,11 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
-        self.publish(t0, step_time);
+        self.publish(step_time, rows);
     }
 
     /// Samples, applies stop rules, takes snapshots and emits events after a step.
-    fn after_step(&mut self, stepped: &[usize], take: &[usize], samples: &[bool], all_logits: &[bool], chosen: Chosen) {
+    fn after_step(&mut self, stepped: &[usize], take: &[usize], samples: &[bool], all_logits: &[bool], chosen: Chosen, at: Instant) {
         let v = self.engine.model.config.vocab_size;
         let max_pos = self.engine.model.config.max_position_embeddings;
         let mut offset = 0; // logits row of the next sequence
@@ -894,7 +959,7 @@ impl<B: Backend> Worker<B> {
                 // where the stop rules would go on (`ignore_eos`).
                 let step = if grammar == Ok(true) { s.output.end_of_sequence(id) } else { s.output.push(id, length, max_pos) };
                 self.stats.generated_tokens += 1;
-                s.send(Event::Token(Token { id, text: step.text, logits: if s.req.return_logits { row.map(<[f32]>::to_vec) } else { None }, logprobs }));
+                s.send(Event::Token(Token { id, text: step.text, logits: if s.req.return_logits { row.map(<[f32]>::to_vec) } else { None }, logprobs, at }));
                 if let Some(f) = step.finish {
                     done.push((i, f));
                 } else if let Err(e) = grammar {
@@ -919,10 +984,18 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    fn publish(&mut self, t0: Instant, step: Duration) {
+    /// Counts the tick (its step, and the busy time since the previous tick's count less the
+    /// step as host time; so what follows here counts in the next tick) and shares the stats.
+    fn publish(&mut self, step: Duration, rows: TickRows) {
+        let now = Instant::now();
+        let host = now.saturating_duration_since(self.busy_since).saturating_sub(step);
+        self.busy_since = now;
         self.stats.ticks += 1;
         self.stats.step_time += step;
-        self.stats.host_time += t0.elapsed().saturating_sub(step);
+        self.stats.host_time += host;
+        if let Some((origin, w)) = self.tick_log.as_mut() {
+            let _ = writeln!(w, "{} {} {} {} {} {} {}", self.stats.ticks, (now - *origin).as_micros(), rows.rows, rows.decode, rows.seqs, step.as_micros(), host.as_micros());
+        }
         self.stats.running = self.running.len();
         self.stats.prefix = self.engine.snapshots().stats();
         self.stats.snapshots = self.engine.snapshots().len();
