@@ -1,26 +1,48 @@
 //! Integer-exact products of affine (MLX-quantized) weights on the CPU (docs/numerics.md §2.2).
 //!
 //! The input rows are quantized once per product ([`QuantRows`]): per block of 64 elements a
-//! scale `d` and exact integers `xi`, stored as three int8 planes, plus the exact sum of `xi`
-//! per 32 elements. A weight row's unit (the part of a block inside one weight group) then
-//! gives `I = Σ q·xi` exactly, in any order: AVX2 multiplies unsigned 4-bit codes by the
-//! signed planes with `vpmaddubsw` (a pair of products cannot saturate) and widens with
-//! `vpmaddwd`. The epilogue and fold are [`crate::numerics::unit_value`] and
-//! [`crate::numerics::fold_units`], so every instruction set gives the bits of
+//! scale `d` and exact integers `xi`, stored as three int8 planes (`xi = p0 + 256·p1 +
+//! 65536·p2`), plus the exact sum of `xi` per 32 elements. A weight row's unit (the part of a
+//! block inside one weight group) then gives `I = Σ q·xi` exactly, in any order. The epilogue
+//! and fold are [`crate::numerics::unit_value`] and [`crate::numerics::fold_units`] (or the
+//! same IEEE operations lane by lane), so every instruction set gives the bits of
 //! [`crate::numerics::dot_affine_int`].
 //!
-//! Plane layout. 4-bit codes split into low and high nibbles, which hold the even and odd
-//! elements; so for those matrices a block's plane is `[even elements of 0..32 | even of
-//! 32..64 | odd of 0..32 | odd of 32..64]` (16 bytes each), matching the nibble vectors of 32
-//! code bytes. 8-bit codes keep the natural order. Unused positions (a final block of 32)
-//! hold zeros.
+//! Two forms of the quantized input ([`Form`]):
+//! - **Planes** (one output at a time, decode): a row's planes two blocks at a time, so one
+//!   512-bit load of 64 code bytes (two blocks of 4-bit codes) meets its planes in two more.
+//!   AVX-512 VNNI multiplies with `vpdpbusd`; AVX2 with `vpmaddubsw` (unsigned 4-bit codes
+//!   by signed planes: a pair of products cannot saturate) and `vpmaddwd`.
+//! - **Lanes** (prompts, 4-bit codes with VNNI): sixteen input rows side by side, one per
+//!   32-bit lane, each lane four elements of one plane; a weight row's four codes are
+//!   broadcast and one `vpdpbusd` advances sixteen input rows. The epilogue and fold then run
+//!   with one input row per lane, each lane in its row's own order.
+//!
+//! Exactness of the 32-bit sums (4-bit codes): a unit's `I` satisfies |I| ≤ 64·15·2 080 768 <
+//! 2^31, and every plane's partial sum is far inside i32 (|Σ q·p| ≤ 64·15·128). The lanes add
+//! `a0 + (a1 << 8) + (a2 << 16)` and then sum lanes with wrapping 32-bit adds: the arithmetic
+//! is exact modulo 2^32, and the true value lies in i32, so the result is `I` exactly whatever
+//! the intermediate values. 8-bit codes can reach |I| ≈ 2^35 and keep 64-bit unit sums.
+//!
+//! Plane layout within a block. 4-bit codes split into low and high nibbles, which hold the
+//! even and odd elements; so for those matrices a block's plane is `[even elements of 0..32 |
+//! even of 32..64 | odd of 0..32 | odd of 32..64]` (16 bytes each), matching the nibble
+//! vectors of 32 code bytes. 8-bit codes keep the natural order. Unused positions (a final
+//! block of 32) hold zeros.
 
 use super::simd::Isa;
-use crate::model::weights::{Matrix, MatrixData};
-use crate::numerics::{act_planes, act_quant, act_scale, fold_units, unit_len, unit_value, ACT_BLOCK};
+use crate::model::weights::{FloatType, Matrix, MatrixData};
+use crate::numerics::{act_planes, act_quant, act_scale, chunk_units, fold_units, unit_len, unit_value, ACT_BLOCK, PRODUCT_CHUNKS};
 
-/// Bytes of one block's three planes.
-const BLOCK_BYTES: usize = 3 * ACT_BLOCK;
+/// Bytes of two blocks' three planes in the Planes form: per plane `[64 | 64]` bytes.
+const PAIR_BYTES: usize = 6 * ACT_BLOCK;
+/// Input rows per group of the Lanes form (one per 32-bit lane of a 512-bit register).
+pub const LANES: usize = 16;
+/// Bytes of one block of a Lanes group: three planes of sixteen quads of sixteen rows.
+const LANE_BLOCK_BYTES: usize = 3 * ACT_BLOCK * LANES;
+/// Input rows from which a product of 4-bit codes on AVX-512 VNNI takes the Lanes form: below
+/// it, the idle lanes cost more than the Planes form's per-output reductions.
+pub const LANES_MIN_ROWS: usize = 8;
 
 /// The order of elements inside a block's plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -53,12 +75,66 @@ impl Layout {
             }
         }
     }
+
+    /// Offset of element `e` of block `b`, plane `p`, in a row of the Planes form: blocks go
+    /// in pairs, each plane of a pair 128 bytes. Nibbles: `[evens of b | evens of b+1 | odds
+    /// of b | odds of b+1]` (32 bytes each, so the low nibbles of 64 code bytes meet the first
+    /// 64); Natural: `[b | b+1]`.
+    #[inline]
+    fn plane_at(self, b: usize, p: usize, e: usize) -> usize {
+        let base = (b / 2) * PAIR_BYTES + p * 2 * ACT_BLOCK;
+        match self {
+            Layout::Natural => base + (b % 2) * ACT_BLOCK + e,
+            Layout::Nibbles => {
+                let at = self.pos(e);
+                base + (at / 32) * ACT_BLOCK + (b % 2) * 32 + at % 32
+            }
+        }
+    }
+}
+
+/// How a [`QuantRows`] stores its planes (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Form {
+    /// Row by row, blocks in pairs: what every instruction set reads.
+    #[default]
+    Planes,
+    /// Sixteen rows per group, one per 32-bit lane: 4-bit codes on AVX-512 VNNI only.
+    Lanes,
+}
+
+impl Form {
+    /// The form a product of `rows` input rows in `layout` takes on `isa`.
+    pub fn choose(isa: Isa, layout: Layout, rows: usize) -> Form {
+        if layout == Layout::Nibbles && rows >= LANES_MIN_ROWS && vnni(isa) {
+            Form::Lanes
+        } else {
+            Form::Planes
+        }
+    }
+}
+
+/// Whether `isa` is AVX-512 on a CPU with VNNI (`vpdpbusd`).
+#[inline]
+pub fn vnni(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        isa == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        false
+    }
 }
 
 /// Input rows `[rows, cols]` quantized for the integer-exact products.
 #[derive(Clone, Debug, Default)]
 pub struct QuantRows {
     pub layout: Layout,
+    pub form: Form,
+    /// The instruction set that quantizes (every one writes the same bytes).
+    pub isa: Isa,
     pub rows: usize,
     pub cols: usize,
     /// Blocks per row (`ceil(cols / 64)`).
@@ -67,52 +143,148 @@ pub struct QuantRows {
     d: Vec<f32>,
     /// `[rows][2·blocks]` exact `Σ xi` per 32 elements.
     sums: Vec<i32>,
-    /// `[rows][blocks][3][64]` planes.
+    /// Planes: `[rows][ceil(blocks/2)][3][128]`; Lanes: `[ceil(rows/16)][blocks][3][16 quads][16 rows][4]`.
     planes: Vec<i8>,
+    /// The epilogue's per-unit factors, `[6·blocks]` per row (Planes: `[rows][6·blocks]`;
+    /// Lanes: `[groups][6·blocks][16]`): `d` per block, `d·f32(S)` per block, `d` per half
+    /// block, `d·f32(S)` per half block (the operands of `unit_value` for units of 64 or 32).
+    ev: Vec<f32>,
 }
 
 impl QuantRows {
-    /// Sizes the buffers for `rows` rows of `cols` (a multiple of 32) in `layout`.
-    pub fn shape(&mut self, rows: usize, cols: usize, layout: Layout) {
-        debug_assert!(cols.is_multiple_of(32));
+    /// Sizes the buffers for `rows` rows of `cols` (a multiple of 32) in `layout`, in the form
+    /// [`Form::choose`] picks for `isa`.
+    pub fn shape(&mut self, isa: Isa, rows: usize, cols: usize, layout: Layout) {
+        self.shape_form(isa, rows, cols, layout, Form::choose(isa, layout, rows));
+    }
+
+    /// [`Self::shape`] in a given form (tests and timings compare them).
+    ///
+    /// # Panics
+    /// If `form` is Lanes and `layout` is not Nibbles.
+    pub fn shape_form(&mut self, isa: Isa, rows: usize, cols: usize, layout: Layout, form: Form) {
+        assert!(cols.is_multiple_of(32));
+        self.isa = isa;
+        assert!(form == Form::Planes || layout == Layout::Nibbles, "intdot: the Lanes form holds 4-bit planes only");
         self.layout = layout;
+        self.form = form;
         self.rows = rows;
         self.cols = cols;
         self.blocks = cols.div_ceil(ACT_BLOCK);
-        self.d.resize(rows * self.blocks, 0.0);
-        self.sums.resize(rows * 2 * self.blocks, 0);
-        self.planes.resize(rows * self.blocks * BLOCK_BYTES, 0);
+        let bl = self.blocks;
+        self.d.resize(rows * bl, 0.0);
+        self.sums.resize(rows * 2 * bl, 0);
+        let (planes, ev) = match form {
+            Form::Planes => (rows * bl.div_ceil(2) * PAIR_BYTES, rows * 6 * bl),
+            Form::Lanes => (rows.div_ceil(LANES) * bl * LANE_BLOCK_BYTES, rows.div_ceil(LANES) * 6 * bl * LANES),
+        };
+        self.planes.resize(planes, 0);
+        self.ev.resize(ev, 0.0);
     }
 
     /// Quantizes rows `r0..r1` of `x` (`[rows, cols]`) into buffers shaped by [`Self::shape`].
     ///
     /// # Safety
     /// `base` must be [`Self::base`] of this value after `shape`, and no other thread may
-    /// write rows `r0..r1` meanwhile (other rows may be filled concurrently).
+    /// write rows `r0..r1` meanwhile (other rows may be filled concurrently: in the Lanes form
+    /// rows share cache lines but never bytes).
     pub unsafe fn fill_rows(&self, base: QuantBase, x: &[f32], r0: usize, r1: usize) {
         let (bl, cols) = (self.blocks, self.cols);
         for r in r0..r1 {
-            // SAFETY: row r's parts of the three buffers, which only this call writes.
-            let (d, sums, planes) = unsafe {
-                (
-                    std::slice::from_raw_parts_mut(base.d.add(r * bl), bl),
-                    std::slice::from_raw_parts_mut(base.sums.add(r * 2 * bl), 2 * bl),
-                    std::slice::from_raw_parts_mut(base.planes.add(r * bl * BLOCK_BYTES), bl * BLOCK_BYTES),
-                )
-            };
-            quantize_row(self.layout, &x[r * cols..(r + 1) * cols], d, sums, planes);
+            // SAFETY: row r's scales and sums, which only this call writes.
+            let (d, sums) = unsafe { (std::slice::from_raw_parts_mut(base.d.add(r * bl), bl), std::slice::from_raw_parts_mut(base.sums.add(r * 2 * bl), 2 * bl)) };
+            let xr = &x[r * cols..(r + 1) * cols];
+            match self.form {
+                Form::Planes => {
+                    // SAFETY: as above, row r's planes and epilogue factors.
+                    let (planes, ev) = unsafe {
+                        (
+                            std::slice::from_raw_parts_mut(base.planes.add(r * bl.div_ceil(2) * PAIR_BYTES), bl.div_ceil(2) * PAIR_BYTES),
+                            std::slice::from_raw_parts_mut(base.ev.add(r * 6 * bl), 6 * bl),
+                        )
+                    };
+                    #[cfg(target_arch = "x86_64")]
+                    if self.isa == Isa::Avx512 {
+                        // SAFETY: Avx512 is only chosen when the CPU reports AVX-512 F/BW/VL.
+                        unsafe { avx512::quantize_planes(self.layout, xr, d, sums, planes) };
+                    }
+                    if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
+                        planes.fill(0);
+                        let layout = self.layout;
+                        quantize_row(xr, d, sums, |b, e, p| {
+                            for (k, &pk) in p.iter().enumerate() {
+                                planes[layout.plane_at(b, k, e)] = pk;
+                            }
+                        });
+                    }
+                    for b in 0..bl {
+                        let f = ev_factors(d[b], sums[2 * b], sums[2 * b + 1]);
+                        for (k, &v) in f.iter().enumerate() {
+                            ev[ev_index(k, b, bl)] = v;
+                        }
+                    }
+                }
+                Form::Lanes => {
+                    let (g, lane) = (r / LANES, r % LANES);
+                    let (pg, eg) = (g * bl * LANE_BLOCK_BYTES, g * 6 * bl * LANES);
+                    #[cfg(target_arch = "x86_64")]
+                    if self.isa == Isa::Avx512 {
+                        // SAFETY: as above; the lane's bytes of group g, written only here.
+                        unsafe { avx512::quantize_lanes(xr, d, sums, base.planes.add(pg + lane * 4)) };
+                    }
+                    if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
+                        quantize_row(xr, d, sums, |b, e, p| {
+                            let at = Layout::Nibbles.pos(e);
+                            for (k, &pk) in p.iter().enumerate() {
+                                let off = pg + b * LANE_BLOCK_BYTES + (k * 16 + at / 4) * 4 * LANES + lane * 4 + at % 4;
+                                // SAFETY: byte `off` belongs to row r's lane, written only here.
+                                unsafe { *base.planes.add(off) = pk };
+                            }
+                        });
+                    }
+                    for b in 0..bl {
+                        let f = ev_factors(d[b], sums[2 * b], sums[2 * b + 1]);
+                        for (k, &v) in f.iter().enumerate() {
+                            // SAFETY: lane r of factor row (k, b) of group g, written only here.
+                            unsafe { *base.ev.add(eg + ev_index(k, b, bl) * LANES + lane) = v };
+                        }
+                    }
+                }
+            }
         }
     }
 
     /// Raw pointers for [`Self::fill_rows`] from several threads.
     pub fn base(&mut self) -> QuantBase {
-        QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr() }
+        QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr(), ev: self.ev.as_mut_ptr() }
     }
 
+    /// Row `t` of the Planes form: scales, sums, planes, epilogue factors.
     #[inline]
-    fn row(&self, t: usize) -> (&[f32], &[i32], &[i8]) {
+    fn row(&self, t: usize) -> (&[f32], &[i32], &[i8], &[f32]) {
+        debug_assert_eq!(self.form, Form::Planes);
         let bl = self.blocks;
-        (&self.d[t * bl..(t + 1) * bl], &self.sums[t * 2 * bl..(t + 1) * 2 * bl], &self.planes[t * bl * BLOCK_BYTES..(t + 1) * bl * BLOCK_BYTES])
+        let pb = bl.div_ceil(2) * PAIR_BYTES;
+        (&self.d[t * bl..(t + 1) * bl], &self.sums[t * 2 * bl..(t + 1) * 2 * bl], &self.planes[t * pb..(t + 1) * pb], &self.ev[t * 6 * bl..(t + 1) * 6 * bl])
+    }
+}
+
+/// A block's epilogue factors: `d`, `d·f32(S)` of the whole block, then per half `d` and
+/// `d·f32(S_h)` (the products `unit_value` forms, rounded the same way).
+#[inline]
+fn ev_factors(d: f32, s0: i32, s1: i32) -> [f32; 6] {
+    [d, d * (s0 + s1) as f32, d, d * s0 as f32, d, d * s1 as f32]
+}
+
+/// Index of factor `k` (of [`ev_factors`]) of block `b` in a row of factors `[d per block |
+/// dS per block | d per half block | dS per half block]` (`6·bl` entries).
+#[inline]
+fn ev_index(k: usize, b: usize, bl: usize) -> usize {
+    match k {
+        0 => b,
+        1 => bl + b,
+        2 | 4 => 2 * bl + 2 * b + (k - 2) / 2,
+        _ => 4 * bl + 2 * b + (k - 3) / 2,
     }
 }
 
@@ -122,19 +294,20 @@ pub struct QuantBase {
     d: *mut f32,
     sums: *mut i32,
     planes: *mut i8,
+    ev: *mut f32,
 }
 // SAFETY: only handed to `fill_rows`, whose callers write disjoint rows.
 unsafe impl Send for QuantBase {}
 // SAFETY: as above.
 unsafe impl Sync for QuantBase {}
 
-/// One row: per block its scale, the exact sums of its halves, and its planes.
-fn quantize_row(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], planes: &mut [i8]) {
+/// One row: per block its scale and the exact sums of its halves; `put(block, element,
+/// planes)` stores each element's planes.
+#[inline]
+fn quantize_row(x: &[f32], d: &mut [f32], sums: &mut [i32], mut put: impl FnMut(usize, usize, [i8; 3])) {
     for (b, blk) in x.chunks(ACT_BLOCK).enumerate() {
         let db = act_scale(blk);
         d[b] = db;
-        let pl = &mut planes[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-        pl.fill(0);
         let (mut s0, mut s1) = (0i32, 0i32);
         for (e, &v) in blk.iter().enumerate() {
             let xi = act_quant(v, db);
@@ -143,11 +316,7 @@ fn quantize_row(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], plan
             } else {
                 s1 += xi;
             }
-            let p = act_planes(xi);
-            let at = layout.pos(e);
-            for (k, &pk) in p.iter().enumerate() {
-                pl[k * ACT_BLOCK + at] = pk;
-            }
+            put(b, e, act_planes(xi));
         }
         sums[2 * b] = s0;
         sums[2 * b + 1] = s1;
@@ -162,7 +331,8 @@ fn quantize_row(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], plan
 /// w.rows)`, and no other thread touches elements `(t, n0..n0+count)` meanwhile.
 ///
 /// # Panics
-/// If `w` is not affine or `xq` was made for another layout or width.
+/// If `w` is not affine or `xq` was made for another layout or width, or in the Lanes form
+/// on an instruction set without VNNI.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Scratch) {
     let MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } = &w.data else {
@@ -174,19 +344,48 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     let units = cols / ul;
     let groups = cols / gs;
     let (wb, sb) = (cols * bits / 8, groups * scale_dtype.size());
+    if xq.form == Form::Lanes {
+        assert!(vnni(isa), "intdot::matmul: the Lanes form needs AVX-512 VNNI");
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
+        unsafe {
+            vnni::matmul_lanes(gs, (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype), xq, y, ldy, n0, count, scratch)
+        };
+        return;
+    }
+    // One output at a time from the Planes form.
+    let fast = bits == 4 && vnni(isa);
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
     scratch.ints.resize(units, 0);
-    let Scratch { s, b, ints } = scratch;
+    scratch.su.resize(units, 0.0);
+    scratch.bu.resize(units, 0.0);
+    scratch.v.resize(units, 0.0);
+    let Scratch { s, b, ints, su, bu, v, .. } = scratch;
     for n in n0..n0 + count {
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
+        #[cfg(target_arch = "x86_64")]
+        if fast {
+            // SAFETY: `vnni` checked the CPU (AVX-512 F/BW/VL/DQ and VNNI).
+            unsafe {
+                vnni::unit_scales(*scale_dtype, gs, ul, sr, su);
+                vnni::unit_scales(*scale_dtype, gs, ul, br, bu);
+            }
+            for t in 0..xq.rows {
+                let (_, _, planes, ev) = xq.row(t);
+                // SAFETY: as above; the caller's contract on `y`.
+                unsafe { *y.add(t * ldy + n) = vnni::row_value(ul, codes, planes, ev, su, bu, v) };
+            }
+            continue;
+        }
+        let _ = (fast, &su, &bu, &v);
         for g in 0..groups {
             s[g] = scale_dtype.get(sr, g);
             b[g] = scale_dtype.get(br, g);
         }
         for t in 0..xq.rows {
-            let (d, sums, planes) = xq.row(t);
+            let (d, sums, planes, _) = xq.row(t);
             unit_ints(isa, bits, ul, codes, planes, ints);
             let r = Epilogue { ul, gs, s, b, d, sums, ints };
             #[cfg(target_arch = "x86_64")]
@@ -200,12 +399,19 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     }
 }
 
-/// Per-call buffers of [`matmul`]: a row's scales and biases and its unit integers.
+/// Per-call buffers of [`matmul`]: a row's scales and biases (per group and per unit), its
+/// unit integers and values, and the Lanes kernel's tile of unpacked codes and scales.
 #[derive(Debug, Default)]
 pub struct Scratch {
     s: Vec<f32>,
     b: Vec<f32>,
     ints: Vec<i64>,
+    su: Vec<f32>,
+    bu: Vec<f32>,
+    v: Vec<f32>,
+    codes: Vec<u8>,
+    ts: Vec<f32>,
+    tb: Vec<f32>,
 }
 
 /// One output's epilogue (numerics §2.2): every unit's value from its integers, folded.
@@ -245,7 +451,8 @@ impl Epilogue<'_> {
     }
 }
 
-/// `ints[u] = Σ q·xi` over every unit of one weight row against one quantized input row.
+/// `ints[u] = Σ q·xi` over every unit of one weight row against one quantized input row
+/// (Planes form).
 fn unit_ints(isa: Isa, bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints: &mut [i64]) {
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 {
@@ -272,10 +479,8 @@ fn unit_ints_portable(bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints:
         for k in u * ul..(u + 1) * ul {
             let q = if bits == 4 { (codes[k / 2] >> (4 * (k % 2))) & 15 } else { codes[k] } as i64;
             let (blk, e) = (k / ACT_BLOCK, k % ACT_BLOCK);
-            let pl = &planes[blk * BLOCK_BYTES..];
-            let at = layout.pos(e);
-            let xi = pl[at] as i64 + 256 * pl[ACT_BLOCK + at] as i64 + 65536 * pl[2 * ACT_BLOCK + at] as i64;
-            acc += q * xi;
+            let pl = |p: usize| planes[layout.plane_at(blk, p, e)] as i64;
+            acc += q * (pl(0) + 256 * pl(1) + 65536 * pl(2));
         }
         *out = acc;
     }
@@ -283,7 +488,7 @@ fn unit_ints_portable(bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints:
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{ACT_BLOCK, BLOCK_BYTES};
+    use super::{ACT_BLOCK, PAIR_BYTES};
     use std::arch::x86_64::*;
 
     /// Sum of the eight i32 lanes.
@@ -324,11 +529,12 @@ mod avx2 {
                 let c = load_codes(codes, blk * 32);
                 let lo = _mm256_and_si256(c, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
-                let pl = &planes[blk * BLOCK_BYTES..];
+                // Plane p of this block: evens at p·128 + (blk % 2)·32, odds 64 further.
+                let pl = &planes[(blk / 2) * PAIR_BYTES + (blk % 2) * 32..];
                 let mut m = [_mm256_setzero_si256(); 3];
                 for (p, mp) in m.iter_mut().enumerate() {
-                    let even = _mm256_maddubs_epi16(lo, plane(pl, p * ACT_BLOCK));
-                    let odd = _mm256_maddubs_epi16(hi, plane(pl, p * ACT_BLOCK + 32));
+                    let even = _mm256_maddubs_epi16(lo, plane(pl, p * 2 * ACT_BLOCK));
+                    let odd = _mm256_maddubs_epi16(hi, plane(pl, p * 2 * ACT_BLOCK + ACT_BLOCK));
                     *mp = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
                 }
                 let t = _mm256_add_epi32(_mm256_add_epi32(m[0], _mm256_slli_epi32(m[1], 8)), _mm256_slli_epi32(m[2], 16));
@@ -361,10 +567,11 @@ mod avx2 {
                 let c = _mm256_loadu_si256(codes.as_ptr().add(32 * h) as *const __m256i);
                 let lo = _mm256_and_si256(c, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
-                let pl = &planes[(h / 2) * BLOCK_BYTES + (h % 2) * 32..];
+                let blk = h / 2;
+                let pl = &planes[(blk / 2) * PAIR_BYTES + (blk % 2) * ACT_BLOCK + (h % 2) * 32..];
                 let mut i = 0i64;
                 for p in 0..3 {
-                    let x = plane(pl, p * ACT_BLOCK);
+                    let x = plane(pl, p * 2 * ACT_BLOCK);
                     let s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), sixteen));
                     i += (hsum(s) as i64) << (8 * p);
                 }
@@ -382,63 +589,525 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 quantizer (F/BW/VL): the bytes of [`quantize_row`] and the plane placement of
+/// each form, sixteen elements per operation. `x / d` is the same IEEE division and the
+/// conversion rounds to nearest even (the default MXCSR), so `xi` is `act_quant`'s.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Layout, ACT_BLOCK, LANE_BLOCK_BYTES, PAIR_BYTES};
+    use crate::numerics::ACT_LEVELS;
+    use std::arch::x86_64::*;
+
+    /// One block (64 elements, or 32 at a row's end) as four vectors of `xi` (zero past the
+    /// block's end), with its scale and the sums of its halves.
+    #[inline(always)]
+    unsafe fn block_xi(blk: &[f32]) -> ([__m512i; 4], f32, i32, i32) {
+        unsafe {
+            let k = blk.len() / 16;
+            let v: [__m512; 4] = std::array::from_fn(|i| if i < k { _mm512_loadu_ps(blk.as_ptr().add(16 * i)) } else { _mm512_setzero_ps() });
+            // act_scale: NaN when any element is NaN, else max|x| / ACT_LEVELS.
+            let mut nan = 0u16;
+            let mut m = _mm512_setzero_ps();
+            for x in &v {
+                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(*x, *x);
+                m = _mm512_max_ps(m, _mm512_abs_ps(*x));
+            }
+            let d = if nan != 0 { f32::NAN } else { _mm512_reduce_max_ps(m) / ACT_LEVELS };
+            let xi: [__m512i; 4] = if d.is_normal() {
+                let dv = _mm512_set1_ps(d);
+                std::array::from_fn(|i| _mm512_cvtps_epi32(_mm512_div_ps(v[i], dv)))
+            } else {
+                [_mm512_setzero_si512(); 4]
+            };
+            let s0 = _mm512_reduce_add_epi32(_mm512_add_epi32(xi[0], xi[1]));
+            let s1 = _mm512_reduce_add_epi32(_mm512_add_epi32(xi[2], xi[3]));
+            (xi, d, s0, s1)
+        }
+    }
+
+    /// The three planes of sixteen `xi` (numerics::act_planes, lane by lane).
+    #[inline(always)]
+    unsafe fn planes3(xi: __m512i) -> [__m128i; 3] {
+        unsafe {
+            let (c128, m255) = (_mm512_set1_epi32(128), _mm512_set1_epi32(255));
+            let digit = |v: __m512i| _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), m255), c128);
+            let p0 = digit(xi);
+            let r1 = _mm512_srai_epi32(_mm512_sub_epi32(xi, p0), 8);
+            let p1 = digit(r1);
+            let p2 = _mm512_srai_epi32(_mm512_sub_epi32(r1, p1), 8);
+            [_mm512_cvtepi32_epi8(p0), _mm512_cvtepi32_epi8(p1), _mm512_cvtepi32_epi8(p2)]
+        }
+    }
+
+    /// The four vectors of a block in plane order: Nibbles `[evens of 0..32 | evens of 32..64
+    /// | odds of 0..32 | odds of 32..64]`, Natural as they are.
+    #[inline(always)]
+    unsafe fn in_plane_order(layout: Layout, xi: [__m512i; 4]) -> [__m512i; 4] {
+        unsafe {
+            match layout {
+                Layout::Natural => xi,
+                Layout::Nibbles => {
+                    let ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                    let od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+                    [
+                        _mm512_permutex2var_epi32(xi[0], ev, xi[1]),
+                        _mm512_permutex2var_epi32(xi[2], ev, xi[3]),
+                        _mm512_permutex2var_epi32(xi[0], od, xi[1]),
+                        _mm512_permutex2var_epi32(xi[2], od, xi[3]),
+                    ]
+                }
+            }
+        }
+    }
+
+    /// One row into the Planes form (`planes`: the row's pairs).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    pub unsafe fn quantize_planes(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], planes: &mut [i8]) {
+        let bl = d.len();
+        if bl % 2 == 1 {
+            // The missing second block of the last pair.
+            planes[(bl / 2) * PAIR_BYTES..].fill(0);
+        }
+        for b in 0..bl {
+            // SAFETY: the block lies inside `x`; the stores inside the row's pair `b / 2`.
+            unsafe {
+                let (xi, db, s0, s1) = block_xi(&x[b * ACT_BLOCK..(b * ACT_BLOCK + ACT_BLOCK).min(x.len())]);
+                d[b] = db;
+                sums[2 * b] = s0;
+                sums[2 * b + 1] = s1;
+                let q = in_plane_order(layout, xi);
+                let base = planes.as_mut_ptr().add((b / 2) * PAIR_BYTES);
+                for (i, &qi) in q.iter().enumerate() {
+                    // Plane offset of these sixteen positions (numerics of `Layout::plane_at`).
+                    let at = match layout {
+                        Layout::Natural => (b % 2) * ACT_BLOCK + 16 * i,
+                        Layout::Nibbles => (i / 2) * ACT_BLOCK + (b % 2) * 32 + (i % 2) * 16,
+                    };
+                    for (p, pb) in planes3(qi).iter().enumerate() {
+                        _mm_storeu_si128(base.add(p * 2 * ACT_BLOCK + at) as *mut __m128i, *pb);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One row into its lane of a Lanes group: `lane` points at the row's first byte (the
+    /// group's start plus 4·lane); each plane's quad `k` goes 64·k bytes further.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    pub unsafe fn quantize_lanes(x: &[f32], d: &mut [f32], sums: &mut [i32], lane: *mut i8) {
+        // SAFETY: the caller's contract on `lane`; the block lies inside `x`.
+        unsafe {
+            let quads = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960);
+            for b in 0..d.len() {
+                let (xi, db, s0, s1) = block_xi(&x[b * ACT_BLOCK..(b * ACT_BLOCK + ACT_BLOCK).min(x.len())]);
+                d[b] = db;
+                sums[2 * b] = s0;
+                sums[2 * b + 1] = s1;
+                let q = in_plane_order(Layout::Nibbles, xi);
+                let [a, b4, c, e] = [planes3(q[0]), planes3(q[1]), planes3(q[2]), planes3(q[3])];
+                for (p, ((a, b4), (c, e))) in a.iter().zip(&b4).zip(c.iter().zip(&e)).enumerate() {
+                    // The plane's 64 position bytes as sixteen quads, quad k to 64·k.
+                    let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(*a), *b4);
+                    let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(*c), *e);
+                    let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                    _mm512_i32scatter_epi32::<1>(lane.add(b * LANE_BLOCK_BYTES + p * 1024) as *mut _, quads, v);
+                }
+            }
+        }
+    }
+}
+
+/// AVX-512 VNNI kernels of 4-bit codes (module doc: the two forms and why the 32-bit sums are
+/// exact).
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::{chunk_units, fold_units, unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, LANES, LANE_BLOCK_BYTES, PAIR_BYTES, PRODUCT_CHUNKS};
+    use std::arch::x86_64::*;
+
+    /// Rows of weights per tile of the Lanes kernel: 8 rows × 3 planes of accumulators, the
+    /// three planes of a quad and a broadcast code fill 28 of the 32 registers.
+    const TILE: usize = 8;
+
+    /// Per-unit scales (or biases) of one weight row, widened to f32: `raw` holds the row's
+    /// groups. Bf16 with one group per unit converts 16 at a time (a bf16 is the top half of
+    /// its f32); the rest go through [`FloatType::get`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+    pub unsafe fn unit_scales(dt: FloatType, gs: usize, ul: usize, raw: &[u8], out: &mut [f32]) {
+        if dt == FloatType::BF16 && gs == ul {
+            debug_assert!(raw.len() == 2 * out.len());
+            let n = out.len();
+            let mut u = 0;
+            while u < n {
+                let k = (n - u).min(16);
+                let m: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
+                // SAFETY: the masked lanes stay inside `raw` and `out`.
+                unsafe {
+                    let h = _mm256_maskz_loadu_epi16(m, raw.as_ptr().add(2 * u) as *const i16);
+                    let f = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(u), m, _mm512_castsi512_ps(f));
+                }
+                u += k;
+            }
+        } else {
+            for (u, o) in out.iter_mut().enumerate() {
+                *o = dt.get(raw, u * ul / gs);
+            }
+        }
+    }
+
+    /// Plane-combined lanes of blocks `2j, 2j+1` of one weight row against one input row:
+    /// lanes 0..8 hold block 2j (0..4 its first 32 elements, 4..8 the rest), lanes 8..16 block
+    /// 2j+1; each lane `a0 + (a1 << 8) + (a2 << 16)` modulo 2^32.
+    #[inline(always)]
+    unsafe fn pair_ints(codes: &[u8], planes: &[i8], j: usize) -> __m512i {
+        unsafe {
+            let at = 64 * j;
+            let n = (codes.len() - at).min(64);
+            let p = codes.as_ptr().add(at);
+            // Past the row's end (an odd block count or a final half block) the codes are 0.
+            let c = if n == 64 { _mm512_loadu_si512(p as *const _) } else { _mm512_maskz_loadu_epi8((1u64 << n) - 1, p as *const i8) };
+            let mask = _mm512_set1_epi8(15);
+            let lo = _mm512_and_si512(c, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+            let pl = planes.as_ptr().add(j * PAIR_BYTES);
+            let plane = |k: usize| {
+                let x = pl.add(k * 2 * ACT_BLOCK);
+                let a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x as *const _));
+                _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(x.add(ACT_BLOCK) as *const _))
+            };
+            let (a0, a1, a2) = (plane(0), plane(1), plane(2));
+            _mm512_add_epi32(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8)), _mm512_slli_epi32(a2, 16))
+        }
+    }
+
+    /// Sixteen units of 64 (eight [`pair_ints`] vectors, unit `2i` in the low half of `t[i]`,
+    /// `2i+1` in the high half) summed to one lane each, in unit order. Pairs of vectors
+    /// interleave and add (32-bit, then 64-bit elements), then 128-bit quarters.
+    #[inline(always)]
+    unsafe fn tree64(t: &[__m512i; 8]) -> __m512i {
+        unsafe {
+            let l1 = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let l2 = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            let v0 = l2(l1(t[0], t[1]), l1(t[2], t[3]));
+            let v1 = l2(l1(t[4], t[5]), l1(t[6], t[7]));
+            // Quarter k of v_m holds quarter k's sums of t[4m..4m+4]; quarters 0+1 are the
+            // even units, 2+3 the odd ones.
+            let w = _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0b10_00_10_00), _mm512_shuffle_i32x4(v0, v1, 0b11_01_11_01));
+            // w's lanes are units 0 2 4 6 1 3 5 7 8 10 12 14 9 11 13 15.
+            _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), w)
+        }
+    }
+
+    /// Sixteen units of 32 (four [`pair_ints`] vectors, unit `4i + k` in quarter `k` of
+    /// `t[i]`) summed to one lane each, in unit order.
+    #[inline(always)]
+    unsafe fn tree32(t: &[__m512i; 8]) -> __m512i {
+        unsafe {
+            let l1 = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let (a, b) = (l1(t[0], t[1]), l1(t[2], t[3]));
+            let v = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            // Lane 4k + i is unit 4i + k.
+            _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v)
+        }
+    }
+
+    /// One output of 4-bit codes against one input row of the Planes form: sixteen units'
+    /// integers at a time, their values `fma(s·d, f32(I), b·(d·f32(S)))` sixteen lanes at once
+    /// (`su`, `bu`: the row's scales and biases per unit), then the fold in unit order.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+    pub unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], su: &[f32], bu: &[f32], v: &mut [f32]) -> f32 {
+        let units = su.len();
+        let bl = ev.len() / 6;
+        let pairs = bl.div_ceil(2);
+        debug_assert!(bu.len() == units && v.len() == units && planes.len() == pairs * PAIR_BYTES);
+        // Pairs of blocks per sixteen units, and where the units' `d` and `d·f32(S)` start.
+        let (per, dof, sof) = if ul == ACT_BLOCK { (8, 0, bl) } else { (4, 2 * bl, 4 * bl) };
+        let mut u0 = 0;
+        while u0 < units {
+            // SAFETY: pairs below `pairs` lie inside `codes` and `planes`; the masked lanes
+            // stay inside the per-unit slices.
+            unsafe {
+                let mut t = [_mm512_setzero_si512(); 8];
+                for (i, ti) in t.iter_mut().enumerate().take(per) {
+                    let j = u0 / 16 * per + i;
+                    if j < pairs {
+                        *ti = pair_ints(codes, planes, j);
+                    }
+                }
+                let i = if per == 8 { tree64(&t) } else { tree32(&t) };
+                let k = (units - u0).min(16);
+                let m: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
+                let ld = |s: &[f32], at: usize| _mm512_maskz_loadu_ps(m, s.as_ptr().add(at));
+                let (d, ds) = (ld(ev, dof + u0), ld(ev, sof + u0));
+                let val = _mm512_fmadd_ps(_mm512_mul_ps(ld(su, u0), d), _mm512_cvtepi32_ps(i), _mm512_mul_ps(ld(bu, u0), ds));
+                _mm512_mask_storeu_ps(v.as_mut_ptr().add(u0), m, val);
+            }
+            u0 += 16;
+        }
+        fold_units(units, |u| v[u])
+    }
+
+    /// Unpacks one row's 4-bit codes into one byte per code in the plane order of a block
+    /// (`[low nibbles of the block's 32 code bytes | high nibbles]`, 64 bytes per block).
+    #[inline(always)]
+    unsafe fn unpack_codes(codes: &[u8], out: &mut [u8]) {
+        unsafe {
+            let mask = _mm256_set1_epi8(15);
+            for b in 0..codes.len().div_ceil(32) {
+                let n = (codes.len() - 32 * b).min(32);
+                let c = _mm256_maskz_loadu_epi8(((1u64 << n) - 1) as u32, codes.as_ptr().add(32 * b) as *const i8);
+                let o = out.as_mut_ptr().add(64 * b);
+                _mm256_storeu_si256(o as *mut __m256i, _mm256_and_si256(c, mask));
+                _mm256_storeu_si256(o.add(32) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16(c, 4), mask));
+            }
+        }
+    }
+
+    /// Weights of one product: codes, scales, biases (all rows) and the scales' type.
+    pub type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
+
+    /// `y[t][n]` for every input row of the Lanes form and `n in n0..n0+count`: tiles of
+    /// [`TILE`] weight rows (codes unpacked once per tile) against each group of sixteen input
+    /// rows, one input row per lane; the epilogue and fold run per lane in unit order.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+    pub unsafe fn matmul_lanes(gs: usize, w: Weights<'_>, xq: &QuantRows, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Scratch) {
+        let (weight, scales, biases, dt) = w;
+        let (cols, bl) = (xq.cols, xq.blocks);
+        let (ul, groups) = (unit_len(gs), cols / gs);
+        let units = cols / ul;
+        let (wb, sb, cb) = (cols / 2, groups * dt.size(), bl * ACT_BLOCK);
+        scratch.codes.resize(TILE * cb, 0);
+        scratch.ts.resize(TILE * groups, 0.0);
+        scratch.tb.resize(TILE * groups, 0.0);
+        let Scratch { codes, ts, tb, .. } = scratch;
+        let mut n = n0;
+        while n < n0 + count {
+            let live = (n0 + count - n).min(TILE);
+            // Rows past `live` repeat the last one: computed, never stored.
+            for r in 0..TILE {
+                let row = n + r.min(live - 1);
+                // SAFETY: the CPU has AVX-512 BW/VL (the caller's `vnni` check).
+                unsafe { unpack_codes(&weight[row * wb..(row + 1) * wb], &mut codes[r * cb..(r + 1) * cb]) };
+                for g in 0..groups {
+                    ts[r * groups + g] = dt.get(&scales[row * sb..(row + 1) * sb], g);
+                    tb[r * groups + g] = dt.get(&biases[row * sb..(row + 1) * sb], g);
+                }
+            }
+            for grp in 0..xq.rows.div_ceil(LANES) {
+                // SAFETY: group `grp`'s planes and factors lie inside the Lanes buffers.
+                let yv = unsafe { tile(ul, gs, units, groups, bl, codes, ts, tb, xq.planes.as_ptr().add(grp * bl * LANE_BLOCK_BYTES), xq.ev.as_ptr().add(grp * 6 * bl * LANES)) };
+                let rows = (xq.rows - grp * LANES).min(LANES);
+                for (r, yr) in yv.iter().enumerate().take(live) {
+                    let mut out = [0.0f32; LANES];
+                    // SAFETY: `out` holds 16 floats; the caller's contract on `y`.
+                    unsafe {
+                        _mm512_storeu_ps(out.as_mut_ptr(), *yr);
+                        for (j, &o) in out.iter().enumerate().take(rows) {
+                            *y.add((grp * LANES + j) * ldy + n + r) = o;
+                        }
+                    }
+                }
+            }
+            n += live;
+        }
+    }
+
+    /// One tile against one group of sixteen input rows (`x`: its planes, `ev`: its factors):
+    /// lane `j` of `result[r]` is output `r` for input row `j`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn tile(ul: usize, gs: usize, units: usize, groups: usize, bl: usize, codes: &[u8], ts: &[f32], tb: &[f32], x: *const i8, ev: *const f32) -> [__m512; TILE] {
+        unsafe {
+            let cb = bl * ACT_BLOCK;
+            let mut y = [_mm512_setzero_ps(); TILE];
+            for c in 0..PRODUCT_CHUNKS {
+                let (ua, ub) = chunk_units(units, c);
+                let mut acc_c = [_mm512_setzero_ps(); TILE];
+                for u in ua..ub {
+                    let (e0, g) = (u * ul, u * ul / gs);
+                    let (blk, half) = (e0 / ACT_BLOCK, (e0 / 32) % 2);
+                    let mut acc = [[_mm512_setzero_si512(); 3]; TILE];
+                    let xb = x.add(blk * LANE_BLOCK_BYTES);
+                    let cp = codes.as_ptr().add(blk * ACT_BLOCK);
+                    let mut quad = |k: usize| {
+                        let xp = xb.add(k * 4 * LANES);
+                        let xv = [_mm512_loadu_si512(xp as *const _), _mm512_loadu_si512(xp.add(1024) as *const _), _mm512_loadu_si512(xp.add(2048) as *const _)];
+                        for (r, ar) in acc.iter_mut().enumerate() {
+                            let wv = _mm512_set1_epi32((cp.add(r * cb + 4 * k) as *const i32).read_unaligned());
+                            for (p, a) in ar.iter_mut().enumerate() {
+                                *a = _mm512_dpbusd_epi32(*a, wv, xv[p]);
+                            }
+                        }
+                    };
+                    if ul == ACT_BLOCK {
+                        for k in 0..16 {
+                            quad(k);
+                        }
+                    } else {
+                        // A unit of 32: its evens are quads 4h..4h+4, its odds 8 further.
+                        for k in 4 * half..4 * half + 4 {
+                            quad(k);
+                            quad(k + 8);
+                        }
+                    }
+                    let (d, ds) = if ul == ACT_BLOCK {
+                        (_mm512_loadu_ps(ev.add(blk * LANES)), _mm512_loadu_ps(ev.add((bl + blk) * LANES)))
+                    } else {
+                        let hb = 2 * blk + half;
+                        (_mm512_loadu_ps(ev.add((2 * bl + hb) * LANES)), _mm512_loadu_ps(ev.add((4 * bl + hb) * LANES)))
+                    };
+                    for r in 0..TILE {
+                        let [a0, a1, a2] = acc[r];
+                        let i = _mm512_add_epi32(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8)), _mm512_slli_epi32(a2, 16));
+                        let sd = _mm512_mul_ps(_mm512_set1_ps(ts[r * groups + g]), d);
+                        let v = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(tb[r * groups + g]), ds));
+                        acc_c[r] = _mm512_add_ps(acc_c[r], v);
+                    }
+                }
+                for r in 0..TILE {
+                    y[r] = _mm512_add_ps(y[r], acc_c[r]);
+                }
+            }
+            y
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::cpu::simd::tests::Rng;
     use crate::checkpoint::Bytes;
-    use crate::model::weights::FloatType;
     use crate::numerics::dot_affine_int;
 
-    fn affine(rows: usize, cols: usize, bits: u32, gs: usize, rng: &mut Rng) -> Matrix {
+    fn affine(rows: usize, cols: usize, bits: u32, gs: usize, dt: FloatType, rng: &mut Rng) -> Matrix {
         let weight = rng.bytes(rows * cols * bits as usize / 8);
         let groups = rows * cols / gs;
-        let sc: Vec<u8> = (0..groups).flat_map(|_| half::bf16::from_f32(0.01 + 0.02 * rng.f().abs()).to_le_bytes()).collect();
-        let bi: Vec<u8> = (0..groups).flat_map(|_| half::bf16::from_f32(-0.1 * rng.f()).to_le_bytes()).collect();
+        let enc = |v: f32| -> Vec<u8> {
+            match dt {
+                FloatType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                FloatType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                FloatType::F32 => v.to_le_bytes().to_vec(),
+            }
+        };
+        let sc: Vec<u8> = (0..groups).flat_map(|_| enc(0.01 + 0.02 * rng.f().abs())).collect();
+        let bi: Vec<u8> = (0..groups).flat_map(|_| enc(-0.1 * rng.f())).collect();
         Matrix {
             name: "w".into(),
             rows,
             cols,
-            data: MatrixData::Affine {
-                bits,
-                group_size: gs,
-                weight: Bytes::from_vec(weight),
-                scales: Bytes::from_vec(sc),
-                biases: Bytes::from_vec(bi),
-                scale_dtype: FloatType::BF16,
-            },
+            data: MatrixData::Affine { bits, group_size: gs, weight: Bytes::from_vec(weight), scales: Bytes::from_vec(sc), biases: Bytes::from_vec(bi), scale_dtype: dt },
         }
     }
 
     fn reference(w: &Matrix, x: &[f32], n: usize) -> f32 {
         let MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } = &w.data else { unreachable!() };
-        let (bits, wb, sb) = (*bits as usize, w.cols * *bits as usize / 8, w.cols / group_size * 2);
+        let (bits, wb, sb) = (*bits as usize, w.cols * *bits as usize / 8, w.cols / group_size * scale_dtype.size());
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
         let code = |k: usize| if bits == 4 { ((codes[k / 2] >> (4 * (k % 2))) & 15) as u32 } else { codes[k] as u32 };
         dot_affine_int(*group_size, x, code, |g| scale_dtype.get(sr, g), |g| scale_dtype.get(br, g))
     }
 
-    /// Every instruction set, layout, group size and a final half block give the scalar
-    /// reference's bits, with outliers, zero blocks and huge dynamic range in the input.
+    /// Inputs with an outlier, a tiny value beside ordinary ones, a zero block, a NaN block
+    /// (when `nan`), and the extremes of the activation planes (±max|x| in every element of a
+    /// block, so `xi = ±2 080 768` and each unit's `I` nears its bound).
+    fn inputs(tokens: usize, cols: usize, nan: bool, rng: &mut Rng) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.f() * 3.0).collect();
+        x[5] = 900.0;
+        if tokens > 1 {
+            x[cols + 1] = -1e-30;
+        }
+        if tokens > 2 && cols >= 128 {
+            x[2 * cols + 64..2 * cols + 128].fill(0.0);
+        }
+        if tokens > 3 {
+            // Every code times the largest |xi| (a code of 15 in every element gives I at its
+            // bound; random codes come near).
+            x[3 * cols..3 * cols + 64].fill(-7.5);
+        }
+        if nan && tokens > 4 {
+            x[4 * cols + 3] = f32::NAN;
+        }
+        x
+    }
+
+    /// Every instruction set, form, layout, group size, scale type and a final half block give
+    /// the scalar reference's bits, with outliers, zero and NaN blocks and huge dynamic range
+    /// in the input; token counts below and above a Lanes group, weight rows below and above a
+    /// tile (the tails of both).
     #[test]
-    fn every_isa_gives_the_reference_bits() {
+    fn every_isa_and_form_gives_the_reference_bits() {
         let mut rng = Rng(7);
-        for &(bits, gs, cols) in &[(4u32, 64usize, 256usize), (4, 32, 224), (4, 128, 384), (8, 64, 192), (8, 32, 96), (8, 128, 256), (4, 64, 64), (4, 32, 32)] {
-            let rows = 5;
-            let w = affine(rows, cols, bits, gs, &mut rng);
-            let tokens = 3;
-            let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.f() * 3.0).collect();
-            x[5] = 900.0; // an outlier
-            x[cols + 1] = -1e-30; // a tiny value beside ordinary ones
-            if cols >= 128 {
-                for v in &mut x[2 * cols + 64..2 * cols + 128] {
-                    *v = 0.0; // a zero block
+        let shapes: &[(u32, usize, usize)] =
+            &[(4, 64, 256), (4, 32, 224), (4, 128, 384), (8, 64, 192), (8, 32, 96), (8, 128, 256), (4, 64, 64), (4, 32, 32), (4, 64, 192), (4, 64, 1088), (4, 32, 1056)];
+        let mut lanes_runs = 0;
+        for &(bits, gs, cols) in shapes {
+            for (dt, rows, tokens) in [(FloatType::BF16, 5, 3), (FloatType::BF16, 13, 19), (FloatType::F16, 9, 8), (FloatType::F32, 3, 1), (FloatType::BF16, 17, 36)] {
+                let w = affine(rows, cols, bits, gs, dt, &mut rng);
+                let x = inputs(tokens, cols, true, &mut rng);
+                let layout = Layout::of(&w).unwrap();
+                let want: Vec<u32> = (0..tokens * rows).map(|i| reference(&w, &x[(i / rows) * cols..(i / rows + 1) * cols], i % rows).to_bits()).collect();
+                for isa in Isa::available() {
+                    let mut forms = vec![Form::Planes];
+                    if layout == Layout::Nibbles && vnni(isa) {
+                        forms.push(Form::Lanes);
+                    }
+                    for form in forms {
+                        lanes_runs += (form == Form::Lanes) as usize;
+                        let mut xq = QuantRows::default();
+                        xq.shape_form(isa, tokens, cols, layout, form);
+                        let base = xq.base();
+                        // Two fills of disjoint rows, as the threads do.
+                        unsafe { xq.fill_rows(base, &x, 0, tokens / 2) };
+                        unsafe { xq.fill_rows(base, &x, tokens / 2, tokens) };
+                        let mut y = vec![f32::NAN; tokens * rows];
+                        let mut scratch = Scratch::default();
+                        // Two calls over a split of the rows, as the pool's tasks.
+                        let split = rows / 2;
+                        unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
+                        unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
+                        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                            assert_eq!(got.to_bits(), want, "{isa:?} {form:?} bits {bits} gs {gs} cols {cols} {dt:?} t {} n {}", i / rows, i % rows);
+                        }
+                    }
                 }
             }
-            for isa in Isa::available() {
+        }
+        if vnni(Isa::detect()) {
+            assert!(lanes_runs > 0);
+        }
+    }
+
+    /// The form a product takes: Lanes only for 4-bit codes, VNNI and enough rows.
+    #[test]
+    fn the_lanes_form_is_chosen_for_prompts_of_4_bit_codes_with_vnni() {
+        for isa in Isa::available() {
+            assert_eq!(Form::choose(isa, Layout::Nibbles, 1), Form::Planes);
+            assert_eq!(Form::choose(isa, Layout::Natural, 256), Form::Planes);
+            let want = if vnni(isa) { Form::Lanes } else { Form::Planes };
+            assert_eq!(Form::choose(isa, Layout::Nibbles, LANES_MIN_ROWS), want);
+        }
+    }
+
+    /// A unit at the bound of its integer: codes of 15 against `xi = ±2 080 768` everywhere
+    /// (|I| = 64·15·2 080 768, just under 2^31), in every form, against the reference.
+    #[test]
+    fn units_at_the_integer_bound_keep_their_bits() {
+        let (rows, cols, tokens) = (9, 256, 17);
+        let mut w = affine(rows, cols, 4, 64, FloatType::BF16, &mut Rng(3));
+        if let MatrixData::Affine { weight, .. } = &mut w.data {
+            *weight = Bytes::from_vec(vec![0xff; rows * cols / 2]);
+        }
+        let x: Vec<f32> = (0..tokens * cols).map(|i| if (i / 64) % 2 == 0 { 2.5 } else { -1.25 }).collect();
+        for isa in Isa::available() {
+            for form in [Form::Planes, Form::Lanes] {
+                if form == Form::Lanes && !vnni(isa) {
+                    continue;
+                }
                 let mut xq = QuantRows::default();
-                xq.shape(tokens, cols, Layout::of(&w).unwrap());
+                xq.shape_form(isa, tokens, cols, Layout::Nibbles, form);
                 let base = xq.base();
                 unsafe { xq.fill_rows(base, &x, 0, tokens) };
                 let mut y = vec![f32::NAN; tokens * rows];
@@ -446,7 +1115,60 @@ mod tests {
                 for t in 0..tokens {
                     for n in 0..rows {
                         let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
-                        assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} bits {bits} gs {gs} cols {cols} t {t} n {n}");
+                        assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} {form:?} t {t} n {n}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every instruction set quantizes to the same bytes, in both forms and both layouts, with
+    /// half blocks, odd block counts, zero, NaN and infinite blocks and tiny values.
+    #[test]
+    fn every_isa_quantizes_to_the_same_bytes() {
+        let mut rng = Rng(11);
+        for &cols in &[32usize, 64, 96, 192, 224, 1056] {
+            let tokens = 21;
+            let mut x = inputs(tokens, cols, true, &mut rng);
+            x[6 * cols + 2] = f32::INFINITY;
+            x[7 * cols + 9] = 3e-39; // subnormal
+            for layout in [Layout::Nibbles, Layout::Natural] {
+                for form in [Form::Planes, Form::Lanes] {
+                    if form == Form::Lanes && layout == Layout::Natural {
+                        continue;
+                    }
+                    let fill = |isa: Isa| {
+                        let mut xq = QuantRows::default();
+                        xq.shape_form(isa, tokens, cols, layout, form);
+                        // Stale bytes from a larger earlier use must not show.
+                        xq.planes.fill(0x55);
+                        let base = xq.base();
+                        unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                        xq
+                    };
+                    let want = fill(Isa::Portable);
+                    for isa in Isa::available() {
+                        let got = fill(isa);
+                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} {layout:?} {form:?} cols {cols}: scales");
+                        assert_eq!(got.sums, want.sums, "{isa:?} {layout:?} {form:?} cols {cols}: sums");
+                        assert_eq!(bits(&got.ev), bits(&want.ev), "{isa:?} {layout:?} {form:?} cols {cols}: factors");
+                        if form == Form::Planes {
+                            assert_eq!(got.planes, want.planes, "{isa:?} {layout:?} cols {cols}: planes");
+                        } else {
+                            // Lanes past the last row, and the quads of a final half
+                            // block's missing half, are never read; compare the rest.
+                            for t in 0..tokens {
+                                let (g, lane) = (t / LANES, t % LANES);
+                                for i in 0..got.blocks * LANE_BLOCK_BYTES / (4 * LANES) {
+                                    if cols % 64 == 32 && i / 48 == got.blocks - 1 && i % 8 >= 4 {
+                                        continue;
+                                    }
+                                    let at = g * got.blocks * LANE_BLOCK_BYTES + i * 4 * LANES + lane * 4;
+                                    assert_eq!(got.planes[at..at + 4], want.planes[at..at + 4], "{isa:?} cols {cols} t {t} quad {i}");
+                                }
+                            }
+                        }
                     }
                 }
             }

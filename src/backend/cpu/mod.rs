@@ -349,7 +349,7 @@ impl Backend for Cpu {
             xqs.resize(layouts.len(), intdot::QuantRows::default());
         }
         for (xq, &l) in xqs.iter_mut().zip(&layouts) {
-            xq.shape(rows, x.cols, l);
+            xq.shape(self.isa, rows, x.cols, l);
             let base = xq.base();
             let xq = &*xq;
             self.row_blocks(rows, &|r0, r1| {
