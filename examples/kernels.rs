@@ -58,7 +58,21 @@ fn main() {
                     unsafe { xq.fill_rows(base, &x, 0, tokens) };
                     best_q = best_q.min(t.elapsed().as_secs_f64());
                     let t = Instant::now();
-                    unsafe { intdot::matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut scratch) };
+                    let threads: usize = std::env::var("THREADS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+                    if threads == 1 {
+                        unsafe { intdot::matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut scratch) };
+                    } else {
+                        // `THREADS` threads each take a contiguous share of the rows.
+                        let (yp, w, xq) = (y.as_mut_ptr() as usize, &w, &xq);
+                        std::thread::scope(|sc| {
+                            for th in 0..threads {
+                                sc.spawn(move || {
+                                    let (r0, r1) = (rows * th / threads, rows * (th + 1) / threads);
+                                    unsafe { intdot::matmul(isa, w, xq, yp as *mut f32, rows, r0, r1 - r0, &mut intdot::Scratch::default()) };
+                                });
+                            }
+                        });
+                    }
                     best = best.min(t.elapsed().as_secs_f64());
                     if isa == Isa::Portable {
                         break;

@@ -362,24 +362,34 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     scratch.bu.resize(units, 0.0);
     scratch.v.resize(units, 0.0);
     let Scratch { s, b, ints, su, bu, v, .. } = scratch;
+    // The fold's chunk bounds, the same for every output.
+    let bounds: [usize; PRODUCT_CHUNKS + 1] = std::array::from_fn(|c| if c < PRODUCT_CHUNKS { chunk_units(units, c).0 } else { units });
     for n in n0..n0 + count {
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
         #[cfg(target_arch = "x86_64")]
         if fast {
-            // SAFETY: `vnni` checked the CPU (AVX-512 F/BW/VL/DQ and VNNI).
-            unsafe {
-                vnni::unit_scales(*scale_dtype, gs, ul, sr, su);
-                vnni::unit_scales(*scale_dtype, gs, ul, br, bu);
+            // Bf16 with one group per unit is read in place; the rest widened per unit first.
+            let raw = *scale_dtype == FloatType::BF16 && gs == ul;
+            if !raw {
+                for u in 0..units {
+                    su[u] = scale_dtype.get(sr, u * ul / gs);
+                    bu[u] = scale_dtype.get(br, u * ul / gs);
+                }
             }
+            let sc = if raw { vnni::Scales::Bf16(sr, br) } else { vnni::Scales::F32(su, bu) };
+            // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
+            vnni::prefetch(scales.as_slice().as_ptr().wrapping_add((n + 8) * sb));
+            vnni::prefetch(biases.as_slice().as_ptr().wrapping_add((n + 8) * sb));
             for t in 0..xq.rows {
                 let (_, _, planes, ev) = xq.row(t);
-                // SAFETY: as above; the caller's contract on `y`.
-                unsafe { *y.add(t * ldy + n) = vnni::row_value(ul, codes, planes, ev, su, bu, v) };
+                // SAFETY: `vnni` checked the CPU (AVX-512 F/BW/VL/DQ and VNNI); the caller's
+                // contract on `y`.
+                unsafe { *y.add(t * ldy + n) = vnni::row_value(ul, codes, planes, ev, sc, &bounds, v) };
             }
             continue;
         }
-        let _ = (fast, &su, &bu, &v);
+        let _ = (fast, &su, &bu, &v, &bounds);
         for g in 0..groups {
             s[g] = scale_dtype.get(sr, g);
             b[g] = scale_dtype.get(br, g);
@@ -721,36 +731,45 @@ mod avx512 {
 /// exact).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    use super::{chunk_units, fold_units, unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, LANES, LANE_BLOCK_BYTES, PAIR_BYTES, PRODUCT_CHUNKS};
+    use super::{chunk_units, unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, LANES, LANE_BLOCK_BYTES, PAIR_BYTES, PRODUCT_CHUNKS};
     use std::arch::x86_64::*;
 
     /// Rows of weights per tile of the Lanes kernel: 8 rows × 3 planes of accumulators, the
     /// three planes of a quad and a broadcast code fill 28 of the 32 registers.
     const TILE: usize = 8;
 
-    /// Per-unit scales (or biases) of one weight row, widened to f32: `raw` holds the row's
-    /// groups. Bf16 with one group per unit converts 16 at a time (a bf16 is the top half of
-    /// its f32); the rest go through [`FloatType::get`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-    pub unsafe fn unit_scales(dt: FloatType, gs: usize, ul: usize, raw: &[u8], out: &mut [f32]) {
-        if dt == FloatType::BF16 && gs == ul {
-            debug_assert!(raw.len() == 2 * out.len());
-            let n = out.len();
-            let mut u = 0;
-            while u < n {
-                let k = (n - u).min(16);
-                let m: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
-                // SAFETY: the masked lanes stay inside `raw` and `out`.
-                unsafe {
-                    let h = _mm256_maskz_loadu_epi16(m, raw.as_ptr().add(2 * u) as *const i16);
-                    let f = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
-                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(u), m, _mm512_castsi512_ps(f));
+    /// Bytes ahead of the codes in use that a decode product asks the cache for (as the f32
+    /// matrix-vector kernels do).
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// A hint to bring the line at `p` into the cache (no effect on any value; `p` need not
+    /// be inside an allocation).
+    #[inline(always)]
+    pub fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch reads nothing architecturally.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+
+    /// One weight row's scales and biases per unit: bf16 in place (one group per unit), or
+    /// widened to f32.
+    #[derive(Clone, Copy)]
+    pub enum Scales<'a> {
+        Bf16(&'a [u8], &'a [u8]),
+        F32(&'a [f32], &'a [f32]),
+    }
+
+    impl Scales<'_> {
+        /// Units `u0..u0+16` (the lanes of `m`) as f32: a bf16 is the top half of its f32.
+        #[inline(always)]
+        unsafe fn load(self, u0: usize, m: __mmask16) -> (__m512, __m512) {
+            unsafe {
+                match self {
+                    Scales::Bf16(s, b) => {
+                        let w = |r: &[u8]| _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r.as_ptr().add(2 * u0) as *const i16)), 16));
+                        (w(s), w(b))
+                    }
+                    Scales::F32(s, b) => (_mm512_maskz_loadu_ps(m, s.as_ptr().add(u0)), _mm512_maskz_loadu_ps(m, b.as_ptr().add(u0))),
                 }
-                u += k;
-            }
-        } else {
-            for (u, o) in out.iter_mut().enumerate() {
-                *o = dt.get(raw, u * ul / gs);
             }
         }
     }
@@ -764,19 +783,21 @@ mod vnni {
             let at = 64 * j;
             let n = (codes.len() - at).min(64);
             let p = codes.as_ptr().add(at);
+            prefetch(p.wrapping_add(PREFETCH_BYTES));
             // Past the row's end (an odd block count or a final half block) the codes are 0.
             let c = if n == 64 { _mm512_loadu_si512(p as *const _) } else { _mm512_maskz_loadu_epi8((1u64 << n) - 1, p as *const i8) };
             let mask = _mm512_set1_epi8(15);
             let lo = _mm512_and_si512(c, mask);
             let hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
             let pl = planes.as_ptr().add(j * PAIR_BYTES);
-            let plane = |k: usize| {
+            let plane = |a: __m512i, k: usize| {
                 let x = pl.add(k * 2 * ACT_BLOCK);
-                let a = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x as *const _));
+                let a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512(x as *const _));
                 _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(x.add(ACT_BLOCK) as *const _))
             };
-            let (a0, a1, a2) = (plane(0), plane(1), plane(2));
-            _mm512_add_epi32(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8)), _mm512_slli_epi32(a2, 16))
+            // Horner order, ((a2·256) + a1)·256 + a0: one accumulator, no adds.
+            let a = _mm512_slli_epi32(plane(_mm512_setzero_si512(), 2), 8);
+            plane(_mm512_slli_epi32(plane(a, 1), 8), 0)
         }
     }
 
@@ -812,14 +833,14 @@ mod vnni {
     }
 
     /// One output of 4-bit codes against one input row of the Planes form: sixteen units'
-    /// integers at a time, their values `fma(s·d, f32(I), b·(d·f32(S)))` sixteen lanes at once
-    /// (`su`, `bu`: the row's scales and biases per unit), then the fold in unit order.
+    /// integers at a time, their values `fma(s·d, f32(I), b·(d·f32(S)))` sixteen lanes at once,
+    /// then the fold in unit order (`bounds`: the chunks' first units, then the unit count).
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-    pub unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], su: &[f32], bu: &[f32], v: &mut [f32]) -> f32 {
-        let units = su.len();
+    pub unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
+        let units = bounds[PRODUCT_CHUNKS];
         let bl = ev.len() / 6;
         let pairs = bl.div_ceil(2);
-        debug_assert!(bu.len() == units && v.len() == units && planes.len() == pairs * PAIR_BYTES);
+        debug_assert!(v.len() >= units && planes.len() == pairs * PAIR_BYTES);
         // Pairs of blocks per sixteen units, and where the units' `d` and `d·f32(S)` start.
         let (per, dof, sof) = if ul == ACT_BLOCK { (8, 0, bl) } else { (4, 2 * bl, 4 * bl) };
         let mut u0 = 0;
@@ -839,12 +860,22 @@ mod vnni {
                 let m: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
                 let ld = |s: &[f32], at: usize| _mm512_maskz_loadu_ps(m, s.as_ptr().add(at));
                 let (d, ds) = (ld(ev, dof + u0), ld(ev, sof + u0));
-                let val = _mm512_fmadd_ps(_mm512_mul_ps(ld(su, u0), d), _mm512_cvtepi32_ps(i), _mm512_mul_ps(ld(bu, u0), ds));
+                let (s, b) = sc.load(u0, m);
+                let val = _mm512_fmadd_ps(_mm512_mul_ps(s, d), _mm512_cvtepi32_ps(i), _mm512_mul_ps(b, ds));
                 _mm512_mask_storeu_ps(v.as_mut_ptr().add(u0), m, val);
             }
             u0 += 16;
         }
-        fold_units(units, |u| v[u])
+        // numerics::fold_units, with the chunk bounds computed once per product.
+        let mut y = 0.0f32;
+        for c in 0..PRODUCT_CHUNKS {
+            let mut acc = 0.0f32;
+            for &x in &v[bounds[c]..bounds[c + 1]] {
+                acc += x;
+            }
+            y += acc;
+        }
+        y
     }
 
     /// Unpacks one row's 4-bit codes into one byte per code in the plane order of a block
