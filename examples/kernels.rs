@@ -1,11 +1,11 @@
 //! Times the CPU matrix-product kernels on random 4-bit weights in isolation (one thread):
 //! `cargo run --release --example kernels -- [tokens] [rows] [cols] [reps]`. Prints ms per
 //! call, weight GB/s and GFLOP/s. `PRODUCTS=int` times the integer-exact products instead
-//! (each form the ISA has, and the input's quantization); `CPU_TIME=1` measures the calling
+//! (and the input's quantization); `CPU_TIME=1` measures the calling
 //! thread's CPU time rather than wall time (steadier on a shared machine, one thread only).
 //! A development aid; `tensorfold bench` measures the model.
 
-use tensorfold::backend::cpu::intdot::{self, Form, Layout, QuantRows};
+use tensorfold::backend::cpu::intdot::{self, Layout, QuantRows};
 use tensorfold::backend::cpu::simd::{self, Isa, Transposed};
 use tensorfold::checkpoint::Bytes;
 use tensorfold::model::weights::{FloatType, Matrix, MatrixData};
@@ -43,17 +43,13 @@ fn main() {
     let only = std::env::var("ISA").ok();
     if std::env::var("PRODUCTS").as_deref() == Ok("int") {
         for isa in Isa::available().into_iter().rev().filter(|i| only.as_deref().is_none_or(|o| o == i.name())) {
-            let mut forms = vec![Form::Planes];
-            if intdot::vnni(isa) {
-                forms.insert(0, Form::Lanes);
-            }
-            for form in forms {
+            {
                 let mut xq = QuantRows::default();
                 let (mut best, mut best_q) = (f64::MAX, f64::MAX);
                 let mut scratch = intdot::Scratch::default();
                 for _ in 0..reps {
                     let t = Instant::now();
-                    xq.shape_form(isa, tokens, cols, Layout::Nibbles, form);
+                    xq.shape(isa, tokens, cols, Layout::Nibbles);
                     let base = xq.base();
                     unsafe { xq.fill_rows(base, &x, 0, tokens) };
                     best_q = best_q.min(t.elapsed().as_secs_f64());
@@ -80,7 +76,7 @@ fn main() {
                 }
                 let bytes = w.storage_bytes() as f64;
                 println!(
-                    "int {:8} {form:?} tokens {tokens:4} rows {rows} cols {cols}: {:8.3} ms  {:6.2} GB/s  {:6.1} GOP/s  (quantize {:.3} ms)",
+                    "int {:8} tokens {tokens:4} rows {rows} cols {cols}: {:8.3} ms  {:6.2} GB/s  {:6.1} GOP/s  (quantize {:.3} ms)",
                     isa.name(),
                     best * 1e3,
                     bytes / best / 1e9,

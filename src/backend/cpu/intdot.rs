@@ -8,15 +8,18 @@
 //! same IEEE operations lane by lane), so every instruction set gives the bits of
 //! [`crate::numerics::dot_affine_int`].
 //!
-//! Two forms of the quantized input ([`Form`]):
-//! - **Planes** (one output at a time, decode): a row's planes two blocks at a time, so one
-//!   512-bit load of 64 code bytes (two blocks of 4-bit codes) meets its planes in two more.
-//!   AVX-512 VNNI multiplies with `vpdpbusd`; AVX2 with `vpmaddubsw` (unsigned 4-bit codes
-//!   by signed planes: a pair of products cannot saturate) and `vpmaddwd`.
-//! - **Lanes** (prompts, 4-bit codes with VNNI): sixteen input rows side by side, one per
-//!   32-bit lane, each lane four elements of one plane; a weight row's four codes are
-//!   broadcast and one `vpdpbusd` advances sixteen input rows. The epilogue and fold then run
-//!   with one input row per lane, each lane in its row's own order.
+//! The planes are stored two blocks at a time, so one 512-bit load of 64 code bytes (two
+//! blocks of 4-bit codes) meets its planes in two more. On AVX-512 VNNI:
+//! - **one input row** (decode): `vpdpbusd` multiplies the codes as stored by the planes, a
+//!   shuffle tree sums sixteen units at once, and the epilogue runs sixteen units per
+//!   instruction;
+//! - **several input rows** (prompts, batches): a tile of sixteen weight rows has its codes
+//!   unpacked once, one row per 32-bit lane, and each input row's quad of a plane is
+//!   broadcast against it (`vpdpbusd`'s embedded broadcast): one instruction advances sixteen
+//!   outputs, and the epilogue and fold run per lane, each in its own order.
+//!
+//! AVX2 multiplies with `vpmaddubsw` (unsigned 4-bit codes by signed planes: a pair of
+//! products cannot saturate) and `vpmaddwd`.
 //!
 //! Exactness of the 32-bit sums (4-bit codes): a unit's `I` satisfies |I| ≤ 64·15·2 080 768 <
 //! 2^31, and every plane's partial sum is far inside i32 (|Σ q·p| ≤ 64·15·128). The lanes add
@@ -36,13 +39,10 @@ use crate::numerics::{act_planes, act_quant, act_scale, chunk_units, fold_units,
 
 /// Bytes of two blocks' three planes in the Planes form: per plane `[64 | 64]` bytes.
 const PAIR_BYTES: usize = 6 * ACT_BLOCK;
-/// Input rows per group of the Lanes form (one per 32-bit lane of a 512-bit register).
-pub const LANES: usize = 16;
-/// Bytes of one block of a Lanes group: three planes of sixteen quads of sixteen rows.
-const LANE_BLOCK_BYTES: usize = 3 * ACT_BLOCK * LANES;
-/// Input rows from which a product of 4-bit codes on AVX-512 VNNI takes the Lanes form: below
-/// it, the idle lanes cost more than the Planes form's per-output reductions.
-pub const LANES_MIN_ROWS: usize = 8;
+/// Input rows from which a product of 4-bit codes on AVX-512 VNNI unpacks tiles of weight rows
+/// once for all of them; below it, each output reads its codes as stored (the tile's unpacking
+/// costs about three one-row products).
+pub const ROW_LANES_MIN_ROWS: usize = 4;
 
 /// The order of elements inside a block's plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -93,27 +93,6 @@ impl Layout {
     }
 }
 
-/// How a [`QuantRows`] stores its planes (see the module doc).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Form {
-    /// Row by row, blocks in pairs: what every instruction set reads.
-    #[default]
-    Planes,
-    /// Sixteen rows per group, one per 32-bit lane: 4-bit codes on AVX-512 VNNI only.
-    Lanes,
-}
-
-impl Form {
-    /// The form a product of `rows` input rows in `layout` takes on `isa`.
-    pub fn choose(isa: Isa, layout: Layout, rows: usize) -> Form {
-        if layout == Layout::Nibbles && rows >= LANES_MIN_ROWS && vnni(isa) {
-            Form::Lanes
-        } else {
-            Form::Planes
-        }
-    }
-}
-
 /// Whether `isa` is AVX-512 on a CPU with VNNI (`vpdpbusd`).
 #[inline]
 pub fn vnni(isa: Isa) -> bool {
@@ -132,7 +111,6 @@ pub fn vnni(isa: Isa) -> bool {
 #[derive(Clone, Debug, Default)]
 pub struct QuantRows {
     pub layout: Layout,
-    pub form: Form,
     /// The instruction set that quantizes (every one writes the same bytes).
     pub isa: Isa,
     pub rows: usize,
@@ -143,112 +121,70 @@ pub struct QuantRows {
     d: Vec<f32>,
     /// `[rows][2·blocks]` exact `Σ xi` per 32 elements.
     sums: Vec<i32>,
-    /// Planes: `[rows][ceil(blocks/2)][3][128]`; Lanes: `[ceil(rows/16)][blocks][3][16 quads][16 rows][4]`.
+    /// `[rows][ceil(blocks/2)][3][128]`: per pair of blocks, per plane, 128 bytes.
     planes: Vec<i8>,
-    /// The epilogue's per-unit factors, `[6·blocks]` per row (Planes: `[rows][6·blocks]`;
-    /// Lanes: `[groups][6·blocks][16]`): `d` per block, `d·f32(S)` per block, `d` per half
-    /// block, `d·f32(S)` per half block (the operands of `unit_value` for units of 64 or 32).
+    /// The epilogue's per-unit factors, `[rows][6·blocks]`: `d` per block, `d·f32(S)` per
+    /// block, `d` per half block, `d·f32(S)` per half block (the operands of `unit_value` for
+    /// units of 64 or 32).
     ev: Vec<f32>,
 }
 
 impl QuantRows {
-    /// Sizes the buffers for `rows` rows of `cols` (a multiple of 32) in `layout`, in the form
-    /// [`Form::choose`] picks for `isa`.
-    pub fn shape(&mut self, isa: Isa, rows: usize, cols: usize, layout: Layout) {
-        self.shape_form(isa, rows, cols, layout, Form::choose(isa, layout, rows));
-    }
-
-    /// [`Self::shape`] in a given form (tests and timings compare them).
+    /// Sizes the buffers for `rows` rows of `cols` (a multiple of 32) in `layout`, to be
+    /// quantized with `isa` (every instruction set writes the same bytes).
     ///
     /// # Panics
-    /// If `form` is Lanes and `layout` is not Nibbles.
-    pub fn shape_form(&mut self, isa: Isa, rows: usize, cols: usize, layout: Layout, form: Form) {
+    /// If `cols` is not a multiple of 32.
+    pub fn shape(&mut self, isa: Isa, rows: usize, cols: usize, layout: Layout) {
         assert!(cols.is_multiple_of(32));
         self.isa = isa;
-        assert!(form == Form::Planes || layout == Layout::Nibbles, "intdot: the Lanes form holds 4-bit planes only");
         self.layout = layout;
-        self.form = form;
         self.rows = rows;
         self.cols = cols;
         self.blocks = cols.div_ceil(ACT_BLOCK);
         let bl = self.blocks;
         self.d.resize(rows * bl, 0.0);
         self.sums.resize(rows * 2 * bl, 0);
-        let (planes, ev) = match form {
-            Form::Planes => (rows * bl.div_ceil(2) * PAIR_BYTES, rows * 6 * bl),
-            Form::Lanes => (rows.div_ceil(LANES) * bl * LANE_BLOCK_BYTES, rows.div_ceil(LANES) * 6 * bl * LANES),
-        };
-        self.planes.resize(planes, 0);
-        self.ev.resize(ev, 0.0);
+        self.planes.resize(rows * bl.div_ceil(2) * PAIR_BYTES, 0);
+        self.ev.resize(rows * 6 * bl, 0.0);
     }
 
     /// Quantizes rows `r0..r1` of `x` (`[rows, cols]`) into buffers shaped by [`Self::shape`].
     ///
     /// # Safety
     /// `base` must be [`Self::base`] of this value after `shape`, and no other thread may
-    /// write rows `r0..r1` meanwhile (other rows may be filled concurrently: in the Lanes form
-    /// rows share cache lines but never bytes).
+    /// write rows `r0..r1` meanwhile (other rows may be filled concurrently).
     pub unsafe fn fill_rows(&self, base: QuantBase, x: &[f32], r0: usize, r1: usize) {
         let (bl, cols) = (self.blocks, self.cols);
         for r in r0..r1 {
             // SAFETY: row r's scales and sums, which only this call writes.
             let (d, sums) = unsafe { (std::slice::from_raw_parts_mut(base.d.add(r * bl), bl), std::slice::from_raw_parts_mut(base.sums.add(r * 2 * bl), 2 * bl)) };
             let xr = &x[r * cols..(r + 1) * cols];
-            match self.form {
-                Form::Planes => {
-                    // SAFETY: as above, row r's planes and epilogue factors.
-                    let (planes, ev) = unsafe {
-                        (
-                            std::slice::from_raw_parts_mut(base.planes.add(r * bl.div_ceil(2) * PAIR_BYTES), bl.div_ceil(2) * PAIR_BYTES),
-                            std::slice::from_raw_parts_mut(base.ev.add(r * 6 * bl), 6 * bl),
-                        )
-                    };
-                    #[cfg(target_arch = "x86_64")]
-                    if self.isa == Isa::Avx512 {
-                        // SAFETY: Avx512 is only chosen when the CPU reports AVX-512 F/BW/VL.
-                        unsafe { avx512::quantize_planes(self.layout, xr, d, sums, planes) };
+            // SAFETY: as above, row r's planes and epilogue factors.
+            let (planes, ev) = unsafe {
+                (
+                    std::slice::from_raw_parts_mut(base.planes.add(r * bl.div_ceil(2) * PAIR_BYTES), bl.div_ceil(2) * PAIR_BYTES),
+                    std::slice::from_raw_parts_mut(base.ev.add(r * 6 * bl), 6 * bl),
+                )
+            };
+            #[cfg(target_arch = "x86_64")]
+            if self.isa == Isa::Avx512 {
+                // SAFETY: Avx512 is only chosen when the CPU reports AVX-512 F/BW/VL.
+                unsafe { avx512::quantize_planes(self.layout, xr, d, sums, planes) };
+            }
+            if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
+                planes.fill(0);
+                let layout = self.layout;
+                quantize_row(xr, d, sums, |b, e, p| {
+                    for (k, &pk) in p.iter().enumerate() {
+                        planes[layout.plane_at(b, k, e)] = pk;
                     }
-                    if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
-                        planes.fill(0);
-                        let layout = self.layout;
-                        quantize_row(xr, d, sums, |b, e, p| {
-                            for (k, &pk) in p.iter().enumerate() {
-                                planes[layout.plane_at(b, k, e)] = pk;
-                            }
-                        });
-                    }
-                    for b in 0..bl {
-                        let f = ev_factors(d[b], sums[2 * b], sums[2 * b + 1]);
-                        for (k, &v) in f.iter().enumerate() {
-                            ev[ev_index(k, b, bl)] = v;
-                        }
-                    }
-                }
-                Form::Lanes => {
-                    let (g, lane) = (r / LANES, r % LANES);
-                    let (pg, eg) = (g * bl * LANE_BLOCK_BYTES, g * 6 * bl * LANES);
-                    #[cfg(target_arch = "x86_64")]
-                    if self.isa == Isa::Avx512 {
-                        // SAFETY: as above; the lane's bytes of group g, written only here.
-                        unsafe { avx512::quantize_lanes(xr, d, sums, base.planes.add(pg + lane * 4)) };
-                    }
-                    if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
-                        quantize_row(xr, d, sums, |b, e, p| {
-                            let at = Layout::Nibbles.pos(e);
-                            for (k, &pk) in p.iter().enumerate() {
-                                let off = pg + b * LANE_BLOCK_BYTES + (k * 16 + at / 4) * 4 * LANES + lane * 4 + at % 4;
-                                // SAFETY: byte `off` belongs to row r's lane, written only here.
-                                unsafe { *base.planes.add(off) = pk };
-                            }
-                        });
-                    }
-                    for b in 0..bl {
-                        let f = ev_factors(d[b], sums[2 * b], sums[2 * b + 1]);
-                        for (k, &v) in f.iter().enumerate() {
-                            // SAFETY: lane r of factor row (k, b) of group g, written only here.
-                            unsafe { *base.ev.add(eg + ev_index(k, b, bl) * LANES + lane) = v };
-                        }
-                    }
+                });
+            }
+            for b in 0..bl {
+                let f = ev_factors(d[b], sums[2 * b], sums[2 * b + 1]);
+                for (k, &v) in f.iter().enumerate() {
+                    ev[ev_index(k, b, bl)] = v;
                 }
             }
         }
@@ -259,10 +195,9 @@ impl QuantRows {
         QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr(), ev: self.ev.as_mut_ptr() }
     }
 
-    /// Row `t` of the Planes form: scales, sums, planes, epilogue factors.
-    #[inline]
+    /// Row `t`: scales, sums, planes, epilogue factors.
+    #[inline(always)]
     fn row(&self, t: usize) -> (&[f32], &[i32], &[i8], &[f32]) {
-        debug_assert_eq!(self.form, Form::Planes);
         let bl = self.blocks;
         let pb = bl.div_ceil(2) * PAIR_BYTES;
         (&self.d[t * bl..(t + 1) * bl], &self.sums[t * 2 * bl..(t + 1) * 2 * bl], &self.planes[t * pb..(t + 1) * pb], &self.ev[t * 6 * bl..(t + 1) * 6 * bl])
@@ -331,8 +266,7 @@ fn quantize_row(x: &[f32], d: &mut [f32], sums: &mut [i32], mut put: impl FnMut(
 /// w.rows)`, and no other thread touches elements `(t, n0..n0+count)` meanwhile.
 ///
 /// # Panics
-/// If `w` is not affine or `xq` was made for another layout or width, or in the Lanes form
-/// on an instruction set without VNNI.
+/// If `w` is not affine or `xq` was made for another layout or width.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Scratch) {
     let MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } = &w.data else {
@@ -344,16 +278,6 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     let units = cols / ul;
     let groups = cols / gs;
     let (wb, sb) = (cols * bits / 8, groups * scale_dtype.size());
-    if xq.form == Form::Lanes {
-        assert!(vnni(isa), "intdot::matmul: the Lanes form needs AVX-512 VNNI");
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
-        unsafe {
-            vnni::matmul_lanes(gs, (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype), xq, y, ldy, n0, count, scratch)
-        };
-        return;
-    }
-    // One output at a time from the Planes form.
     let fast = bits == 4 && vnni(isa);
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
@@ -361,9 +285,15 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     scratch.su.resize(units, 0.0);
     scratch.bu.resize(units, 0.0);
     scratch.v.resize(units, 0.0);
-    let Scratch { s, b, ints, su, bu, v, .. } = scratch;
     // The fold's chunk bounds, the same for every output.
     let bounds: [usize; PRODUCT_CHUNKS + 1] = std::array::from_fn(|c| if c < PRODUCT_CHUNKS { chunk_units(units, c).0 } else { units });
+    #[cfg(target_arch = "x86_64")]
+    if fast && xq.rows >= ROW_LANES_MIN_ROWS {
+        // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
+        unsafe { vnni::matmul_rows(gs, (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype), xq, &bounds, y, ldy, n0, count, scratch) };
+        return;
+    }
+    let Scratch { s, b, ints, su, bu, v, .. } = scratch;
     for n in n0..n0 + count {
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
@@ -410,7 +340,7 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
 }
 
 /// Per-call buffers of [`matmul`]: a row's scales and biases (per group and per unit), its
-/// unit integers and values, and the Lanes kernel's tile of unpacked codes and scales.
+/// unit integers and values, and the row-lanes kernel's tile of unpacked codes and scales.
 #[derive(Debug, Default)]
 pub struct Scratch {
     s: Vec<f32>,
@@ -604,7 +534,7 @@ mod avx2 {
 /// conversion rounds to nearest even (the default MXCSR), so `xi` is `act_quant`'s.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Layout, ACT_BLOCK, LANE_BLOCK_BYTES, PAIR_BYTES};
+    use super::{Layout, ACT_BLOCK, PAIR_BYTES};
     use crate::numerics::ACT_LEVELS;
     use std::arch::x86_64::*;
 
@@ -700,43 +630,14 @@ mod avx512 {
             }
         }
     }
-
-    /// One row into its lane of a Lanes group: `lane` points at the row's first byte (the
-    /// group's start plus 4·lane); each plane's quad `k` goes 64·k bytes further.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
-    pub unsafe fn quantize_lanes(x: &[f32], d: &mut [f32], sums: &mut [i32], lane: *mut i8) {
-        // SAFETY: the caller's contract on `lane`; the block lies inside `x`.
-        unsafe {
-            let quads = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960);
-            for b in 0..d.len() {
-                let (xi, db, s0, s1) = block_xi(&x[b * ACT_BLOCK..(b * ACT_BLOCK + ACT_BLOCK).min(x.len())]);
-                d[b] = db;
-                sums[2 * b] = s0;
-                sums[2 * b + 1] = s1;
-                let q = in_plane_order(Layout::Nibbles, xi);
-                let [a, b4, c, e] = [planes3(q[0]), planes3(q[1]), planes3(q[2]), planes3(q[3])];
-                for (p, ((a, b4), (c, e))) in a.iter().zip(&b4).zip(c.iter().zip(&e)).enumerate() {
-                    // The plane's 64 position bytes as sixteen quads, quad k to 64·k.
-                    let lo = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(*a), *b4);
-                    let hi = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(*c), *e);
-                    let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
-                    _mm512_i32scatter_epi32::<1>(lane.add(b * LANE_BLOCK_BYTES + p * 1024) as *mut _, quads, v);
-                }
-            }
-        }
-    }
 }
 
 /// AVX-512 VNNI kernels of 4-bit codes (module doc: the two forms and why the 32-bit sums are
 /// exact).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    use super::{chunk_units, unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, LANES, LANE_BLOCK_BYTES, PAIR_BYTES, PRODUCT_CHUNKS};
+    use super::{unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
     use std::arch::x86_64::*;
-
-    /// Rows of weights per tile of the Lanes kernel: 8 rows × 3 planes of accumulators, the
-    /// three planes of a quad and a broadcast code fill 28 of the 32 registers.
-    const TILE: usize = 8;
 
     /// Bytes ahead of the codes in use that a decode product asks the cache for (as the f32
     /// matrix-vector kernels do).
@@ -878,131 +779,186 @@ mod vnni {
         y
     }
 
-    /// Unpacks one row's 4-bit codes into one byte per code in the plane order of a block
-    /// (`[low nibbles of the block's 32 code bytes | high nibbles]`, 64 bytes per block).
-    #[inline(always)]
-    unsafe fn unpack_codes(codes: &[u8], out: &mut [u8]) {
-        unsafe {
-            let mask = _mm256_set1_epi8(15);
-            for b in 0..codes.len().div_ceil(32) {
-                let n = (codes.len() - 32 * b).min(32);
-                let c = _mm256_maskz_loadu_epi8(((1u64 << n) - 1) as u32, codes.as_ptr().add(32 * b) as *const i8);
-                let o = out.as_mut_ptr().add(64 * b);
-                _mm256_storeu_si256(o as *mut __m256i, _mm256_and_si256(c, mask));
-                _mm256_storeu_si256(o.add(32) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16(c, 4), mask));
-            }
-        }
-    }
+    /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane.
+    const ROW_LANES: usize = 16;
 
-    /// Weights of one product: codes, scales, biases (all rows) and the scales' type.
-    pub type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
-
-    /// `y[t][n]` for every input row of the Lanes form and `n in n0..n0+count`: tiles of
-    /// [`TILE`] weight rows (codes unpacked once per tile) against each group of sixteen input
-    /// rows, one input row per lane; the epilogue and fold run per lane in unit order.
+    /// `y[t][n]` for every input row of the Planes form and `n in n0..n0+count`, weight rows in
+    /// the lanes: each tile of sixteen weight rows has its codes unpacked once into
+    /// `[block][quad][row][4 codes]` (and its scales into `[unit][row]`), then every input
+    /// row's quad of each plane is broadcast against a quad of all sixteen rows. The
+    /// epilogue and fold run per lane (one weight row) in unit order, per input row.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-    pub unsafe fn matmul_lanes(gs: usize, w: Weights<'_>, xq: &QuantRows, y: *mut f32, ldy: usize, n0: usize, count: usize, scratch: &mut Scratch) {
+    pub unsafe fn matmul_rows(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
         let (weight, scales, biases, dt) = w;
         let (cols, bl) = (xq.cols, xq.blocks);
-        let (ul, groups) = (unit_len(gs), cols / gs);
-        let units = cols / ul;
-        let (wb, sb, cb) = (cols / 2, groups * dt.size(), bl * ACT_BLOCK);
-        scratch.codes.resize(TILE * cb, 0);
-        scratch.ts.resize(TILE * groups, 0.0);
-        scratch.tb.resize(TILE * groups, 0.0);
-        let Scratch { codes, ts, tb, .. } = scratch;
+        let (ul, groups, units) = (unit_len(gs), cols / gs, bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (cols / 2, groups * dt.size());
+        scratch.codes.resize(bl * 16 * 4 * ROW_LANES, 0);
+        scratch.ts.resize(units.next_multiple_of(16) * ROW_LANES, 0.0);
+        scratch.tb.resize(units.next_multiple_of(16) * ROW_LANES, 0.0);
+        scratch.su.resize(units.next_multiple_of(16), 0.0);
+        scratch.bu.resize(units.next_multiple_of(16), 0.0);
+        let Scratch { codes, ts, tb, su, bu, .. } = scratch;
+        // Byte offsets of the sixteen quads of a block in its tile part, and of sixteen
+        // consecutive units in the scale tiles (one row's lane).
+        let step = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960);
+        let mask = _mm256_set1_epi8(15);
         let mut n = n0;
         while n < n0 + count {
-            let live = (n0 + count - n).min(TILE);
-            // Rows past `live` repeat the last one: computed, never stored.
-            for r in 0..TILE {
+            let live = (n0 + count - n).min(ROW_LANES);
+            // Lanes past `live` repeat the last row: computed, never stored.
+            for r in 0..ROW_LANES {
                 let row = n + r.min(live - 1);
-                // SAFETY: the CPU has AVX-512 BW/VL (the caller's `vnni` check).
-                unsafe { unpack_codes(&weight[row * wb..(row + 1) * wb], &mut codes[r * cb..(r + 1) * cb]) };
-                for g in 0..groups {
-                    ts[r * groups + g] = dt.get(&scales[row * sb..(row + 1) * sb], g);
-                    tb[r * groups + g] = dt.get(&biases[row * sb..(row + 1) * sb], g);
-                }
-            }
-            for grp in 0..xq.rows.div_ceil(LANES) {
-                // SAFETY: group `grp`'s planes and factors lie inside the Lanes buffers.
-                let yv = unsafe { tile(ul, gs, units, groups, bl, codes, ts, tb, xq.planes.as_ptr().add(grp * bl * LANE_BLOCK_BYTES), xq.ev.as_ptr().add(grp * 6 * bl * LANES)) };
-                let rows = (xq.rows - grp * LANES).min(LANES);
-                for (r, yr) in yv.iter().enumerate().take(live) {
-                    let mut out = [0.0f32; LANES];
-                    // SAFETY: `out` holds 16 floats; the caller's contract on `y`.
+                let c = &weight[row * wb..(row + 1) * wb];
+                for b in 0..bl {
+                    // SAFETY: the masked bytes lie inside the row; the scatter inside the tile.
                     unsafe {
-                        _mm512_storeu_ps(out.as_mut_ptr(), *yr);
-                        for (j, &o) in out.iter().enumerate().take(rows) {
-                            *y.add((grp * LANES + j) * ldy + n + r) = o;
+                        let k = (c.len() - 32 * b).min(32);
+                        let v = _mm256_maskz_loadu_epi8(((1u64 << k) - 1) as u32, c.as_ptr().add(32 * b) as *const i8);
+                        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_and_si256(v, mask)), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                        _mm512_i32scatter_epi32::<1>(codes.as_mut_ptr().add(b * 16 * 4 * ROW_LANES + 4 * r) as *mut _, step, q);
+                    }
+                }
+                let (sr, br) = (&scales[row * sb..(row + 1) * sb], &biases[row * sb..(row + 1) * sb]);
+                if dt == FloatType::BF16 && gs == ul {
+                    for u0 in (0..units).step_by(16) {
+                        // SAFETY: the masked lanes lie inside the row's scales and the buffers.
+                        unsafe {
+                            let m: __mmask16 = if units - u0 >= 16 { 0xffff } else { (1u16 << (units - u0)) - 1 };
+                            let (s, b) = Scales::Bf16(sr, br).load(u0, m);
+                            _mm512_mask_storeu_ps(su.as_mut_ptr().add(u0), m, s);
+                            _mm512_mask_storeu_ps(bu.as_mut_ptr().add(u0), m, b);
                         }
                     }
+                } else {
+                    for u in 0..units {
+                        su[u] = dt.get(sr, u * ul / gs);
+                        bu[u] = dt.get(br, u * ul / gs);
+                    }
+                }
+                for u0 in (0..units).step_by(16) {
+                    // SAFETY: the buffers hold whole groups of sixteen units.
+                    unsafe {
+                        let at = u0 * ROW_LANES + r;
+                        _mm512_i32scatter_ps::<1>(ts.as_mut_ptr().add(at) as *mut _, step, _mm512_loadu_ps(su.as_ptr().add(u0)));
+                        _mm512_i32scatter_ps::<1>(tb.as_mut_ptr().add(at) as *mut _, step, _mm512_loadu_ps(bu.as_ptr().add(u0)));
+                    }
+                }
+            }
+            let m: __mmask16 = if live == 16 { 0xffff } else { (1u16 << live) - 1 };
+            let tl = RowTile { ul, bl, bounds, codes, ts, tb };
+            let mut t0 = 0;
+            while t0 < xq.rows {
+                // SAFETY: the tile's buffers as filled above; the caller's contract on `y`.
+                unsafe {
+                    let left = xq.rows - t0;
+                    let k = if left >= 8 {
+                        tl.store(&tl.tokens::<8>(xq, t0), y, ldy, n, t0, m)
+                    } else if left >= 4 {
+                        tl.store(&tl.tokens::<4>(xq, t0), y, ldy, n, t0, m)
+                    } else if left >= 2 {
+                        tl.store(&tl.tokens::<2>(xq, t0), y, ldy, n, t0, m)
+                    } else {
+                        tl.store(&tl.tokens::<1>(xq, t0), y, ldy, n, t0, m)
+                    };
+                    t0 += k;
                 }
             }
             n += live;
         }
     }
 
-    /// One tile against one group of sixteen input rows (`x`: its planes, `ev`: its factors):
-    /// lane `j` of `result[r]` is output `r` for input row `j`.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    unsafe fn tile(ul: usize, gs: usize, units: usize, groups: usize, bl: usize, codes: &[u8], ts: &[f32], tb: &[f32], x: *const i8, ev: *const f32) -> [__m512; TILE] {
-        unsafe {
-            let cb = bl * ACT_BLOCK;
-            let mut y = [_mm512_setzero_ps(); TILE];
-            for c in 0..PRODUCT_CHUNKS {
-                let (ua, ub) = chunk_units(units, c);
-                let mut acc_c = [_mm512_setzero_ps(); TILE];
-                for u in ua..ub {
-                    let (e0, g) = (u * ul, u * ul / gs);
-                    let (blk, half) = (e0 / ACT_BLOCK, (e0 / 32) % 2);
-                    let mut acc = [[_mm512_setzero_si512(); 3]; TILE];
-                    let xb = x.add(blk * LANE_BLOCK_BYTES);
-                    let cp = codes.as_ptr().add(blk * ACT_BLOCK);
-                    let mut quad = |k: usize| {
-                        let xp = xb.add(k * 4 * LANES);
-                        let xv = [_mm512_loadu_si512(xp as *const _), _mm512_loadu_si512(xp.add(1024) as *const _), _mm512_loadu_si512(xp.add(2048) as *const _)];
-                        for (r, ar) in acc.iter_mut().enumerate() {
-                            let wv = _mm512_set1_epi32((cp.add(r * cb + 4 * k) as *const i32).read_unaligned());
-                            for (p, a) in ar.iter_mut().enumerate() {
-                                *a = _mm512_dpbusd_epi32(*a, wv, xv[p]);
+    /// One tile of [`matmul_rows`]: its codes `[block][quad][row][4]`, scales and biases
+    /// `[unit][row]`.
+    struct RowTile<'a> {
+        ul: usize,
+        bl: usize,
+        bounds: &'a [usize; PRODUCT_CHUNKS + 1],
+        codes: &'a [u8],
+        ts: &'a [f32],
+        tb: &'a [f32],
+    }
+
+    impl RowTile<'_> {
+        /// Writes `TT` input rows' outputs (lanes of `m`) from `t0`; returns `TT`.
+        #[inline(always)]
+        unsafe fn store<const TT: usize>(&self, v: &[__m512; TT], y: *mut f32, ldy: usize, n: usize, t0: usize, m: __mmask16) -> usize {
+            for (t, vt) in v.iter().enumerate() {
+                // SAFETY: the caller's contract on `y` (columns n..n+live of these rows).
+                unsafe { _mm512_mask_storeu_ps(y.add((t0 + t) * ldy + n), m, *vt) };
+            }
+            TT
+        }
+
+        /// The tile's outputs for input rows `t0..t0+TT`: lane `r` of `result[t]` is weight
+        /// row `r` against input row `t0 + t`.
+        #[inline(always)]
+        unsafe fn tokens<const TT: usize>(&self, xq: &QuantRows, t0: usize) -> [__m512; TT] {
+            unsafe {
+                let (ul, bl) = (self.ul, self.bl);
+                let (dof, sof) = if ul == ACT_BLOCK { (0, bl) } else { (2 * bl, 4 * bl) };
+                let rows: [(&[i8], &[f32]); TT] = std::array::from_fn(|t| {
+                    let (_, _, p, e) = xq.row(t0 + t);
+                    (p, e)
+                });
+                let mut y = [_mm512_setzero_ps(); TT];
+                for c in 0..PRODUCT_CHUNKS {
+                    let mut acc_c = [_mm512_setzero_ps(); TT];
+                    for u in self.bounds[c]..self.bounds[c + 1] {
+                        let e0 = u * ul;
+                        let (blk, half) = (e0 / ACT_BLOCK, (e0 / 32) % 2);
+                        // The block's evens start here in each plane of its pair; odds 64 on.
+                        let base = (blk / 2) * PAIR_BYTES + (blk % 2) * 32;
+                        let mut acc = [[_mm512_setzero_si512(); 3]; TT];
+                        let wq = self.codes.as_ptr().add(blk * 16 * 4 * ROW_LANES);
+                        // A unit of 64 is quads 0..16; one of 32 its evens, quads 4h..4h+4,
+                        // and its odds 8 further. (A loop, not a closure: a closure may be
+                        // compiled apart from this function's target features.)
+                        let nk = if ul == ACT_BLOCK { 16 } else { 8 };
+                        for i in 0..nk {
+                            let k = if ul == ACT_BLOCK { i } else { 4 * half + i / 2 + 8 * (i % 2) };
+                            let wv = _mm512_loadu_si512(wq.add(k * 4 * ROW_LANES) as *const _);
+                            let off = base + (k / 8) * ACT_BLOCK + (k % 8) * 4;
+                            for (t, at) in acc.iter_mut().enumerate() {
+                                let x = rows[t].0.as_ptr().add(off);
+                                for (p, a) in at.iter_mut().enumerate() {
+                                    let xv = _mm512_set1_epi32((x.add(p * 2 * ACT_BLOCK) as *const i32).read_unaligned());
+                                    *a = _mm512_dpbusd_epi32(*a, wv, xv);
+                                }
                             }
                         }
-                    };
-                    if ul == ACT_BLOCK {
-                        for k in 0..16 {
-                            quad(k);
-                        }
-                    } else {
-                        // A unit of 32: its evens are quads 4h..4h+4, its odds 8 further.
-                        for k in 4 * half..4 * half + 4 {
-                            quad(k);
-                            quad(k + 8);
+                        let (s, b) = (_mm512_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES)), _mm512_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES)));
+                        for t in 0..TT {
+                            let [a0, a1, a2] = acc[t];
+                            let i = _mm512_add_epi32(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8)), _mm512_slli_epi32(a2, 16));
+                            let ev = rows[t].1;
+                            let sd = _mm512_mul_ps(s, _mm512_set1_ps(ev[dof + u]));
+                            let v = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(i), _mm512_mul_ps(b, _mm512_set1_ps(ev[sof + u])));
+                            acc_c[t] = _mm512_add_ps(acc_c[t], v);
                         }
                     }
-                    let (d, ds) = if ul == ACT_BLOCK {
-                        (_mm512_loadu_ps(ev.add(blk * LANES)), _mm512_loadu_ps(ev.add((bl + blk) * LANES)))
-                    } else {
-                        let hb = 2 * blk + half;
-                        (_mm512_loadu_ps(ev.add((2 * bl + hb) * LANES)), _mm512_loadu_ps(ev.add((4 * bl + hb) * LANES)))
-                    };
-                    for r in 0..TILE {
-                        let [a0, a1, a2] = acc[r];
-                        let i = _mm512_add_epi32(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8)), _mm512_slli_epi32(a2, 16));
-                        let sd = _mm512_mul_ps(_mm512_set1_ps(ts[r * groups + g]), d);
-                        let v = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(i), _mm512_mul_ps(_mm512_set1_ps(tb[r * groups + g]), ds));
-                        acc_c[r] = _mm512_add_ps(acc_c[r], v);
+                    for t in 0..TT {
+                        y[t] = _mm512_add_ps(y[t], acc_c[t]);
                     }
                 }
-                for r in 0..TILE {
-                    y[r] = _mm512_add_ps(y[r], acc_c[r]);
-                }
+                y
             }
-            y
         }
     }
+
+    /// Weights of one product: codes, scales, biases (all rows) and the scales' type.
+    pub type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
 }
 
 #[cfg(test)]
@@ -1064,97 +1020,84 @@ mod tests {
         x
     }
 
-    /// Every instruction set, form, layout, group size, scale type and a final half block give
-    /// the scalar reference's bits, with outliers, zero and NaN blocks and huge dynamic range
-    /// in the input; token counts below and above a Lanes group, weight rows below and above a
-    /// tile (the tails of both).
+    /// Every instruction set, layout, group size, scale type and a final half block give the
+    /// scalar reference's bits, with outliers, zero and NaN blocks and huge dynamic range in
+    /// the input; input row counts below and above [`ROW_LANES_MIN_ROWS`] (both VNNI kernels),
+    /// weight rows below and above a tile of sixteen (the tails).
     #[test]
-    fn every_isa_and_form_gives_the_reference_bits() {
+    fn every_isa_gives_the_reference_bits() {
         let mut rng = Rng(7);
         let shapes: &[(u32, usize, usize)] =
             &[(4, 64, 256), (4, 32, 224), (4, 128, 384), (8, 64, 192), (8, 32, 96), (8, 128, 256), (4, 64, 64), (4, 32, 32), (4, 64, 192), (4, 64, 1088), (4, 32, 1056)];
-        let mut lanes_runs = 0;
         for &(bits, gs, cols) in shapes {
-            for (dt, rows, tokens) in [(FloatType::BF16, 5, 3), (FloatType::BF16, 13, 19), (FloatType::F16, 9, 8), (FloatType::F32, 3, 1), (FloatType::BF16, 17, 36)] {
+            for (dt, rows, tokens) in [
+                (FloatType::BF16, 5, 3),
+                (FloatType::BF16, 13, 19),
+                (FloatType::F16, 9, 8),
+                (FloatType::F32, 3, 1),
+                (FloatType::BF16, 37, 36),
+                (FloatType::BF16, 21, 1),
+                (FloatType::F16, 18, 5),
+            ] {
                 let w = affine(rows, cols, bits, gs, dt, &mut rng);
                 let x = inputs(tokens, cols, true, &mut rng);
                 let layout = Layout::of(&w).unwrap();
                 let want: Vec<u32> = (0..tokens * rows).map(|i| reference(&w, &x[(i / rows) * cols..(i / rows + 1) * cols], i % rows).to_bits()).collect();
                 for isa in Isa::available() {
-                    let mut forms = vec![Form::Planes];
-                    if layout == Layout::Nibbles && vnni(isa) {
-                        forms.push(Form::Lanes);
-                    }
-                    for form in forms {
-                        lanes_runs += (form == Form::Lanes) as usize;
-                        let mut xq = QuantRows::default();
-                        xq.shape_form(isa, tokens, cols, layout, form);
-                        let base = xq.base();
-                        // Two fills of disjoint rows, as the threads do.
-                        unsafe { xq.fill_rows(base, &x, 0, tokens / 2) };
-                        unsafe { xq.fill_rows(base, &x, tokens / 2, tokens) };
-                        let mut y = vec![f32::NAN; tokens * rows];
-                        let mut scratch = Scratch::default();
-                        // Two calls over a split of the rows, as the pool's tasks.
-                        let split = rows / 2;
-                        unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
-                        unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
-                        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
-                            assert_eq!(got.to_bits(), want, "{isa:?} {form:?} bits {bits} gs {gs} cols {cols} {dt:?} t {} n {}", i / rows, i % rows);
-                        }
+                    let mut xq = QuantRows::default();
+                    xq.shape(isa, tokens, cols, layout);
+                    let base = xq.base();
+                    // Two fills of disjoint rows, as the threads do.
+                    unsafe { xq.fill_rows(base, &x, 0, tokens / 2) };
+                    unsafe { xq.fill_rows(base, &x, tokens / 2, tokens) };
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    let mut scratch = Scratch::default();
+                    // Two calls over a split of the rows, as the pool's tasks.
+                    let split = rows / 2;
+                    unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
+                    unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
+                    for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                        assert_eq!(got.to_bits(), want, "{isa:?} bits {bits} gs {gs} cols {cols} {dt:?} t {} n {}", i / rows, i % rows);
                     }
                 }
             }
         }
-        if vnni(Isa::detect()) {
-            assert!(lanes_runs > 0);
-        }
-    }
-
-    /// The form a product takes: Lanes only for 4-bit codes, VNNI and enough rows.
-    #[test]
-    fn the_lanes_form_is_chosen_for_prompts_of_4_bit_codes_with_vnni() {
-        for isa in Isa::available() {
-            assert_eq!(Form::choose(isa, Layout::Nibbles, 1), Form::Planes);
-            assert_eq!(Form::choose(isa, Layout::Natural, 256), Form::Planes);
-            let want = if vnni(isa) { Form::Lanes } else { Form::Planes };
-            assert_eq!(Form::choose(isa, Layout::Nibbles, LANES_MIN_ROWS), want);
-        }
     }
 
     /// A unit at the bound of its integer: codes of 15 against `xi = ±2 080 768` everywhere
-    /// (|I| = 64·15·2 080 768, just under 2^31), in every form, against the reference.
+    /// (|I| = 64·15·2 080 768, just under 2^31), one input row and many, against the reference.
     #[test]
     fn units_at_the_integer_bound_keep_their_bits() {
-        let (rows, cols, tokens) = (9, 256, 17);
+        for tokens in [1, 17] {
+            at_the_bound(tokens);
+        }
+    }
+
+    fn at_the_bound(tokens: usize) {
+        let (rows, cols) = (9, 256);
         let mut w = affine(rows, cols, 4, 64, FloatType::BF16, &mut Rng(3));
         if let MatrixData::Affine { weight, .. } = &mut w.data {
             *weight = Bytes::from_vec(vec![0xff; rows * cols / 2]);
         }
         let x: Vec<f32> = (0..tokens * cols).map(|i| if (i / 64) % 2 == 0 { 2.5 } else { -1.25 }).collect();
         for isa in Isa::available() {
-            for form in [Form::Planes, Form::Lanes] {
-                if form == Form::Lanes && !vnni(isa) {
-                    continue;
-                }
-                let mut xq = QuantRows::default();
-                xq.shape_form(isa, tokens, cols, Layout::Nibbles, form);
-                let base = xq.base();
-                unsafe { xq.fill_rows(base, &x, 0, tokens) };
-                let mut y = vec![f32::NAN; tokens * rows];
-                unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
-                for t in 0..tokens {
-                    for n in 0..rows {
-                        let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
-                        assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} {form:?} t {t} n {n}");
-                    }
+            let mut xq = QuantRows::default();
+            xq.shape(isa, tokens, cols, Layout::Nibbles);
+            let base = xq.base();
+            unsafe { xq.fill_rows(base, &x, 0, tokens) };
+            let mut y = vec![f32::NAN; tokens * rows];
+            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
+            for t in 0..tokens {
+                for n in 0..rows {
+                    let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
+                    assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} t {t} n {n}");
                 }
             }
         }
     }
 
-    /// Every instruction set quantizes to the same bytes, in both forms and both layouts, with
-    /// half blocks, odd block counts, zero, NaN and infinite blocks and tiny values.
+    /// Every instruction set quantizes to the same bytes, in both layouts, with half blocks,
+    /// odd block counts, zero, NaN and infinite blocks, tiny and subnormal values.
     #[test]
     fn every_isa_quantizes_to_the_same_bytes() {
         let mut rng = Rng(11);
@@ -1164,43 +1107,23 @@ mod tests {
             x[6 * cols + 2] = f32::INFINITY;
             x[7 * cols + 9] = 3e-39; // subnormal
             for layout in [Layout::Nibbles, Layout::Natural] {
-                for form in [Form::Planes, Form::Lanes] {
-                    if form == Form::Lanes && layout == Layout::Natural {
-                        continue;
-                    }
-                    let fill = |isa: Isa| {
-                        let mut xq = QuantRows::default();
-                        xq.shape_form(isa, tokens, cols, layout, form);
-                        // Stale bytes from a larger earlier use must not show.
-                        xq.planes.fill(0x55);
-                        let base = xq.base();
-                        unsafe { xq.fill_rows(base, &x, 0, tokens) };
-                        xq
-                    };
-                    let want = fill(Isa::Portable);
-                    for isa in Isa::available() {
-                        let got = fill(isa);
-                        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} {layout:?} {form:?} cols {cols}: scales");
-                        assert_eq!(got.sums, want.sums, "{isa:?} {layout:?} {form:?} cols {cols}: sums");
-                        assert_eq!(bits(&got.ev), bits(&want.ev), "{isa:?} {layout:?} {form:?} cols {cols}: factors");
-                        if form == Form::Planes {
-                            assert_eq!(got.planes, want.planes, "{isa:?} {layout:?} cols {cols}: planes");
-                        } else {
-                            // Lanes past the last row, and the quads of a final half
-                            // block's missing half, are never read; compare the rest.
-                            for t in 0..tokens {
-                                let (g, lane) = (t / LANES, t % LANES);
-                                for i in 0..got.blocks * LANE_BLOCK_BYTES / (4 * LANES) {
-                                    if cols % 64 == 32 && i / 48 == got.blocks - 1 && i % 8 >= 4 {
-                                        continue;
-                                    }
-                                    let at = g * got.blocks * LANE_BLOCK_BYTES + i * 4 * LANES + lane * 4;
-                                    assert_eq!(got.planes[at..at + 4], want.planes[at..at + 4], "{isa:?} cols {cols} t {t} quad {i}");
-                                }
-                            }
-                        }
-                    }
+                let fill = |isa: Isa| {
+                    let mut xq = QuantRows::default();
+                    xq.shape(isa, tokens, cols, layout);
+                    // Stale bytes from an earlier use must not show.
+                    xq.planes.fill(0x55);
+                    let base = xq.base();
+                    unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                    xq
+                };
+                let want = fill(Isa::Portable);
+                for isa in Isa::available() {
+                    let got = fill(isa);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} {layout:?} cols {cols}: scales");
+                    assert_eq!(got.sums, want.sums, "{isa:?} {layout:?} cols {cols}: sums");
+                    assert_eq!(bits(&got.ev), bits(&want.ev), "{isa:?} {layout:?} cols {cols}: factors");
+                    assert_eq!(got.planes, want.planes, "{isa:?} {layout:?} cols {cols}: planes");
                 }
             }
         }
