@@ -93,6 +93,13 @@ impl Layout {
     }
 }
 
+/// Output rows a task of a product of `w` over `rows` input rows should be a multiple of on
+/// `isa`, when the integer kernel works in tiles (16 weight rows from [`ROW_LANES_MIN_ROWS`]
+/// input rows, 4-bit codes on VNNI): a task of 24 rows would leave half of its second tile idle.
+pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
+    (matches!(w.data, MatrixData::Affine { bits: 4, .. }) && rows >= ROW_LANES_MIN_ROWS && vnni(isa)).then_some(16)
+}
+
 /// Whether `isa` is AVX-512 on a CPU with VNNI (`vpdpbusd`).
 #[inline]
 pub fn vnni(isa: Isa) -> bool {
@@ -282,44 +289,25 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
     scratch.ints.resize(units, 0);
-    scratch.su.resize(units, 0.0);
-    scratch.bu.resize(units, 0.0);
-    scratch.v.resize(units, 0.0);
     // The fold's chunk bounds, the same for every output.
     let bounds: [usize; PRODUCT_CHUNKS + 1] = std::array::from_fn(|c| if c < PRODUCT_CHUNKS { chunk_units(units, c).0 } else { units });
     #[cfg(target_arch = "x86_64")]
-    if fast && xq.rows >= ROW_LANES_MIN_ROWS {
+    if fast {
+        let w = (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype);
         // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
-        unsafe { vnni::matmul_rows(gs, (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype), xq, &bounds, y, ldy, n0, count, scratch) };
+        unsafe {
+            if xq.rows >= ROW_LANES_MIN_ROWS {
+                vnni::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+            } else {
+                vnni::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+            }
+        }
         return;
     }
-    let Scratch { s, b, ints, su, bu, v, .. } = scratch;
+    let Scratch { s, b, ints, .. } = scratch;
     for n in n0..n0 + count {
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
-        #[cfg(target_arch = "x86_64")]
-        if fast {
-            // Bf16 with one group per unit is read in place; the rest widened per unit first.
-            let raw = *scale_dtype == FloatType::BF16 && gs == ul;
-            if !raw {
-                for u in 0..units {
-                    su[u] = scale_dtype.get(sr, u * ul / gs);
-                    bu[u] = scale_dtype.get(br, u * ul / gs);
-                }
-            }
-            let sc = if raw { vnni::Scales::Bf16(sr, br) } else { vnni::Scales::F32(su, bu) };
-            // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
-            vnni::prefetch(scales.as_slice().as_ptr().wrapping_add((n + 8) * sb));
-            vnni::prefetch(biases.as_slice().as_ptr().wrapping_add((n + 8) * sb));
-            for t in 0..xq.rows {
-                let (_, _, planes, ev) = xq.row(t);
-                // SAFETY: `vnni` checked the CPU (AVX-512 F/BW/VL/DQ and VNNI); the caller's
-                // contract on `y`.
-                unsafe { *y.add(t * ldy + n) = vnni::row_value(ul, codes, planes, ev, sc, &bounds, v) };
-            }
-            continue;
-        }
-        let _ = (fast, &su, &bu, &v, &bounds);
         for g in 0..groups {
             s[g] = scale_dtype.get(sr, g);
             b[g] = scale_dtype.get(br, g);
@@ -736,8 +724,8 @@ mod vnni {
     /// One output of 4-bit codes against one input row of the Planes form: sixteen units'
     /// integers at a time, their values `fma(s·d, f32(I), b·(d·f32(S)))` sixteen lanes at once,
     /// then the fold in unit order (`bounds`: the chunks' first units, then the unit count).
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
-    pub unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
+    #[inline(always)]
+    unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
         let units = bounds[PRODUCT_CHUNKS];
         let bl = ev.len() / 6;
         let pairs = bl.div_ceil(2);
@@ -777,6 +765,63 @@ mod vnni {
             y += acc;
         }
         y
+    }
+
+    /// `y[t][n]` for every input row (a few) and `n in n0..n0+count`, one output at a time
+    /// with [`row_value`]: the codes as stored, 4 KiB of them prefetched ahead.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+    pub unsafe fn matmul_each(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (ul, units) = (unit_len(gs), bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (xq.cols / 2, xq.cols / gs * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        scratch.su.resize(units, 0.0);
+        scratch.bu.resize(units, 0.0);
+        scratch.v.resize(units, 0.0);
+        let Scratch { su, bu, v, .. } = scratch;
+        // Bf16 with one group per unit is read in place; the rest widened per unit first.
+        let raw = dt == FloatType::BF16 && gs == ul;
+        let rows: Vec<(&[i8], &[f32])> = (0..xq.rows)
+            .map(|t| {
+                let (_, _, p, e) = xq.row(t);
+                (p, e)
+            })
+            .collect();
+        for n in n0..n0 + count {
+            // SAFETY: row n's codes, scales and biases lie inside the buffers (asserted above).
+            let (codes, sr, br) = unsafe {
+                (
+                    std::slice::from_raw_parts(weight.as_ptr().add(n * wb), wb),
+                    std::slice::from_raw_parts(scales.as_ptr().add(n * sb), sb),
+                    std::slice::from_raw_parts(biases.as_ptr().add(n * sb), sb),
+                )
+            };
+            if !raw {
+                for u in 0..units {
+                    su[u] = dt.get(sr, u * ul / gs);
+                    bu[u] = dt.get(br, u * ul / gs);
+                }
+            }
+            let sc = if raw { Scales::Bf16(sr, br) } else { Scales::F32(su, bu) };
+            // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
+            prefetch(scales.as_ptr().wrapping_add((n + 8) * sb));
+            prefetch(biases.as_ptr().wrapping_add((n + 8) * sb));
+            for (t, &(planes, ev)) in rows.iter().enumerate() {
+                // SAFETY: the caller's contract on `y`.
+                unsafe { *y.add(t * ldy + n) = row_value(ul, codes, planes, ev, sc, bounds, v) };
+            }
+        }
     }
 
     /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane.
