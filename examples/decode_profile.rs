@@ -14,7 +14,9 @@ fn main() {
     let dir = std::path::PathBuf::from(&args[0]);
     let steps: usize = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(64);
     let host = HostModel::open(&dir).expect("open model");
-    let model = Model::new(&host, Cpu::new()).expect("model");
+    // TENSORFOLD_PRODUCTS=int profiles the integer-exact products.
+    let products = tensorfold::backend::Products::from_env().expect("TENSORFOLD_PRODUCTS").unwrap_or_default();
+    let model = Model::new(&host, Cpu::new().with_products(products)).expect("model");
     let mut states = model.backend.new_states(&model.config).unwrap();
     let slot = model.backend.alloc_slot(&mut states).unwrap();
     let mut scratch = model.scratch(1, 1).unwrap();

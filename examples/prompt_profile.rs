@@ -18,7 +18,9 @@ fn main() {
     let chunk: usize = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(256);
     let reps: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
     let host = HostModel::open(&dir).expect("open model");
-    let model = Model::new(&host, Cpu::new()).expect("model");
+    // TENSORFOLD_PRODUCTS=int profiles the integer-exact products.
+    let products = tensorfold::backend::Products::from_env().expect("TENSORFOLD_PRODUCTS").unwrap_or_default();
+    let model = Model::new(&host, Cpu::new().with_products(products)).expect("model");
     let types = model.config.layer_types.clone();
     let mut scratch = model.scratch(chunk, 1).unwrap();
     let vocab = model.config.vocab_size as u32;

@@ -1,26 +1,48 @@
 //! Integer-exact products of affine (MLX-quantized) weights on the CPU (docs/numerics.md §2.2).
 //!
 //! The input rows are quantized once per product ([`QuantRows`]): per block of 64 elements a
-//! scale `d` and exact integers `xi`, stored as three int8 planes, plus the exact sum of `xi`
-//! per 32 elements. A weight row's unit (the part of a block inside one weight group) then
-//! gives `I = Σ q·xi` exactly, in any order: AVX2 multiplies unsigned 4-bit codes by the
-//! signed planes with `vpmaddubsw` (a pair of products cannot saturate) and widens with
-//! `vpmaddwd`. The epilogue and fold are [`crate::numerics::unit_value`] and
-//! [`crate::numerics::fold_units`], so every instruction set gives the bits of
+//! scale `d` and exact integers `xi`, stored as three int8 planes (`xi = p0 + 256·p1 +
+//! 65536·p2`), plus the exact sum of `xi` per 32 elements. A weight row's unit (the part of a
+//! block inside one weight group) then gives `I = Σ q·xi` exactly, in any order. The epilogue
+//! and fold are [`crate::numerics::unit_value`] and [`crate::numerics::fold_units`] (or the
+//! same IEEE operations lane by lane), so every instruction set gives the bits of
 //! [`crate::numerics::dot_affine_int`].
 //!
-//! Plane layout. 4-bit codes split into low and high nibbles, which hold the even and odd
-//! elements; so for those matrices a block's plane is `[even elements of 0..32 | even of
-//! 32..64 | odd of 0..32 | odd of 32..64]` (16 bytes each), matching the nibble vectors of 32
-//! code bytes. 8-bit codes keep the natural order. Unused positions (a final block of 32)
-//! hold zeros.
+//! The planes are stored two blocks at a time, so one 512-bit load of 64 code bytes (two
+//! blocks of 4-bit codes) meets its planes in two more. On AVX-512 VNNI:
+//! - **one input row** (decode): `vpdpbusd` multiplies the codes as stored by the planes, a
+//!   shuffle tree sums sixteen units at once, and the epilogue runs sixteen units per
+//!   instruction;
+//! - **several input rows** (prompts, batches): a tile of sixteen weight rows has its codes
+//!   unpacked once, one row per 32-bit lane, and each input row's quad of a plane is
+//!   broadcast against it (`vpdpbusd`'s embedded broadcast): one instruction advances sixteen
+//!   outputs, and the epilogue and fold run per lane, each in its own order.
+//!
+//! AVX2 multiplies with `vpmaddubsw` (unsigned 4-bit codes by signed planes: a pair of
+//! products cannot saturate) and `vpmaddwd`.
+//!
+//! Exactness of the 32-bit sums (4-bit codes): a unit's `I` satisfies |I| ≤ 64·15·2 080 768 <
+//! 2^31, and every plane's partial sum is far inside i32 (|Σ q·p| ≤ 64·15·128). The lanes add
+//! `a0 + (a1 << 8) + (a2 << 16)` and then sum lanes with wrapping 32-bit adds: the arithmetic
+//! is exact modulo 2^32, and the true value lies in i32, so the result is `I` exactly whatever
+//! the intermediate values. 8-bit codes can reach |I| ≈ 2^35 and keep 64-bit unit sums.
+//!
+//! Plane layout within a block. 4-bit codes split into low and high nibbles, which hold the
+//! even and odd elements; so for those matrices a block's plane is `[even elements of 0..32 |
+//! even of 32..64 | odd of 0..32 | odd of 32..64]` (16 bytes each), matching the nibble
+//! vectors of 32 code bytes. 8-bit codes keep the natural order. Unused positions (a final
+//! block of 32) hold zeros.
 
 use super::simd::Isa;
-use crate::model::weights::{Matrix, MatrixData};
-use crate::numerics::{act_planes, act_quant, act_scale, fold_units, unit_len, unit_value, ACT_BLOCK};
+use crate::model::weights::{FloatType, Matrix, MatrixData};
+use crate::numerics::{act_planes, act_quant, act_scale, chunk_units, fold_units, unit_len, unit_value, ACT_BLOCK, PRODUCT_CHUNKS};
 
-/// Bytes of one block's three planes.
-const BLOCK_BYTES: usize = 3 * ACT_BLOCK;
+/// Bytes of two blocks' three planes in the Planes form: per plane `[64 | 64]` bytes.
+const PAIR_BYTES: usize = 6 * ACT_BLOCK;
+/// Input rows from which a product of 4-bit codes on AVX-512 VNNI unpacks tiles of weight rows
+/// once for all of them; below it, each output reads its codes as stored (the tile's unpacking
+/// costs about three one-row products).
+pub const ROW_LANES_MIN_ROWS: usize = 4;
 
 /// The order of elements inside a block's plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -53,12 +75,51 @@ impl Layout {
             }
         }
     }
+
+    /// Offset of element `e` of block `b`, plane `p`, in a row of the Planes form: blocks go
+    /// in pairs, each plane of a pair 128 bytes. Nibbles: `[evens of b | evens of b+1 | odds
+    /// of b | odds of b+1]` (32 bytes each, so the low nibbles of 64 code bytes meet the first
+    /// 64); Natural: `[b | b+1]`.
+    #[inline]
+    fn plane_at(self, b: usize, p: usize, e: usize) -> usize {
+        let base = (b / 2) * PAIR_BYTES + p * 2 * ACT_BLOCK;
+        match self {
+            Layout::Natural => base + (b % 2) * ACT_BLOCK + e,
+            Layout::Nibbles => {
+                let at = self.pos(e);
+                base + (at / 32) * ACT_BLOCK + (b % 2) * 32 + at % 32
+            }
+        }
+    }
+}
+
+/// Output rows a task of a product of `w` over `rows` input rows should be a multiple of on
+/// `isa`, when the integer kernel works in tiles (16 weight rows from [`ROW_LANES_MIN_ROWS`]
+/// input rows, 4-bit codes on VNNI): a task of 24 rows would leave half of its second tile idle.
+pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
+    (matches!(w.data, MatrixData::Affine { bits: 4, .. }) && rows >= ROW_LANES_MIN_ROWS && vnni(isa)).then_some(16)
+}
+
+/// Whether `isa` is AVX-512 on a CPU with VNNI (`vpdpbusd`).
+#[inline]
+pub fn vnni(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        isa == Isa::Avx512 && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        false
+    }
 }
 
 /// Input rows `[rows, cols]` quantized for the integer-exact products.
 #[derive(Clone, Debug, Default)]
 pub struct QuantRows {
     pub layout: Layout,
+    /// The instruction set that quantizes (every one writes the same bytes).
+    pub isa: Isa,
     pub rows: usize,
     pub cols: usize,
     /// Blocks per row (`ceil(cols / 64)`).
@@ -67,21 +128,32 @@ pub struct QuantRows {
     d: Vec<f32>,
     /// `[rows][2·blocks]` exact `Σ xi` per 32 elements.
     sums: Vec<i32>,
-    /// `[rows][blocks][3][64]` planes.
+    /// `[rows][ceil(blocks/2)][3][128]`: per pair of blocks, per plane, 128 bytes.
     planes: Vec<i8>,
+    /// The epilogue's per-unit factors, `[rows][6·blocks]`: `d` per block, `d·f32(S)` per
+    /// block, `d` per half block, `d·f32(S)` per half block (the operands of `unit_value` for
+    /// units of 64 or 32).
+    ev: Vec<f32>,
 }
 
 impl QuantRows {
-    /// Sizes the buffers for `rows` rows of `cols` (a multiple of 32) in `layout`.
-    pub fn shape(&mut self, rows: usize, cols: usize, layout: Layout) {
-        debug_assert!(cols.is_multiple_of(32));
+    /// Sizes the buffers for `rows` rows of `cols` (a multiple of 32) in `layout`, to be
+    /// quantized with `isa` (every instruction set writes the same bytes).
+    ///
+    /// # Panics
+    /// If `cols` is not a multiple of 32.
+    pub fn shape(&mut self, isa: Isa, rows: usize, cols: usize, layout: Layout) {
+        assert!(cols.is_multiple_of(32));
+        self.isa = isa;
         self.layout = layout;
         self.rows = rows;
         self.cols = cols;
         self.blocks = cols.div_ceil(ACT_BLOCK);
-        self.d.resize(rows * self.blocks, 0.0);
-        self.sums.resize(rows * 2 * self.blocks, 0);
-        self.planes.resize(rows * self.blocks * BLOCK_BYTES, 0);
+        let bl = self.blocks;
+        self.d.resize(rows * bl, 0.0);
+        self.sums.resize(rows * 2 * bl, 0);
+        self.planes.resize(rows * bl.div_ceil(2) * PAIR_BYTES, 0);
+        self.ev.resize(rows * 6 * bl, 0.0);
     }
 
     /// Quantizes rows `r0..r1` of `x` (`[rows, cols]`) into buffers shaped by [`Self::shape`].
@@ -92,27 +164,69 @@ impl QuantRows {
     pub unsafe fn fill_rows(&self, base: QuantBase, x: &[f32], r0: usize, r1: usize) {
         let (bl, cols) = (self.blocks, self.cols);
         for r in r0..r1 {
-            // SAFETY: row r's parts of the three buffers, which only this call writes.
-            let (d, sums, planes) = unsafe {
+            // SAFETY: row r's scales and sums, which only this call writes.
+            let (d, sums) = unsafe { (std::slice::from_raw_parts_mut(base.d.add(r * bl), bl), std::slice::from_raw_parts_mut(base.sums.add(r * 2 * bl), 2 * bl)) };
+            let xr = &x[r * cols..(r + 1) * cols];
+            // SAFETY: as above, row r's planes and epilogue factors.
+            let (planes, ev) = unsafe {
                 (
-                    std::slice::from_raw_parts_mut(base.d.add(r * bl), bl),
-                    std::slice::from_raw_parts_mut(base.sums.add(r * 2 * bl), 2 * bl),
-                    std::slice::from_raw_parts_mut(base.planes.add(r * bl * BLOCK_BYTES), bl * BLOCK_BYTES),
+                    std::slice::from_raw_parts_mut(base.planes.add(r * bl.div_ceil(2) * PAIR_BYTES), bl.div_ceil(2) * PAIR_BYTES),
+                    std::slice::from_raw_parts_mut(base.ev.add(r * 6 * bl), 6 * bl),
                 )
             };
-            quantize_row(self.layout, &x[r * cols..(r + 1) * cols], d, sums, planes);
+            #[cfg(target_arch = "x86_64")]
+            if self.isa == Isa::Avx512 {
+                // SAFETY: Avx512 is only chosen when the CPU reports AVX-512 F/BW/VL.
+                unsafe { avx512::quantize_planes(self.layout, xr, d, sums, planes) };
+            }
+            if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
+                planes.fill(0);
+                let layout = self.layout;
+                quantize_row(xr, d, sums, |b, e, p| {
+                    for (k, &pk) in p.iter().enumerate() {
+                        planes[layout.plane_at(b, k, e)] = pk;
+                    }
+                });
+            }
+            for b in 0..bl {
+                let f = ev_factors(d[b], sums[2 * b], sums[2 * b + 1]);
+                for (k, &v) in f.iter().enumerate() {
+                    ev[ev_index(k, b, bl)] = v;
+                }
+            }
         }
     }
 
     /// Raw pointers for [`Self::fill_rows`] from several threads.
     pub fn base(&mut self) -> QuantBase {
-        QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr() }
+        QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr(), ev: self.ev.as_mut_ptr() }
     }
 
-    #[inline]
-    fn row(&self, t: usize) -> (&[f32], &[i32], &[i8]) {
+    /// Row `t`: scales, sums, planes, epilogue factors.
+    #[inline(always)]
+    fn row(&self, t: usize) -> (&[f32], &[i32], &[i8], &[f32]) {
         let bl = self.blocks;
-        (&self.d[t * bl..(t + 1) * bl], &self.sums[t * 2 * bl..(t + 1) * 2 * bl], &self.planes[t * bl * BLOCK_BYTES..(t + 1) * bl * BLOCK_BYTES])
+        let pb = bl.div_ceil(2) * PAIR_BYTES;
+        (&self.d[t * bl..(t + 1) * bl], &self.sums[t * 2 * bl..(t + 1) * 2 * bl], &self.planes[t * pb..(t + 1) * pb], &self.ev[t * 6 * bl..(t + 1) * 6 * bl])
+    }
+}
+
+/// A block's epilogue factors: `d`, `d·f32(S)` of the whole block, then per half `d` and
+/// `d·f32(S_h)` (the products `unit_value` forms, rounded the same way).
+#[inline]
+fn ev_factors(d: f32, s0: i32, s1: i32) -> [f32; 6] {
+    [d, d * (s0 + s1) as f32, d, d * s0 as f32, d, d * s1 as f32]
+}
+
+/// Index of factor `k` (of [`ev_factors`]) of block `b` in a row of factors `[d per block |
+/// dS per block | d per half block | dS per half block]` (`6·bl` entries).
+#[inline]
+fn ev_index(k: usize, b: usize, bl: usize) -> usize {
+    match k {
+        0 => b,
+        1 => bl + b,
+        2 | 4 => 2 * bl + 2 * b + (k - 2) / 2,
+        _ => 4 * bl + 2 * b + (k - 3) / 2,
     }
 }
 
@@ -122,19 +236,20 @@ pub struct QuantBase {
     d: *mut f32,
     sums: *mut i32,
     planes: *mut i8,
+    ev: *mut f32,
 }
 // SAFETY: only handed to `fill_rows`, whose callers write disjoint rows.
 unsafe impl Send for QuantBase {}
 // SAFETY: as above.
 unsafe impl Sync for QuantBase {}
 
-/// One row: per block its scale, the exact sums of its halves, and its planes.
-fn quantize_row(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], planes: &mut [i8]) {
+/// One row: per block its scale and the exact sums of its halves; `put(block, element,
+/// planes)` stores each element's planes.
+#[inline]
+fn quantize_row(x: &[f32], d: &mut [f32], sums: &mut [i32], mut put: impl FnMut(usize, usize, [i8; 3])) {
     for (b, blk) in x.chunks(ACT_BLOCK).enumerate() {
         let db = act_scale(blk);
         d[b] = db;
-        let pl = &mut planes[b * BLOCK_BYTES..(b + 1) * BLOCK_BYTES];
-        pl.fill(0);
         let (mut s0, mut s1) = (0i32, 0i32);
         for (e, &v) in blk.iter().enumerate() {
             let xi = act_quant(v, db);
@@ -143,11 +258,7 @@ fn quantize_row(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], plan
             } else {
                 s1 += xi;
             }
-            let p = act_planes(xi);
-            let at = layout.pos(e);
-            for (k, &pk) in p.iter().enumerate() {
-                pl[k * ACT_BLOCK + at] = pk;
-            }
+            put(b, e, act_planes(xi));
         }
         sums[2 * b] = s0;
         sums[2 * b + 1] = s1;
@@ -174,10 +285,26 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     let units = cols / ul;
     let groups = cols / gs;
     let (wb, sb) = (cols * bits / 8, groups * scale_dtype.size());
+    let fast = bits == 4 && vnni(isa);
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
     scratch.ints.resize(units, 0);
-    let Scratch { s, b, ints } = scratch;
+    // The fold's chunk bounds, the same for every output.
+    let bounds: [usize; PRODUCT_CHUNKS + 1] = std::array::from_fn(|c| if c < PRODUCT_CHUNKS { chunk_units(units, c).0 } else { units });
+    #[cfg(target_arch = "x86_64")]
+    if fast {
+        let w = (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype);
+        // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
+        unsafe {
+            if xq.rows >= ROW_LANES_MIN_ROWS {
+                vnni::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+            } else {
+                vnni::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+            }
+        }
+        return;
+    }
+    let Scratch { s, b, ints, .. } = scratch;
     for n in n0..n0 + count {
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
@@ -186,7 +313,7 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
             b[g] = scale_dtype.get(br, g);
         }
         for t in 0..xq.rows {
-            let (d, sums, planes) = xq.row(t);
+            let (d, sums, planes, _) = xq.row(t);
             unit_ints(isa, bits, ul, codes, planes, ints);
             let r = Epilogue { ul, gs, s, b, d, sums, ints };
             #[cfg(target_arch = "x86_64")]
@@ -200,12 +327,19 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     }
 }
 
-/// Per-call buffers of [`matmul`]: a row's scales and biases and its unit integers.
+/// Per-call buffers of [`matmul`]: a row's scales and biases (per group and per unit), its
+/// unit integers and values, and the row-lanes kernel's tile of unpacked codes and scales.
 #[derive(Debug, Default)]
 pub struct Scratch {
     s: Vec<f32>,
     b: Vec<f32>,
     ints: Vec<i64>,
+    su: Vec<f32>,
+    bu: Vec<f32>,
+    v: Vec<f32>,
+    codes: Vec<u8>,
+    ts: Vec<f32>,
+    tb: Vec<f32>,
 }
 
 /// One output's epilogue (numerics §2.2): every unit's value from its integers, folded.
@@ -245,7 +379,8 @@ impl Epilogue<'_> {
     }
 }
 
-/// `ints[u] = Σ q·xi` over every unit of one weight row against one quantized input row.
+/// `ints[u] = Σ q·xi` over every unit of one weight row against one quantized input row
+/// (Planes form).
 fn unit_ints(isa: Isa, bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints: &mut [i64]) {
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 {
@@ -272,10 +407,8 @@ fn unit_ints_portable(bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints:
         for k in u * ul..(u + 1) * ul {
             let q = if bits == 4 { (codes[k / 2] >> (4 * (k % 2))) & 15 } else { codes[k] } as i64;
             let (blk, e) = (k / ACT_BLOCK, k % ACT_BLOCK);
-            let pl = &planes[blk * BLOCK_BYTES..];
-            let at = layout.pos(e);
-            let xi = pl[at] as i64 + 256 * pl[ACT_BLOCK + at] as i64 + 65536 * pl[2 * ACT_BLOCK + at] as i64;
-            acc += q * xi;
+            let pl = |p: usize| planes[layout.plane_at(blk, p, e)] as i64;
+            acc += q * (pl(0) + 256 * pl(1) + 65536 * pl(2));
         }
         *out = acc;
     }
@@ -283,7 +416,7 @@ fn unit_ints_portable(bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints:
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{ACT_BLOCK, BLOCK_BYTES};
+    use super::{ACT_BLOCK, PAIR_BYTES};
     use std::arch::x86_64::*;
 
     /// Sum of the eight i32 lanes.
@@ -324,11 +457,12 @@ mod avx2 {
                 let c = load_codes(codes, blk * 32);
                 let lo = _mm256_and_si256(c, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
-                let pl = &planes[blk * BLOCK_BYTES..];
+                // Plane p of this block: evens at p·128 + (blk % 2)·32, odds 64 further.
+                let pl = &planes[(blk / 2) * PAIR_BYTES + (blk % 2) * 32..];
                 let mut m = [_mm256_setzero_si256(); 3];
                 for (p, mp) in m.iter_mut().enumerate() {
-                    let even = _mm256_maddubs_epi16(lo, plane(pl, p * ACT_BLOCK));
-                    let odd = _mm256_maddubs_epi16(hi, plane(pl, p * ACT_BLOCK + 32));
+                    let even = _mm256_maddubs_epi16(lo, plane(pl, p * 2 * ACT_BLOCK));
+                    let odd = _mm256_maddubs_epi16(hi, plane(pl, p * 2 * ACT_BLOCK + ACT_BLOCK));
                     *mp = _mm256_madd_epi16(_mm256_add_epi16(even, odd), ones);
                 }
                 let t = _mm256_add_epi32(_mm256_add_epi32(m[0], _mm256_slli_epi32(m[1], 8)), _mm256_slli_epi32(m[2], 16));
@@ -361,10 +495,11 @@ mod avx2 {
                 let c = _mm256_loadu_si256(codes.as_ptr().add(32 * h) as *const __m256i);
                 let lo = _mm256_and_si256(c, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
-                let pl = &planes[(h / 2) * BLOCK_BYTES + (h % 2) * 32..];
+                let blk = h / 2;
+                let pl = &planes[(blk / 2) * PAIR_BYTES + (blk % 2) * ACT_BLOCK + (h % 2) * 32..];
                 let mut i = 0i64;
                 for p in 0..3 {
-                    let x = plane(pl, p * ACT_BLOCK);
+                    let x = plane(pl, p * 2 * ACT_BLOCK);
                     let s = _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(lo, x), ones), _mm256_madd_epi16(_mm256_maddubs_epi16(hi, x), sixteen));
                     i += (hsum(s) as i64) << (8 * p);
                 }
@@ -382,72 +517,658 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 quantizer (F/BW/VL): the bytes of [`quantize_row`] and the plane placement of
+/// each form, sixteen elements per operation. `x / d` is the same IEEE division and the
+/// conversion rounds to nearest even (the default MXCSR), so `xi` is `act_quant`'s.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Layout, ACT_BLOCK, PAIR_BYTES};
+    use crate::numerics::ACT_LEVELS;
+    use std::arch::x86_64::*;
+
+    /// One block (64 elements, or 32 at a row's end) as four vectors of `xi` (zero past the
+    /// block's end), with its scale and the sums of its halves.
+    #[inline(always)]
+    unsafe fn block_xi(blk: &[f32]) -> ([__m512i; 4], f32, i32, i32) {
+        unsafe {
+            let k = blk.len() / 16;
+            let v: [__m512; 4] = std::array::from_fn(|i| if i < k { _mm512_loadu_ps(blk.as_ptr().add(16 * i)) } else { _mm512_setzero_ps() });
+            // act_scale: NaN when any element is NaN, else max|x| / ACT_LEVELS.
+            let mut nan = 0u16;
+            let mut m = _mm512_setzero_ps();
+            for x in &v {
+                nan |= _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(*x, *x);
+                m = _mm512_max_ps(m, _mm512_abs_ps(*x));
+            }
+            let d = if nan != 0 { f32::NAN } else { _mm512_reduce_max_ps(m) / ACT_LEVELS };
+            let xi: [__m512i; 4] = if d.is_normal() {
+                let dv = _mm512_set1_ps(d);
+                std::array::from_fn(|i| _mm512_cvtps_epi32(_mm512_div_ps(v[i], dv)))
+            } else {
+                [_mm512_setzero_si512(); 4]
+            };
+            let s0 = _mm512_reduce_add_epi32(_mm512_add_epi32(xi[0], xi[1]));
+            let s1 = _mm512_reduce_add_epi32(_mm512_add_epi32(xi[2], xi[3]));
+            (xi, d, s0, s1)
+        }
+    }
+
+    /// The three planes of sixteen `xi` (numerics::act_planes, lane by lane).
+    #[inline(always)]
+    unsafe fn planes3(xi: __m512i) -> [__m128i; 3] {
+        unsafe {
+            let (c128, m255) = (_mm512_set1_epi32(128), _mm512_set1_epi32(255));
+            let digit = |v: __m512i| _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v, c128), m255), c128);
+            let p0 = digit(xi);
+            let r1 = _mm512_srai_epi32(_mm512_sub_epi32(xi, p0), 8);
+            let p1 = digit(r1);
+            let p2 = _mm512_srai_epi32(_mm512_sub_epi32(r1, p1), 8);
+            [_mm512_cvtepi32_epi8(p0), _mm512_cvtepi32_epi8(p1), _mm512_cvtepi32_epi8(p2)]
+        }
+    }
+
+    /// The four vectors of a block in plane order: Nibbles `[evens of 0..32 | evens of 32..64
+    /// | odds of 0..32 | odds of 32..64]`, Natural as they are.
+    #[inline(always)]
+    unsafe fn in_plane_order(layout: Layout, xi: [__m512i; 4]) -> [__m512i; 4] {
+        unsafe {
+            match layout {
+                Layout::Natural => xi,
+                Layout::Nibbles => {
+                    let ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                    let od = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+                    [
+                        _mm512_permutex2var_epi32(xi[0], ev, xi[1]),
+                        _mm512_permutex2var_epi32(xi[2], ev, xi[3]),
+                        _mm512_permutex2var_epi32(xi[0], od, xi[1]),
+                        _mm512_permutex2var_epi32(xi[2], od, xi[3]),
+                    ]
+                }
+            }
+        }
+    }
+
+    /// One row into the Planes form (`planes`: the row's pairs).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq")]
+    pub unsafe fn quantize_planes(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], planes: &mut [i8]) {
+        let bl = d.len();
+        if bl % 2 == 1 {
+            // The missing second block of the last pair.
+            planes[(bl / 2) * PAIR_BYTES..].fill(0);
+        }
+        for b in 0..bl {
+            // SAFETY: the block lies inside `x`; the stores inside the row's pair `b / 2`.
+            unsafe {
+                let (xi, db, s0, s1) = block_xi(&x[b * ACT_BLOCK..(b * ACT_BLOCK + ACT_BLOCK).min(x.len())]);
+                d[b] = db;
+                sums[2 * b] = s0;
+                sums[2 * b + 1] = s1;
+                let q = in_plane_order(layout, xi);
+                let base = planes.as_mut_ptr().add((b / 2) * PAIR_BYTES);
+                for (i, &qi) in q.iter().enumerate() {
+                    // Plane offset of these sixteen positions (numerics of `Layout::plane_at`).
+                    let at = match layout {
+                        Layout::Natural => (b % 2) * ACT_BLOCK + 16 * i,
+                        Layout::Nibbles => (i / 2) * ACT_BLOCK + (b % 2) * 32 + (i % 2) * 16,
+                    };
+                    for (p, pb) in planes3(qi).iter().enumerate() {
+                        _mm_storeu_si128(base.add(p * 2 * ACT_BLOCK + at) as *mut __m128i, *pb);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// AVX-512 VNNI kernels of 4-bit codes (module doc: the two forms and why the 32-bit sums are
+/// exact).
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    use super::{unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
+    use std::arch::x86_64::*;
+
+    /// Bytes ahead of the codes in use that a decode product asks the cache for (as the f32
+    /// matrix-vector kernels do).
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// A hint to bring the line at `p` into the cache (no effect on any value; `p` need not
+    /// be inside an allocation).
+    #[inline(always)]
+    pub fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch reads nothing architecturally.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+
+    /// One weight row's scales and biases per unit: bf16 in place (one group per unit), or
+    /// widened to f32.
+    #[derive(Clone, Copy)]
+    pub enum Scales<'a> {
+        Bf16(&'a [u8], &'a [u8]),
+        F32(&'a [f32], &'a [f32]),
+    }
+
+    impl Scales<'_> {
+        /// Units `u0..u0+16` (the lanes of `m`) as f32: a bf16 is the top half of its f32.
+        #[inline(always)]
+        unsafe fn load(self, u0: usize, m: __mmask16) -> (__m512, __m512) {
+            unsafe {
+                match self {
+                    Scales::Bf16(s, b) => {
+                        let w = |r: &[u8]| _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, r.as_ptr().add(2 * u0) as *const i16)), 16));
+                        (w(s), w(b))
+                    }
+                    Scales::F32(s, b) => (_mm512_maskz_loadu_ps(m, s.as_ptr().add(u0)), _mm512_maskz_loadu_ps(m, b.as_ptr().add(u0))),
+                }
+            }
+        }
+    }
+
+    /// Plane-combined lanes of blocks `2j, 2j+1` of one weight row against one input row:
+    /// lanes 0..8 hold block 2j (0..4 its first 32 elements, 4..8 the rest), lanes 8..16 block
+    /// 2j+1; each lane `a0 + (a1 << 8) + (a2 << 16)` modulo 2^32.
+    #[inline(always)]
+    unsafe fn pair_ints(codes: &[u8], planes: &[i8], j: usize) -> __m512i {
+        unsafe {
+            let at = 64 * j;
+            let n = (codes.len() - at).min(64);
+            let p = codes.as_ptr().add(at);
+            prefetch(p.wrapping_add(PREFETCH_BYTES));
+            // Past the row's end (an odd block count or a final half block) the codes are 0.
+            let c = if n == 64 { _mm512_loadu_si512(p as *const _) } else { _mm512_maskz_loadu_epi8((1u64 << n) - 1, p as *const i8) };
+            let mask = _mm512_set1_epi8(15);
+            let lo = _mm512_and_si512(c, mask);
+            let hi = _mm512_and_si512(_mm512_srli_epi16(c, 4), mask);
+            let pl = planes.as_ptr().add(j * PAIR_BYTES);
+            let plane = |a: __m512i, k: usize| {
+                let x = pl.add(k * 2 * ACT_BLOCK);
+                let a = _mm512_dpbusd_epi32(a, lo, _mm512_loadu_si512(x as *const _));
+                _mm512_dpbusd_epi32(a, hi, _mm512_loadu_si512(x.add(ACT_BLOCK) as *const _))
+            };
+            // Horner order, ((a2·256) + a1)·256 + a0: one accumulator, no adds.
+            let a = _mm512_slli_epi32(plane(_mm512_setzero_si512(), 2), 8);
+            plane(_mm512_slli_epi32(plane(a, 1), 8), 0)
+        }
+    }
+
+    /// Sixteen units of 64 (eight [`pair_ints`] vectors, unit `2i` in the low half of `t[i]`,
+    /// `2i+1` in the high half) summed to one lane each, in unit order. Pairs of vectors
+    /// interleave and add (32-bit, then 64-bit elements), then 128-bit quarters.
+    #[inline(always)]
+    unsafe fn tree64(t: &[__m512i; 8]) -> __m512i {
+        unsafe {
+            let l1 = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let l2 = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            let v0 = l2(l1(t[0], t[1]), l1(t[2], t[3]));
+            let v1 = l2(l1(t[4], t[5]), l1(t[6], t[7]));
+            // Quarter k of v_m holds quarter k's sums of t[4m..4m+4]; quarters 0+1 are the
+            // even units, 2+3 the odd ones.
+            let w = _mm512_add_epi32(_mm512_shuffle_i32x4(v0, v1, 0b10_00_10_00), _mm512_shuffle_i32x4(v0, v1, 0b11_01_11_01));
+            // w's lanes are units 0 2 4 6 1 3 5 7 8 10 12 14 9 11 13 15.
+            _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), w)
+        }
+    }
+
+    /// Sixteen units of 32 (four [`pair_ints`] vectors, unit `4i + k` in quarter `k` of
+    /// `t[i]`) summed to one lane each, in unit order.
+    #[inline(always)]
+    unsafe fn tree32(t: &[__m512i; 8]) -> __m512i {
+        unsafe {
+            let l1 = |a: __m512i, b: __m512i| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let (a, b) = (l1(t[0], t[1]), l1(t[2], t[3]));
+            let v = _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            // Lane 4k + i is unit 4i + k.
+            _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v)
+        }
+    }
+
+    /// One output of 4-bit codes against one input row of the Planes form: sixteen units'
+    /// integers at a time, their values `fma(s·d, f32(I), b·(d·f32(S)))` sixteen lanes at once,
+    /// then the fold in unit order (`bounds`: the chunks' first units, then the unit count).
+    #[inline(always)]
+    unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
+        let units = bounds[PRODUCT_CHUNKS];
+        let bl = ev.len() / 6;
+        let pairs = bl.div_ceil(2);
+        debug_assert!(v.len() >= units && planes.len() == pairs * PAIR_BYTES);
+        // Pairs of blocks per sixteen units, and where the units' `d` and `d·f32(S)` start.
+        let (per, dof, sof) = if ul == ACT_BLOCK { (8, 0, bl) } else { (4, 2 * bl, 4 * bl) };
+        let mut u0 = 0;
+        while u0 < units {
+            // SAFETY: pairs below `pairs` lie inside `codes` and `planes`; the masked lanes
+            // stay inside the per-unit slices.
+            unsafe {
+                let mut t = [_mm512_setzero_si512(); 8];
+                for (i, ti) in t.iter_mut().enumerate().take(per) {
+                    let j = u0 / 16 * per + i;
+                    if j < pairs {
+                        *ti = pair_ints(codes, planes, j);
+                    }
+                }
+                let i = if per == 8 { tree64(&t) } else { tree32(&t) };
+                let k = (units - u0).min(16);
+                let m: __mmask16 = if k == 16 { 0xffff } else { (1u16 << k) - 1 };
+                let ld = |s: &[f32], at: usize| _mm512_maskz_loadu_ps(m, s.as_ptr().add(at));
+                let (d, ds) = (ld(ev, dof + u0), ld(ev, sof + u0));
+                let (s, b) = sc.load(u0, m);
+                let val = _mm512_fmadd_ps(_mm512_mul_ps(s, d), _mm512_cvtepi32_ps(i), _mm512_mul_ps(b, ds));
+                _mm512_mask_storeu_ps(v.as_mut_ptr().add(u0), m, val);
+            }
+            u0 += 16;
+        }
+        // numerics::fold_units, with the chunk bounds computed once per product.
+        let mut y = 0.0f32;
+        for c in 0..PRODUCT_CHUNKS {
+            let mut acc = 0.0f32;
+            for &x in &v[bounds[c]..bounds[c + 1]] {
+                acc += x;
+            }
+            y += acc;
+        }
+        y
+    }
+
+    /// `y[t][n]` for every input row (a few) and `n in n0..n0+count`, one output at a time
+    /// with [`row_value`]: the codes as stored, 4 KiB of them prefetched ahead.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+    pub unsafe fn matmul_each(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (ul, units) = (unit_len(gs), bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (xq.cols / 2, xq.cols / gs * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        scratch.su.resize(units, 0.0);
+        scratch.bu.resize(units, 0.0);
+        scratch.v.resize(units, 0.0);
+        let Scratch { su, bu, v, .. } = scratch;
+        // Bf16 with one group per unit is read in place; the rest widened per unit first.
+        let raw = dt == FloatType::BF16 && gs == ul;
+        let rows: Vec<(&[i8], &[f32])> = (0..xq.rows)
+            .map(|t| {
+                let (_, _, p, e) = xq.row(t);
+                (p, e)
+            })
+            .collect();
+        for n in n0..n0 + count {
+            // SAFETY: row n's codes, scales and biases lie inside the buffers (asserted above).
+            let (codes, sr, br) = unsafe {
+                (
+                    std::slice::from_raw_parts(weight.as_ptr().add(n * wb), wb),
+                    std::slice::from_raw_parts(scales.as_ptr().add(n * sb), sb),
+                    std::slice::from_raw_parts(biases.as_ptr().add(n * sb), sb),
+                )
+            };
+            if !raw {
+                for u in 0..units {
+                    su[u] = dt.get(sr, u * ul / gs);
+                    bu[u] = dt.get(br, u * ul / gs);
+                }
+            }
+            let sc = if raw { Scales::Bf16(sr, br) } else { Scales::F32(su, bu) };
+            // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
+            prefetch(scales.as_ptr().wrapping_add((n + 8) * sb));
+            prefetch(biases.as_ptr().wrapping_add((n + 8) * sb));
+            for (t, &(planes, ev)) in rows.iter().enumerate() {
+                // SAFETY: the caller's contract on `y`.
+                unsafe { *y.add(t * ldy + n) = row_value(ul, codes, planes, ev, sc, bounds, v) };
+            }
+        }
+    }
+
+    /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane.
+    const ROW_LANES: usize = 16;
+
+    /// `y[t][n]` for every input row of the Planes form and `n in n0..n0+count`, weight rows in
+    /// the lanes: each tile of sixteen weight rows has its codes unpacked once into
+    /// `[block][quad][row][4 codes]` (and its scales into `[unit][row]`), then every input
+    /// row's quad of each plane is broadcast against a quad of all sixteen rows. The
+    /// epilogue and fold run per lane (one weight row) in unit order, per input row.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")]
+    pub unsafe fn matmul_rows(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (cols, bl) = (xq.cols, xq.blocks);
+        let (ul, groups, units) = (unit_len(gs), cols / gs, bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (cols / 2, groups * dt.size());
+        scratch.codes.resize(bl * 16 * 4 * ROW_LANES, 0);
+        scratch.ts.resize(units.next_multiple_of(16) * ROW_LANES, 0.0);
+        scratch.tb.resize(units.next_multiple_of(16) * ROW_LANES, 0.0);
+        scratch.su.resize(units.next_multiple_of(16), 0.0);
+        scratch.bu.resize(units.next_multiple_of(16), 0.0);
+        let Scratch { codes, ts, tb, su, bu, .. } = scratch;
+        // Byte offsets of the sixteen quads of a block in its tile part, and of sixteen
+        // consecutive units in the scale tiles (one row's lane).
+        let step = _mm512_setr_epi32(0, 64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 832, 896, 960);
+        let mask = _mm256_set1_epi8(15);
+        let mut n = n0;
+        while n < n0 + count {
+            let live = (n0 + count - n).min(ROW_LANES);
+            // Lanes past `live` repeat the last row: computed, never stored.
+            for r in 0..ROW_LANES {
+                let row = n + r.min(live - 1);
+                let c = &weight[row * wb..(row + 1) * wb];
+                for b in 0..bl {
+                    // SAFETY: the masked bytes lie inside the row; the scatter inside the tile.
+                    unsafe {
+                        let k = (c.len() - 32 * b).min(32);
+                        let v = _mm256_maskz_loadu_epi8(((1u64 << k) - 1) as u32, c.as_ptr().add(32 * b) as *const i8);
+                        let q = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(_mm256_and_si256(v, mask)), _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                        _mm512_i32scatter_epi32::<1>(codes.as_mut_ptr().add(b * 16 * 4 * ROW_LANES + 4 * r) as *mut _, step, q);
+                    }
+                }
+                let (sr, br) = (&scales[row * sb..(row + 1) * sb], &biases[row * sb..(row + 1) * sb]);
+                if dt == FloatType::BF16 && gs == ul {
+                    for u0 in (0..units).step_by(16) {
+                        // SAFETY: the masked lanes lie inside the row's scales and the buffers.
+                        unsafe {
+                            let m: __mmask16 = if units - u0 >= 16 { 0xffff } else { (1u16 << (units - u0)) - 1 };
+                            let (s, b) = Scales::Bf16(sr, br).load(u0, m);
+                            _mm512_mask_storeu_ps(su.as_mut_ptr().add(u0), m, s);
+                            _mm512_mask_storeu_ps(bu.as_mut_ptr().add(u0), m, b);
+                        }
+                    }
+                } else {
+                    for u in 0..units {
+                        su[u] = dt.get(sr, u * ul / gs);
+                        bu[u] = dt.get(br, u * ul / gs);
+                    }
+                }
+                for u0 in (0..units).step_by(16) {
+                    // SAFETY: the buffers hold whole groups of sixteen units.
+                    unsafe {
+                        let at = u0 * ROW_LANES + r;
+                        _mm512_i32scatter_ps::<1>(ts.as_mut_ptr().add(at) as *mut _, step, _mm512_loadu_ps(su.as_ptr().add(u0)));
+                        _mm512_i32scatter_ps::<1>(tb.as_mut_ptr().add(at) as *mut _, step, _mm512_loadu_ps(bu.as_ptr().add(u0)));
+                    }
+                }
+            }
+            let m: __mmask16 = if live == 16 { 0xffff } else { (1u16 << live) - 1 };
+            let tl = RowTile { ul, bl, bounds, codes, ts, tb };
+            let mut t0 = 0;
+            while t0 < xq.rows {
+                // SAFETY: the tile's buffers as filled above; the caller's contract on `y`.
+                unsafe {
+                    let left = xq.rows - t0;
+                    let k = if left >= 8 {
+                        tl.store(&tl.tokens::<8>(xq, t0), y, ldy, n, t0, m)
+                    } else if left >= 4 {
+                        tl.store(&tl.tokens::<4>(xq, t0), y, ldy, n, t0, m)
+                    } else if left >= 2 {
+                        tl.store(&tl.tokens::<2>(xq, t0), y, ldy, n, t0, m)
+                    } else {
+                        tl.store(&tl.tokens::<1>(xq, t0), y, ldy, n, t0, m)
+                    };
+                    t0 += k;
+                }
+            }
+            n += live;
+        }
+    }
+
+    /// One tile of [`matmul_rows`]: its codes `[block][quad][row][4]`, scales and biases
+    /// `[unit][row]`.
+    struct RowTile<'a> {
+        ul: usize,
+        bl: usize,
+        bounds: &'a [usize; PRODUCT_CHUNKS + 1],
+        codes: &'a [u8],
+        ts: &'a [f32],
+        tb: &'a [f32],
+    }
+
+    impl RowTile<'_> {
+        /// Writes `TT` input rows' outputs (lanes of `m`) from `t0`; returns `TT`.
+        #[inline(always)]
+        unsafe fn store<const TT: usize>(&self, v: &[__m512; TT], y: *mut f32, ldy: usize, n: usize, t0: usize, m: __mmask16) -> usize {
+            for (t, vt) in v.iter().enumerate() {
+                // SAFETY: the caller's contract on `y` (columns n..n+live of these rows).
+                unsafe { _mm512_mask_storeu_ps(y.add((t0 + t) * ldy + n), m, *vt) };
+            }
+            TT
+        }
+
+        /// The tile's outputs for input rows `t0..t0+TT`: lane `r` of `result[t]` is weight
+        /// row `r` against input row `t0 + t`.
+        #[inline(always)]
+        unsafe fn tokens<const TT: usize>(&self, xq: &QuantRows, t0: usize) -> [__m512; TT] {
+            unsafe {
+                let (ul, bl) = (self.ul, self.bl);
+                let (dof, sof) = if ul == ACT_BLOCK { (0, bl) } else { (2 * bl, 4 * bl) };
+                let rows: [(&[i8], &[f32]); TT] = std::array::from_fn(|t| {
+                    let (_, _, p, e) = xq.row(t0 + t);
+                    (p, e)
+                });
+                let mut y = [_mm512_setzero_ps(); TT];
+                for c in 0..PRODUCT_CHUNKS {
+                    let mut acc_c = [_mm512_setzero_ps(); TT];
+                    for u in self.bounds[c]..self.bounds[c + 1] {
+                        let e0 = u * ul;
+                        let (blk, half) = (e0 / ACT_BLOCK, (e0 / 32) % 2);
+                        // The block's evens start here in each plane of its pair; odds 64 on.
+                        let base = (blk / 2) * PAIR_BYTES + (blk % 2) * 32;
+                        let mut acc = [[_mm512_setzero_si512(); 3]; TT];
+                        let wq = self.codes.as_ptr().add(blk * 16 * 4 * ROW_LANES);
+                        // A unit of 64 is quads 0..16; one of 32 its evens, quads 4h..4h+4,
+                        // and its odds 8 further. (A loop, not a closure: a closure may be
+                        // compiled apart from this function's target features.)
+                        let nk = if ul == ACT_BLOCK { 16 } else { 8 };
+                        for i in 0..nk {
+                            let k = if ul == ACT_BLOCK { i } else { 4 * half + i / 2 + 8 * (i % 2) };
+                            let wv = _mm512_loadu_si512(wq.add(k * 4 * ROW_LANES) as *const _);
+                            let off = base + (k / 8) * ACT_BLOCK + (k % 8) * 4;
+                            for (t, at) in acc.iter_mut().enumerate() {
+                                let x = rows[t].0.as_ptr().add(off);
+                                for (p, a) in at.iter_mut().enumerate() {
+                                    let xv = _mm512_set1_epi32((x.add(p * 2 * ACT_BLOCK) as *const i32).read_unaligned());
+                                    *a = _mm512_dpbusd_epi32(*a, wv, xv);
+                                }
+                            }
+                        }
+                        let (s, b) = (_mm512_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES)), _mm512_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES)));
+                        for t in 0..TT {
+                            let [a0, a1, a2] = acc[t];
+                            let i = _mm512_add_epi32(_mm512_add_epi32(a0, _mm512_slli_epi32(a1, 8)), _mm512_slli_epi32(a2, 16));
+                            let ev = rows[t].1;
+                            let sd = _mm512_mul_ps(s, _mm512_set1_ps(ev[dof + u]));
+                            let v = _mm512_fmadd_ps(sd, _mm512_cvtepi32_ps(i), _mm512_mul_ps(b, _mm512_set1_ps(ev[sof + u])));
+                            acc_c[t] = _mm512_add_ps(acc_c[t], v);
+                        }
+                    }
+                    for t in 0..TT {
+                        y[t] = _mm512_add_ps(y[t], acc_c[t]);
+                    }
+                }
+                y
+            }
+        }
+    }
+
+    /// Weights of one product: codes, scales, biases (all rows) and the scales' type.
+    pub type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backend::cpu::simd::tests::Rng;
     use crate::checkpoint::Bytes;
-    use crate::model::weights::FloatType;
     use crate::numerics::dot_affine_int;
 
-    fn affine(rows: usize, cols: usize, bits: u32, gs: usize, rng: &mut Rng) -> Matrix {
+    fn affine(rows: usize, cols: usize, bits: u32, gs: usize, dt: FloatType, rng: &mut Rng) -> Matrix {
         let weight = rng.bytes(rows * cols * bits as usize / 8);
         let groups = rows * cols / gs;
-        let sc: Vec<u8> = (0..groups).flat_map(|_| half::bf16::from_f32(0.01 + 0.02 * rng.f().abs()).to_le_bytes()).collect();
-        let bi: Vec<u8> = (0..groups).flat_map(|_| half::bf16::from_f32(-0.1 * rng.f()).to_le_bytes()).collect();
+        let enc = |v: f32| -> Vec<u8> {
+            match dt {
+                FloatType::BF16 => half::bf16::from_f32(v).to_le_bytes().to_vec(),
+                FloatType::F16 => half::f16::from_f32(v).to_le_bytes().to_vec(),
+                FloatType::F32 => v.to_le_bytes().to_vec(),
+            }
+        };
+        let sc: Vec<u8> = (0..groups).flat_map(|_| enc(0.01 + 0.02 * rng.f().abs())).collect();
+        let bi: Vec<u8> = (0..groups).flat_map(|_| enc(-0.1 * rng.f())).collect();
         Matrix {
             name: "w".into(),
             rows,
             cols,
-            data: MatrixData::Affine {
-                bits,
-                group_size: gs,
-                weight: Bytes::from_vec(weight),
-                scales: Bytes::from_vec(sc),
-                biases: Bytes::from_vec(bi),
-                scale_dtype: FloatType::BF16,
-            },
+            data: MatrixData::Affine { bits, group_size: gs, weight: Bytes::from_vec(weight), scales: Bytes::from_vec(sc), biases: Bytes::from_vec(bi), scale_dtype: dt },
         }
     }
 
     fn reference(w: &Matrix, x: &[f32], n: usize) -> f32 {
         let MatrixData::Affine { bits, group_size, weight, scales, biases, scale_dtype } = &w.data else { unreachable!() };
-        let (bits, wb, sb) = (*bits as usize, w.cols * *bits as usize / 8, w.cols / group_size * 2);
+        let (bits, wb, sb) = (*bits as usize, w.cols * *bits as usize / 8, w.cols / group_size * scale_dtype.size());
         let codes = &weight.as_slice()[n * wb..(n + 1) * wb];
         let (sr, br) = (&scales.as_slice()[n * sb..(n + 1) * sb], &biases.as_slice()[n * sb..(n + 1) * sb]);
         let code = |k: usize| if bits == 4 { ((codes[k / 2] >> (4 * (k % 2))) & 15) as u32 } else { codes[k] as u32 };
         dot_affine_int(*group_size, x, code, |g| scale_dtype.get(sr, g), |g| scale_dtype.get(br, g))
     }
 
-    /// Every instruction set, layout, group size and a final half block give the scalar
-    /// reference's bits, with outliers, zero blocks and huge dynamic range in the input.
+    /// Inputs with an outlier, a tiny value beside ordinary ones, a zero block, a NaN block
+    /// (when `nan`), and the extremes of the activation planes (±max|x| in every element of a
+    /// block, so `xi = ±2 080 768` and each unit's `I` nears its bound).
+    fn inputs(tokens: usize, cols: usize, nan: bool, rng: &mut Rng) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.f() * 3.0).collect();
+        x[5] = 900.0;
+        if tokens > 1 {
+            x[cols + 1] = -1e-30;
+        }
+        if tokens > 2 && cols >= 128 {
+            x[2 * cols + 64..2 * cols + 128].fill(0.0);
+        }
+        if tokens > 3 {
+            // Every code times the largest |xi| (a code of 15 in every element gives I at its
+            // bound; random codes come near).
+            x[3 * cols..3 * cols + 64].fill(-7.5);
+        }
+        if nan && tokens > 4 {
+            x[4 * cols + 3] = f32::NAN;
+        }
+        x
+    }
+
+    /// Every instruction set, layout, group size, scale type and a final half block give the
+    /// scalar reference's bits, with outliers, zero and NaN blocks and huge dynamic range in
+    /// the input; input row counts below and above [`ROW_LANES_MIN_ROWS`] (both VNNI kernels),
+    /// weight rows below and above a tile of sixteen (the tails).
     #[test]
     fn every_isa_gives_the_reference_bits() {
         let mut rng = Rng(7);
-        for &(bits, gs, cols) in &[(4u32, 64usize, 256usize), (4, 32, 224), (4, 128, 384), (8, 64, 192), (8, 32, 96), (8, 128, 256), (4, 64, 64), (4, 32, 32)] {
-            let rows = 5;
-            let w = affine(rows, cols, bits, gs, &mut rng);
-            let tokens = 3;
-            let mut x: Vec<f32> = (0..tokens * cols).map(|_| rng.f() * 3.0).collect();
-            x[5] = 900.0; // an outlier
-            x[cols + 1] = -1e-30; // a tiny value beside ordinary ones
-            if cols >= 128 {
-                for v in &mut x[2 * cols + 64..2 * cols + 128] {
-                    *v = 0.0; // a zero block
+        let shapes: &[(u32, usize, usize)] =
+            &[(4, 64, 256), (4, 32, 224), (4, 128, 384), (8, 64, 192), (8, 32, 96), (8, 128, 256), (4, 64, 64), (4, 32, 32), (4, 64, 192), (4, 64, 1088), (4, 32, 1056)];
+        for &(bits, gs, cols) in shapes {
+            for (dt, rows, tokens) in [
+                (FloatType::BF16, 5, 3),
+                (FloatType::BF16, 13, 19),
+                (FloatType::F16, 9, 8),
+                (FloatType::F32, 3, 1),
+                (FloatType::BF16, 37, 36),
+                (FloatType::BF16, 21, 1),
+                (FloatType::F16, 18, 5),
+            ] {
+                let w = affine(rows, cols, bits, gs, dt, &mut rng);
+                let x = inputs(tokens, cols, true, &mut rng);
+                let layout = Layout::of(&w).unwrap();
+                let want: Vec<u32> = (0..tokens * rows).map(|i| reference(&w, &x[(i / rows) * cols..(i / rows + 1) * cols], i % rows).to_bits()).collect();
+                for isa in Isa::available() {
+                    let mut xq = QuantRows::default();
+                    xq.shape(isa, tokens, cols, layout);
+                    let base = xq.base();
+                    // Two fills of disjoint rows, as the threads do.
+                    unsafe { xq.fill_rows(base, &x, 0, tokens / 2) };
+                    unsafe { xq.fill_rows(base, &x, tokens / 2, tokens) };
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    let mut scratch = Scratch::default();
+                    // Two calls over a split of the rows, as the pool's tasks.
+                    let split = rows / 2;
+                    unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
+                    unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
+                    for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                        assert_eq!(got.to_bits(), want, "{isa:?} bits {bits} gs {gs} cols {cols} {dt:?} t {} n {}", i / rows, i % rows);
+                    }
                 }
             }
-            for isa in Isa::available() {
-                let mut xq = QuantRows::default();
-                xq.shape(tokens, cols, Layout::of(&w).unwrap());
-                let base = xq.base();
-                unsafe { xq.fill_rows(base, &x, 0, tokens) };
-                let mut y = vec![f32::NAN; tokens * rows];
-                unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
-                for t in 0..tokens {
-                    for n in 0..rows {
-                        let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
-                        assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} bits {bits} gs {gs} cols {cols} t {t} n {n}");
-                    }
+        }
+    }
+
+    /// A unit at the bound of its integer: codes of 15 against `xi = ±2 080 768` everywhere
+    /// (|I| = 64·15·2 080 768, just under 2^31), one input row and many, against the reference.
+    #[test]
+    fn units_at_the_integer_bound_keep_their_bits() {
+        for tokens in [1, 17] {
+            at_the_bound(tokens);
+        }
+    }
+
+    fn at_the_bound(tokens: usize) {
+        let (rows, cols) = (9, 256);
+        let mut w = affine(rows, cols, 4, 64, FloatType::BF16, &mut Rng(3));
+        if let MatrixData::Affine { weight, .. } = &mut w.data {
+            *weight = Bytes::from_vec(vec![0xff; rows * cols / 2]);
+        }
+        let x: Vec<f32> = (0..tokens * cols).map(|i| if (i / 64) % 2 == 0 { 2.5 } else { -1.25 }).collect();
+        for isa in Isa::available() {
+            let mut xq = QuantRows::default();
+            xq.shape(isa, tokens, cols, Layout::Nibbles);
+            let base = xq.base();
+            unsafe { xq.fill_rows(base, &x, 0, tokens) };
+            let mut y = vec![f32::NAN; tokens * rows];
+            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
+            for t in 0..tokens {
+                for n in 0..rows {
+                    let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
+                    assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} t {t} n {n}");
+                }
+            }
+        }
+    }
+
+    /// Every instruction set quantizes to the same bytes, in both layouts, with half blocks,
+    /// odd block counts, zero, NaN and infinite blocks, tiny and subnormal values.
+    #[test]
+    fn every_isa_quantizes_to_the_same_bytes() {
+        let mut rng = Rng(11);
+        for &cols in &[32usize, 64, 96, 192, 224, 1056] {
+            let tokens = 21;
+            let mut x = inputs(tokens, cols, true, &mut rng);
+            x[6 * cols + 2] = f32::INFINITY;
+            x[7 * cols + 9] = 3e-39; // subnormal
+            for layout in [Layout::Nibbles, Layout::Natural] {
+                let fill = |isa: Isa| {
+                    let mut xq = QuantRows::default();
+                    xq.shape(isa, tokens, cols, layout);
+                    // Stale bytes from an earlier use must not show.
+                    xq.planes.fill(0x55);
+                    let base = xq.base();
+                    unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                    xq
+                };
+                let want = fill(Isa::Portable);
+                for isa in Isa::available() {
+                    let got = fill(isa);
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&got.d), bits(&want.d), "{isa:?} {layout:?} cols {cols}: scales");
+                    assert_eq!(got.sums, want.sums, "{isa:?} {layout:?} cols {cols}: sums");
+                    assert_eq!(bits(&got.ev), bits(&want.ev), "{isa:?} {layout:?} cols {cols}: factors");
+                    assert_eq!(got.planes, want.planes, "{isa:?} {layout:?} cols {cols}: planes");
                 }
             }
         }

@@ -349,7 +349,7 @@ impl Backend for Cpu {
             xqs.resize(layouts.len(), intdot::QuantRows::default());
         }
         for (xq, &l) in xqs.iter_mut().zip(&layouts) {
-            xq.shape(rows, x.cols, l);
+            xq.shape(self.isa, rows, x.cols, l);
             let base = xq.base();
             let xq = &*xq;
             self.row_blocks(rows, &|r0, r1| {
@@ -385,6 +385,7 @@ impl Backend for Cpu {
                 // per thread.
                 PANEL_TASK_ROWS.min(w.rows / (4 * threads))
             };
+            let granule = if layout(w).is_some() { intdot::row_granule(self.isa, w, rows).unwrap_or(granule) } else { granule };
             let per_task = per_task.max(granule).div_ceil(granule) * granule;
             let mut n = 0;
             while n < w.rows {

@@ -18,9 +18,10 @@ use crate::model::weights::FloatType;
 use crate::model::weights::{Matrix, MatrixData};
 
 /// An instruction set the CPU kernels can use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Default)]
 pub enum Isa {
     /// Plain Rust, any CPU.
+    #[default]
     Portable,
     /// AVX2 + FMA (x86-64-v3).
     Avx2,
