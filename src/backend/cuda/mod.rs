@@ -668,7 +668,7 @@ impl Cuda {
         // block quantizes the token once, so fewer, longer-lived blocks repeat less of it).
         let per_sm_cap = std::env::var("TENSORFOLD_INT_ONE_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u32).max(1);
         let mut int_one_blocks = u32::MAX;
-        for &entry in compile::SOURCES.iter().flat_map(|s| s.entries.iter()).filter(|e| e.starts_with("matmul_int") && e.ends_with("_one")) {
+        for &entry in compile::SOURCES.iter().flat_map(|s| s.entries.iter()).filter(|e| e.starts_with("matmul_int") && (e.ends_with("_one") || e.ends_with("_one_swiglu"))) {
             let per_sm = funcs[entry].occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| dev_err(&format!("occupancy of {entry}"), e))?;
             int_one_blocks = int_one_blocks.min(per_sm.clamp(1, per_sm_cap) * sms);
         }
@@ -1278,15 +1278,15 @@ impl Cuda {
         rows.div_ceil(16).clamp(1, self.int_one_blocks)
     }
 
-    /// `act = silu(W_gate·x) ⊙ (W_up·x)` for one token in one integer-product launch
+    /// `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up` for one token in one integer-product launch
     /// (matmul_int.cu `_one_swiglu`), when both matrices are affine and stored alike and the
     /// token fits the kernel's shared memory; false (nothing launched) otherwise.
-    fn matmul_int_swiglu_one(&self, x: &CudaTensor, gate_w: &CudaMatrix, up_w: &CudaMatrix, up: &CudaTensor, act: &CudaTensor) -> bool {
+    fn matmul_int_swiglu_one(&self, x: &CudaTensor, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &CudaTensor, up: &CudaTensor, act: &CudaTensor) -> bool {
         if gate_w.fmt < 4 || gate_w.cols > 12288 || gate_w.group.min(64) != up_w.group.min(64) {
             return false;
         }
         let mut d = IntMatDescs::default();
-        for (k, (m, y)) in [(gate_w, act), (up_w, up)].into_iter().enumerate() {
+        for (k, (m, y)) in [(gate_w, gate), (up_w, up)].into_iter().enumerate() {
             d.m[k] = IntMatDesc {
                 w: ptr(&m.w, &self.stream),
                 sb: ptr(&m.sb, &self.stream),
@@ -1300,6 +1300,8 @@ impl Cuda {
                 pad: 0,
             };
         }
+        // The third descriptor carries only the SwiGLU output.
+        d.m[2].y = ptr(&act.buf, &self.stream);
         d.count = 2;
         let rows = gate_w.rows as u32;
         let fname = compile::matmul_int_entry(gate_w.fmt, gate_w.sdtype, gate_w.group.min(64), 4);
@@ -1394,7 +1396,7 @@ impl Cuda {
     #[allow(clippy::too_many_arguments)]
     fn matmul_swiglu_rows(&self, x: &CudaTensor, rows: usize, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &mut CudaTensor, up: &mut CudaTensor, act: &mut CudaTensor) {
         let pair = Self::same_format(gate_w, up_w) && gate_w.rows == up_w.rows && gate.cols == up.cols && gate.cols == act.cols;
-        if pair && rows == 1 && self.products == Products::Int && self.matmul_int_swiglu_one(x, gate_w, up_w, up, act) {
+        if pair && rows == 1 && self.products == Products::Int && self.matmul_int_swiglu_one(x, gate_w, up_w, gate, up, act) {
             return;
         }
         if rows == 0 || !pair || self.products == Products::Int {

@@ -94,7 +94,7 @@ struct IntMat {
     float* y;      // [tokens, ldy]
     float* res;    // if set: res += y
     u32 rows, cols, group, ldy;
-    u32 tile0;     // the launch's first row tile of this matrix
+    u32 tile0;     // the launch's first row tile of this matrix (one-token kernels: its first row)
     u32 pad;
 };
 // Up to four matrices of one input (fused projections), their row tiles one after another.
@@ -184,8 +184,9 @@ __device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blo
 // are those of the tensor-core tiles. A group's codes are loaded a step at a time into T1I_NBUF
 // register buffers, the first ones before pdl_enter (weights only).
 //
-// SWI: the launch is a gate and an up matrix of the same shape, a warp's two rows are row g of
-// each, and it writes silu(gate)·up (swiglu.cu's twin) into the gate matrix's output.
+// SWI: the launch is a gate and an up matrix of the same shape (ms.m[0], ms.m[1]), a warp's two
+// rows are row g of each, and it writes both outputs and silu(gate)·up (swiglu.cu's twin) into
+// ms.m[2].y (count stays 2).
 #ifndef T1I_NBUF
 #define T1I_NBUF 2
 #endif
@@ -370,7 +371,11 @@ __device__ __forceinline__ void matmul_int_t1(const IntMats& ms, const float* x,
             }
             if (lane == 0) {
                 if (SWI) {
-                    if (r0 < mp[0]->rows) mp[0]->y[r0] = tf_silu(y[0]) * y[R - 1];
+                    if (r0 < mp[0]->rows) {
+                        mp[0]->y[r0] = y[0];
+                        mp[1]->y[r0] = y[R - 1];
+                        ms.m[2].y[r0] = tf_silu(y[0]) * y[R - 1];
+                    }
                 } else {
 #pragma unroll
                     for (int r = 0; r < R; r++) {
