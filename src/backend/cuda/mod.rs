@@ -230,6 +230,27 @@ struct IntMatDescs {
     count: u32,
     pad: [u32; 3],
 }
+impl IntMatDesc {
+    /// Matrix `m` writing `y` (and adding it to `res` when non-zero), its rows from launch row
+    /// or tile `tile0`.
+    fn new(m: &CudaMatrix, y: &CudaTensor, res: u64, tile0: u32, stream: &CudaStream) -> Self {
+        Self {
+            w: ptr(&m.w, stream),
+            sb: ptr(&m.sb, stream),
+            y: ptr(&y.buf, stream),
+            res,
+            rows: m.rows as u32,
+            cols: m.cols as u32,
+            group: m.group,
+            ldy: y.cols as u32,
+            tile0,
+            pad: 0,
+        }
+    }
+}
+/// The widest input a one-token integer product quantizes in its own blocks (matmul_int.cu
+/// `ONE_TOKEN_COLS`); wider ones take `quantize_rows` and the small tile.
+const INT_ONE_TOKEN_COLS: usize = 12288;
 /// `IntIn` of matmul_int.cu: the quantized input rows.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -1189,10 +1210,10 @@ impl Cuda {
         let blocks = cols.div_ceil(64);
         let kpad = 64 * blocks;
         let x_buf = ptr(&x.buf, &self.stream);
-        // One token is quantized by each block of the product (matmul_int.cu FUSED_COLS).
+        // One token is quantized by each block of the product (INT_ONE_TOKEN_COLS).
         // The tile: 0 one token quantized in the block, 1 small, 2 large (matmul_int.cu).
         let tile = match rows {
-            1 if cols <= 12288 => 0,
+            1 if cols as usize <= INT_ONE_TOKEN_COLS => 0,
             1..=8 => 1,
             _ => 2,
         };
@@ -1228,18 +1249,7 @@ impl Cuda {
             let mut d = IntMatDescs::default();
             let mut tiles = 0u32;
             for (k, (m, y)) in affine[i..j].iter().map(|p| (p.0, &p.1)).enumerate() {
-                d.m[k] = IntMatDesc {
-                    w: ptr(&m.w, &self.stream),
-                    sb: ptr(&m.sb, &self.stream),
-                    y: ptr(&y.buf, &self.stream),
-                    res,
-                    rows: m.rows as u32,
-                    cols: m.cols as u32,
-                    group: m.group,
-                    ldy: y.cols as u32,
-                    tile0: tiles,
-                    pad: 0,
-                };
+                d.m[k] = IntMatDesc::new(m, y, res, tiles, &self.stream);
                 tiles += if tile == 0 { (m.rows as u32).next_multiple_of(4) } else { (m.rows as u32).div_ceil(tr) };
             }
             d.count = (j - i) as u32;
@@ -1279,27 +1289,16 @@ impl Cuda {
     }
 
     /// `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up` for one token in one integer-product launch
-    /// (matmul_int.cu `_one_swiglu`), when both matrices are affine and stored alike and the
-    /// token fits the kernel's shared memory; false (nothing launched) otherwise.
+    /// (matmul_int.cu `_one_swiglu`), for matrices stored alike (the caller's `pair`) when they
+    /// are affine and the token fits the kernel's shared memory; false (nothing launched)
+    /// otherwise.
     fn matmul_int_swiglu_one(&self, x: &CudaTensor, gate_w: &CudaMatrix, up_w: &CudaMatrix, gate: &CudaTensor, up: &CudaTensor, act: &CudaTensor) -> bool {
-        if gate_w.fmt < 4 || gate_w.cols > 12288 || gate_w.group.min(64) != up_w.group.min(64) {
+        if gate_w.fmt < 4 || gate_w.cols > INT_ONE_TOKEN_COLS {
             return false;
         }
         let mut d = IntMatDescs::default();
-        for (k, (m, y)) in [(gate_w, gate), (up_w, up)].into_iter().enumerate() {
-            d.m[k] = IntMatDesc {
-                w: ptr(&m.w, &self.stream),
-                sb: ptr(&m.sb, &self.stream),
-                y: ptr(&y.buf, &self.stream),
-                res: 0,
-                rows: m.rows as u32,
-                cols: m.cols as u32,
-                group: m.group,
-                ldy: y.cols as u32,
-                tile0: 0,
-                pad: 0,
-            };
-        }
+        d.m[0] = IntMatDesc::new(gate_w, gate, 0, 0, &self.stream);
+        d.m[1] = IntMatDesc::new(up_w, up, 0, 0, &self.stream);
         // The third descriptor carries only the SwiGLU output.
         d.m[2].y = ptr(&act.buf, &self.stream);
         d.count = 2;

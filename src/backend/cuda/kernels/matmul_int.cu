@@ -143,14 +143,14 @@ __device__ __forceinline__ void load_a(const u8* row, u32 u, u32 t, u32 (&lo)[UL
 }
 
 // Elements of a row the one-token kernels quantize into shared memory themselves (wider rows
-// take quantize_rows and the small tile).
-#define FUSED_COLS 12288
+// take quantize_rows and the small tile; cuda/mod.rs INT_ONE_TOKEN_COLS).
+#define ONE_TOKEN_COLS 12288
 
 // Twin of quantize_rows for one row into shared memory, by the whole block: warp w takes
-// blocks w, w + 8, ..., QB at a time with their loads issued together. SWZ: the planes
-// swizzled (swizzle16), each `kpad` bytes apart (a multiple of 128 then, so that no swizzled
-// byte leaves its plane).
-template <bool SWZ = false, int QB = 4>
+// blocks w, w + 8, ..., QB at a time with their loads issued together. The planes are
+// swizzled (swizzle16), each `kpad` bytes apart (a multiple of 128, so that no swizzled byte
+// leaves its plane).
+template <int QB>
 __device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blocks, u32 kpad, signed char* planes, float* d, float* ds64, float* ds32) {
     const u32 warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     for (u32 base = warp; base < blocks; base += 8 * QB) {
@@ -165,7 +165,7 @@ __device__ __forceinline__ void quantize_smem(const float* xr, u32 cols, u32 blo
         for (int i = 0; i < QB; i++) {
             const u32 blk = base + 8 * i;
             if (blk >= blocks) break;
-            quantize_block<SWZ>(v[i][0], v[i][1], blk, lane, kpad, planes, d, ds64, ds32);
+            quantize_block<true>(v[i][0], v[i][1], blk, lane, kpad, planes, d, ds64, ds32);
         }
     }
 }
@@ -216,8 +216,8 @@ __device__ __forceinline__ int dp4a_u8(u32 a, u32 b, int c) {
 // the gate matrix.
 template <int BITS, int SDT, int UL, bool SWI>
 __device__ __forceinline__ void matmul_int_t1(const IntMats& ms, const float* x, u32 rows) {
-    __shared__ __align__(16) signed char qplanes[3 * FUSED_COLS];
-    __shared__ float qd[FUSED_COLS / 64], qds64[FUSED_COLS / 64], qds32[FUSED_COLS / 32];
+    __shared__ __align__(16) signed char qplanes[3 * ONE_TOKEN_COLS];
+    __shared__ float qd[ONE_TOKEN_COLS / 64], qds64[ONE_TOKEN_COLS / 64], qds32[ONE_TOKEN_COLS / 32];
     constexpr int R = SWI ? 2 : T1I_R;
     constexpr int NW = BITS * UL / 32;  // code words of a unit
     constexpr int NP = UL / 16;         // 16-byte pieces of a unit's plane
@@ -280,7 +280,7 @@ __device__ __forceinline__ void matmul_int_t1(const IntMats& ms, const float* x,
     for (int s = 0; s < T1I_NBUF; s++)
         if (s < nb) load(buf[s], s);
     pdl_enter();
-    quantize_smem<true, T1I_QB>(x, cols, blocks, kpad, qplanes, qd, qds64, qds32);
+    quantize_smem<T1I_QB>(x, cols, blocks, kpad, qplanes, qd, qds64, qds32);
     __syncthreads();
     float cacc[R];
     auto compute = [&](const Buf& b, u32 n) {
