@@ -378,11 +378,19 @@ pub fn concurrent(rt: &crate::runtime::Runtime, c: usize, prompt_len: usize, gen
 /// The same work as [`concurrent`] without the runtime: `c` sessions, each prompt fed alone,
 /// then `generate − 1` steps of all `c` rows at once through [`Engine::step_sessions`] with
 /// greedy choice on the device; times those steps (the backend driven directly, the floor the
-/// runtime's ticks are measured against).
+/// runtime's ticks are measured against). `around_steps` is called with `true` after the prompts
+/// and with `false` after the last step (a profiler switched on for the steps alone).
 ///
 /// # Errors
 /// The backend's.
-pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, generate: usize, seed: u64) -> Result<Direct, BackendError> {
+pub fn direct<B: Backend>(
+    engine: &mut Engine<B>,
+    c: usize,
+    prompt_len: usize,
+    generate: usize,
+    seed: u64,
+    around_steps: &mut dyn FnMut(&Engine<B>, bool),
+) -> Result<Direct, BackendError> {
     use crate::engine::{Choose, Chosen, StepRows};
     let vocab = engine.vocab_size();
     let mut sessions = Vec::with_capacity(c);
@@ -393,6 +401,7 @@ pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, g
         sessions.push(s);
     }
     engine.set_batch_capacity(c);
+    around_steps(engine, true);
     let t0 = std::time::Instant::now();
     let steps = generate.saturating_sub(1).max(1);
     let mut periods = Vec::with_capacity(steps);
@@ -408,6 +417,7 @@ pub fn direct<B: Backend>(engine: &mut Engine<B>, c: usize, prompt_len: usize, g
         prev = now;
     }
     let dt = t0.elapsed().as_secs_f64();
+    around_steps(engine, false);
     for s in sessions {
         engine.free_session(s)?;
     }

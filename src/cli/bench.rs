@@ -47,7 +47,7 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub products: super::ProductsArgs,
     /// GPU: also time every kernel of 32 decode tokens run without graphs (CUDA events) and print
-    /// the device time per kernel.
+    /// the device time per kernel; with --concurrency, of 16 steps of the largest level's rows.
     #[arg(long)]
     pub profile: bool,
     /// Also write the figures as JSON to this file.
@@ -500,14 +500,33 @@ fn concurrency(a: &Resolved, dir: &std::path::Path, host: HostModel, levels: &[u
         match a.device {
             super::Device::Cpu => {
                 let mut e = Engine::new(Model::new(&host, super::run::cpu_backend(threads, products))?, chunk)?;
-                run_direct(&mut |c| Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000)?))?;
+                run_direct(&mut |c| Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000, &mut |_, _| {})?))?;
             }
             super::Device::Cuda(n) => {
                 let mut e = Engine::new(Model::new(&host, super::run::cuda_backend(n, products)?)?, chunk)?;
                 run_direct(&mut |c| {
-                    tensorfold::bench::direct(&mut e, c, prompt.min(16), 4, 1)?;
-                    Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000)?)
+                    tensorfold::bench::direct(&mut e, c, prompt.min(16), 4, 1, &mut |_, _| {})?;
+                    Ok(tensorfold::bench::direct(&mut e, c, prompt, a.decode_tokens, 1000, &mut |_, _| {})?)
                 })?;
+                if a.profile {
+                    // Where a tick of many rows goes: the largest level's steps again, eagerly,
+                    // each kernel between two events.
+                    let (steps, mut report) = (16, Ok(Vec::new()));
+                    tensorfold::bench::direct(&mut e, max, prompt, steps + 1, 1000, &mut |e, on| {
+                        let b = &e.model.backend;
+                        if !on {
+                            report = b.profile_report();
+                        }
+                        b.set_graphs(!on);
+                        b.set_profile(on);
+                    })?;
+                    let rep = report.map_err(anyhow::Error::from)?;
+                    let total: f64 = rep.iter().map(|r| r.1).sum::<f64>() / steps as f64;
+                    println!("profile (eager steps of {max} decode rows, {steps} steps): {total:.3} ms of kernel time per step");
+                    for (name, ms, n) in rep {
+                        println!("  {name:<44} {:>8.1} us/step  ({} launches/step, {:.2} us each)", 1e3 * ms / steps as f64, n / steps, 1e3 * ms / n as f64);
+                    }
+                }
             }
         }
     }
