@@ -12,6 +12,8 @@
 # Writes $OUT/: uptime.txt (before and after), bench-N.json, serve-bar-N.json, guidellm.json,
 # guidellm.txt, guidellm-table.txt, bar.txt, server logs. GUIDELLM=0: the bar only. SERVE_ARGS:
 # more `tensorfold serve` flags (e.g. `--snapshot-device-budget 0` to compare snapshot tiers).
+# URL=http://HOST:PORT: guidellm alone against a server already running there (a peer such as
+# llama.cpp's llama-server; MODEL then only gives the tokenizer), no bar.
 #
 #   python3 -m venv /tmp/load && /tmp/load/bin/pip install guidellm==0.8.1
 #   PY=/tmp/load/bin/python3 bash bench/load.sh ../shared/fixtures/tiny/mlx-q4
@@ -74,6 +76,7 @@ stop_server() {
 }
 trap stop_server EXIT
 
+[ -n "${URL:-}" ] && REPS=0
 for r in $(seq 1 "$REPS"); do
   echo "== rep $r: tensorfold bench --device $DEVICE --concurrency $BAR -p $PROMPT -n $GEN"
   "$TF" bench -m "$MODEL" --device "$DEVICE" --concurrency "$BAR" -p "$PROMPT" -n "$GEN" --json "$OUT/bench-$r.json" 2>&1 | tail -n +2
@@ -83,7 +86,7 @@ for r in $(seq 1 "$REPS"); do
   stop_server
 done
 
-$PY - "$OUT" "$REPS" "$BAR" <<'EOF' | tee "$OUT/bar.txt"
+[ "$REPS" -gt 0 ] && $PY - "$OUT" "$REPS" "$BAR" <<'EOF' | tee "$OUT/bar.txt"
 import json, sys, statistics
 out, reps, levels = sys.argv[1], int(sys.argv[2]), [int(x) for x in sys.argv[3].split(",")]
 print("level  rep   bench t/s   serve t/s   ratio | bench ttft   serve ttft   ratio | bench itl  serve itl")
@@ -104,16 +107,16 @@ print(f"bar at {c} streams (median of {reps}): decode tokens/s through the serve
 EOF
 
 [ "${GUIDELLM:-1}" = 0 ] && exit 0
-echo "== guidellm at $LEVELS concurrent streams"
-start_server guidellm
-model_name=$($PY -c "import json,urllib.request; print(json.load(urllib.request.urlopen('http://127.0.0.1:$PORT/v1/models'))['data'][0]['id'])")
+echo "== guidellm at $LEVELS concurrent streams${URL:+ against $URL}"
+if [ -n "${URL:-}" ]; then TARGET=$URL; else start_server guidellm; TARGET=http://127.0.0.1:$PORT; fi
+model_name=$($PY -c "import json,urllib.request; print(json.load(urllib.request.urlopen('$TARGET/v1/models'))['data'][0]['id'])")
 model_abs=$(cd "$MODEL" && pwd)
 $PY - "$OUT/guidellm-scenario.json" <<EOF
 import json, sys
 levels = [int(x) for x in "$LEVELS".split(",")]
 requests = [int(x) for x in "$REQUESTS".split(",")]
 spec = {"spec": {
-    "backend": {"kind": "openai_http", "target": "http://127.0.0.1:$PORT", "model": "$model_name", "request_format": "/v1/completions"},
+    "backend": {"kind": "openai_http", "target": "$TARGET", "model": "$model_name", "request_format": "/v1/completions"},
     "profile": {"kind": "concurrent", "streams": levels},
     "tokenizer": {"kind": "huggingface_auto", "model": "$model_abs"},
     "data": [{"kind": "synthetic_text", "prompt_tokens": $PROMPT, "output_tokens": $GEN}],
