@@ -778,6 +778,66 @@ mod tests {
     }
 
     #[test]
+    fn freed_slots_are_reused_and_give_the_bits_of_fresh_ones() {
+        let prompt: Vec<u32> = (0..300).map(|i| (i * 53 % 2048) as u32).collect();
+        let mut fresh = engine(64);
+        let mut f = fresh.new_session(SamplingParams::greedy()).unwrap();
+        let want = fresh.feed(&mut f, &prompt[..40], true, &mut |_, _| {}).unwrap().to_vec();
+        let whole = fresh_session_after(&mut fresh, &prompt);
+        let long = fresh.export_state(&whole).unwrap();
+
+        // A long sequence leaves its slot; the next session gets its state (KV caches dropped,
+        // recurrent states reused) and must start from zero all the same.
+        let mut e = engine(64);
+        let mut a = e.new_session(SamplingParams::greedy()).unwrap();
+        let _ = e.feed(&mut a, &prompt, false, &mut |_, _| {}).unwrap();
+        let slot = a.slot();
+        e.free_session(a).unwrap();
+        let mut b = e.new_session(SamplingParams::greedy()).unwrap();
+        assert_eq!(b.slot(), slot);
+        assert_eq!(e.export_state(&b).unwrap(), SequenceState::new(&e.model.config));
+        assert_eq!(bits(e.feed(&mut b, &prompt[..40], true, &mut |_, _| {}).unwrap()), bits(&want));
+        // A long state imported into a reused slot (in place), and a slot copied onto another
+        // (in place), continue exactly.
+        let c = e.session_from_state(&long, &prompt, SamplingParams::greedy()).unwrap();
+        assert_eq!(e.export_state(&c).unwrap(), long);
+        let mut d = e.fork(&c).unwrap();
+        let mut g = fresh.session_from_state(&long, &prompt, SamplingParams::greedy()).unwrap();
+        let next = fresh.feed(&mut g, &[7], false, &mut |_, _| {}).unwrap().to_vec();
+        assert_eq!(bits(e.feed(&mut d, &[7], false, &mut |_, _| {}).unwrap()), bits(&next));
+        e.model.backend.copy_slot(&mut e.states, c.slot().unwrap(), b.slot().unwrap()).unwrap();
+        assert_eq!(e.model.backend.export_slot(&e.states, b.slot().unwrap()).unwrap(), long);
+    }
+
+    /// A new session of `e` fed `prompt`.
+    fn fresh_session_after(e: &mut Engine<Cpu>, prompt: &[u32]) -> Session {
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let _ = e.feed(&mut s, prompt, false, &mut |_, _| {}).unwrap();
+        s
+    }
+
+    #[test]
+    fn clearing_a_state_gives_the_zero_state_and_clone_from_copies_it_whole() {
+        let e = engine(64);
+        let cfg = &e.model.config;
+        let mut s = SequenceState::new(cfg);
+        s.position = 3;
+        for a in s.conv.iter_mut().chain(&mut s.recurrent) {
+            a.fill(1.5);
+        }
+        for a in s.keys.iter_mut().chain(&mut s.values) {
+            a.resize(3 * cfg.num_key_value_heads * cfg.head_dim, -2.0);
+        }
+        let mut t = SequenceState::new(cfg);
+        t.clone_from(&s);
+        assert_eq!(t, s);
+        s.clear();
+        assert_eq!(s, SequenceState::new(cfg));
+        t.clone_from(&s);
+        assert_eq!(t, s);
+    }
+
+    #[test]
     fn probe_step_runs_steps_longer_than_the_chunk() {
         // `tensorfold verify` probes a prompt prefix of any length; with more ids than the chunk
         // the forward pass wrote past the prompt buffers (a panic on the CPU).

@@ -168,6 +168,11 @@ impl Tensor {
 pub struct CpuStates {
     cfg: ModelConfig,
     slots: Vec<Option<SequenceState>>,
+    /// The states of freed slots, whose conv windows and recurrent states (the same size for
+    /// every sequence) the next allocated slots reuse, so sequences that come and go neither
+    /// allocate nor free them (bench/results/2026-12-03-cpu-soak-reuse.md). At most one per
+    /// free slot: never more than the slots allocated at once.
+    free: Vec<SequenceState>,
     rope: RopeTable,
 }
 
@@ -216,11 +221,17 @@ impl Backend for Cpu {
     }
 
     fn new_states(&self, cfg: &ModelConfig) -> Result<CpuStates, BackendError> {
-        Ok(CpuStates { cfg: cfg.clone(), slots: Vec::new(), rope: RopeTable::new(cfg.rotary_dim(), cfg.rope_theta) })
+        Ok(CpuStates { cfg: cfg.clone(), slots: Vec::new(), free: Vec::new(), rope: RopeTable::new(cfg.rotary_dim(), cfg.rope_theta) })
     }
 
     fn alloc_slot(&self, states: &mut CpuStates) -> Result<u32, BackendError> {
-        let s = SequenceState::new(&states.cfg);
+        let s = match states.free.pop() {
+            Some(mut s) => {
+                s.clear();
+                s
+            }
+            None => SequenceState::new(&states.cfg),
+        };
         if let Some(i) = states.slots.iter().position(Option::is_none) {
             states.slots[i] = Some(s);
             return Ok(i as u32);
@@ -231,7 +242,14 @@ impl Backend for Cpu {
 
     fn free_slot(&self, states: &mut CpuStates, slot: u32) -> Result<(), BackendError> {
         states.get(slot)?;
-        states.slots[slot as usize] = None;
+        let mut s = states.slots[slot as usize].take().expect("allocated: checked above");
+        // Not the KV caches: their size follows the sequence, so kept, each slot would hold the
+        // longest sequence it ever ran. They go back to the allocator (under `serve`, to the
+        // system: crate::hostmem).
+        for a in s.keys.iter_mut().chain(&mut s.values) {
+            *a = Vec::new();
+        }
+        states.free.push(s);
         Ok(())
     }
 
@@ -245,13 +263,20 @@ impl Backend for Cpu {
 
     fn import_slot(&self, states: &mut CpuStates, slot: u32, state: &SequenceState) -> Result<(), BackendError> {
         state.check(&states.cfg)?;
-        *states.get_mut(slot)? = state.clone();
+        // In place: the slot's arrays keep their allocations.
+        states.get_mut(slot)?.clone_from(state);
         Ok(())
     }
 
     fn copy_slot(&self, states: &mut CpuStates, src: u32, dst: u32) -> Result<(), BackendError> {
-        let state = states.get(src)?.clone();
-        *states.get_mut(dst)? = state;
+        states.get(src)?;
+        states.get(dst)?;
+        if src != dst {
+            // In place, as import_slot.
+            let mut to = states.slots[dst as usize].take().expect("allocated: checked above");
+            to.clone_from(states.get(src).expect("checked above"));
+            states.slots[dst as usize] = Some(to);
+        }
         Ok(())
     }
 
