@@ -30,6 +30,10 @@ pub struct Engine<B: Backend> {
     batch_decode: Option<Scratch<B>>,
     batch_capacity: usize,
     logits: Vec<f32>,
+    /// The buffer of the next [`Chosen::Logits`], handed back by [`Engine::recycle`]: a step's
+    /// `[k, V]` host logits (16 MiB for 16 rows of Qwen3.5's vocabulary) are not allocated anew
+    /// each step.
+    spare_logits: Vec<f32>,
     snapshots: PrefixCache,
     /// Where the model's files are, for its identity in session files.
     model_dir: Option<PathBuf>,
@@ -52,6 +56,7 @@ impl<B: Backend> Engine<B> {
             batch_decode: None,
             batch_capacity: 1,
             logits: Vec::new(),
+            spare_logits: Vec::new(),
             snapshots: PrefixCache::new(SnapshotConfig::disabled()),
             model_dir: None,
             identity: OnceLock::new(),
@@ -354,7 +359,7 @@ impl<B: Backend> Engine<B> {
             }
             Choose::Logits => {
                 self.model.step(&batch, &mut self.states, scratch)?;
-                let mut out = Vec::new();
+                let mut out = std::mem::take(&mut self.spare_logits);
                 self.model.backend.read_tensor(&scratch.logits, k, &mut out)?;
                 Chosen::Logits(out)
             }
@@ -365,6 +370,17 @@ impl<B: Backend> Engine<B> {
             r.session.position += r.take;
         }
         Ok(chosen)
+    }
+
+    /// Hands a step's result back once it has been read, so that the next
+    /// [`Engine::step_sessions`] returning logits writes them into its buffer rather than a new
+    /// one (the larger of the two buffers is kept).
+    pub fn recycle(&mut self, chosen: Chosen) {
+        if let Chosen::Logits(v) = chosen {
+            if v.capacity() > self.spare_logits.capacity() {
+                self.spare_logits = v;
+            }
+        }
     }
 
     /// Decode-shaped steps of up to `rows` sessions run on buffers allocated once (at the first
@@ -814,6 +830,34 @@ mod tests {
         let mut s = e.new_session(SamplingParams::greedy()).unwrap();
         let _ = e.feed(&mut s, prompt, false, &mut |_, _| {}).unwrap();
         s
+    }
+
+    #[test]
+    fn step_logits_written_into_a_recycled_buffer_are_the_same_bits() {
+        let mut e = engine(64);
+        let v = e.vocab_size();
+        let mut a = e.new_session(SamplingParams::greedy()).unwrap();
+        let mut b = e.new_session(SamplingParams::greedy()).unwrap();
+        a.tokens.extend_from_slice(&[3, 1, 4, 1]);
+        b.tokens.extend_from_slice(&[2, 7]);
+        let step = |e: &mut Engine<Cpu>, a: &mut Session, b: &mut Session| {
+            let mut rows = [StepRows { session: a, take: 1, logits: true, all_logits: false }, StepRows { session: b, take: 1, logits: true, all_logits: false }];
+            e.step_sessions(&mut rows, Choose::Logits).unwrap()
+        };
+        let first = step(&mut e, &mut a, &mut b);
+        let Chosen::Logits(l) = &first else { panic!("logits asked") };
+        assert_eq!(l.len(), 2 * v);
+        e.recycle(first);
+        let second = step(&mut e, &mut a, &mut b);
+        // Solo runs of the same prefixes.
+        let mut solo = engine(64);
+        let mut want = Vec::new();
+        for p in [&[3u32, 1][..], &[2, 7]] {
+            let mut s = solo.new_session(SamplingParams::greedy()).unwrap();
+            want.extend_from_slice(solo.feed(&mut s, p, false, &mut |_, _| {}).unwrap());
+        }
+        let Chosen::Logits(l) = &second else { panic!("logits asked") };
+        assert_eq!(bits(l), bits(&want));
     }
 
     #[test]
