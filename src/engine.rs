@@ -30,6 +30,10 @@ pub struct Engine<B: Backend> {
     batch_decode: Option<Scratch<B>>,
     batch_capacity: usize,
     logits: Vec<f32>,
+    /// The buffer of the next [`Chosen::Logits`], handed back by [`Engine::recycle`]: a step's
+    /// `[k, V]` host logits (16 MiB for 16 rows of Qwen3.5's vocabulary) are not allocated anew
+    /// each step.
+    spare_logits: Vec<f32>,
     snapshots: PrefixCache,
     /// Where the model's files are, for its identity in session files.
     model_dir: Option<PathBuf>,
@@ -52,6 +56,7 @@ impl<B: Backend> Engine<B> {
             batch_decode: None,
             batch_capacity: 1,
             logits: Vec::new(),
+            spare_logits: Vec::new(),
             snapshots: PrefixCache::new(SnapshotConfig::disabled()),
             model_dir: None,
             identity: OnceLock::new(),
@@ -354,7 +359,7 @@ impl<B: Backend> Engine<B> {
             }
             Choose::Logits => {
                 self.model.step(&batch, &mut self.states, scratch)?;
-                let mut out = Vec::new();
+                let mut out = std::mem::take(&mut self.spare_logits);
                 self.model.backend.read_tensor(&scratch.logits, k, &mut out)?;
                 Chosen::Logits(out)
             }
@@ -365,6 +370,17 @@ impl<B: Backend> Engine<B> {
             r.session.position += r.take;
         }
         Ok(chosen)
+    }
+
+    /// Hands a step's result back once it has been read, so that the next
+    /// [`Engine::step_sessions`] returning logits writes them into its buffer rather than a new
+    /// one (the larger of the two buffers is kept).
+    pub fn recycle(&mut self, chosen: Chosen) {
+        if let Chosen::Logits(v) = chosen {
+            if v.capacity() > self.spare_logits.capacity() {
+                self.spare_logits = v;
+            }
+        }
     }
 
     /// Decode-shaped steps of up to `rows` sessions run on buffers allocated once (at the first
@@ -775,6 +791,94 @@ mod tests {
         let g = e.feed_greedy(&mut s, &prompt[..20], 2048, &mut |_, _| {}).unwrap();
         let _ = one.feed(&mut s1, &prompt[..19], false, &mut |_, _| {}).unwrap();
         assert_eq!(g, crate::sampling::argmax(one.feed(&mut s1, &prompt[19..20], false, &mut |_, _| {}).unwrap()));
+    }
+
+    #[test]
+    fn freed_slots_are_reused_and_give_the_bits_of_fresh_ones() {
+        let prompt: Vec<u32> = (0..300).map(|i| (i * 53 % 2048) as u32).collect();
+        let mut fresh = engine(64);
+        let mut f = fresh.new_session(SamplingParams::greedy()).unwrap();
+        let want = fresh.feed(&mut f, &prompt[..40], true, &mut |_, _| {}).unwrap().to_vec();
+        let whole = fresh_session_after(&mut fresh, &prompt);
+        let long = fresh.export_state(&whole).unwrap();
+
+        // A long sequence leaves its slot; the next session gets its state (KV caches dropped,
+        // recurrent states reused) and must start from zero all the same.
+        let mut e = engine(64);
+        let mut a = e.new_session(SamplingParams::greedy()).unwrap();
+        let _ = e.feed(&mut a, &prompt, false, &mut |_, _| {}).unwrap();
+        let slot = a.slot();
+        e.free_session(a).unwrap();
+        let mut b = e.new_session(SamplingParams::greedy()).unwrap();
+        assert_eq!(b.slot(), slot);
+        assert_eq!(e.export_state(&b).unwrap(), SequenceState::new(&e.model.config));
+        assert_eq!(bits(e.feed(&mut b, &prompt[..40], true, &mut |_, _| {}).unwrap()), bits(&want));
+        // A long state imported into a reused slot (in place), and a slot copied onto another
+        // (in place), continue exactly.
+        let c = e.session_from_state(&long, &prompt, SamplingParams::greedy()).unwrap();
+        assert_eq!(e.export_state(&c).unwrap(), long);
+        let mut d = e.fork(&c).unwrap();
+        let mut g = fresh.session_from_state(&long, &prompt, SamplingParams::greedy()).unwrap();
+        let next = fresh.feed(&mut g, &[7], false, &mut |_, _| {}).unwrap().to_vec();
+        assert_eq!(bits(e.feed(&mut d, &[7], false, &mut |_, _| {}).unwrap()), bits(&next));
+        e.model.backend.copy_slot(&mut e.states, c.slot().unwrap(), b.slot().unwrap()).unwrap();
+        assert_eq!(e.model.backend.export_slot(&e.states, b.slot().unwrap()).unwrap(), long);
+    }
+
+    /// A new session of `e` fed `prompt`.
+    fn fresh_session_after(e: &mut Engine<Cpu>, prompt: &[u32]) -> Session {
+        let mut s = e.new_session(SamplingParams::greedy()).unwrap();
+        let _ = e.feed(&mut s, prompt, false, &mut |_, _| {}).unwrap();
+        s
+    }
+
+    #[test]
+    fn step_logits_written_into_a_recycled_buffer_are_the_same_bits() {
+        let mut e = engine(64);
+        let v = e.vocab_size();
+        let mut a = e.new_session(SamplingParams::greedy()).unwrap();
+        let mut b = e.new_session(SamplingParams::greedy()).unwrap();
+        a.tokens.extend_from_slice(&[3, 1, 4, 1]);
+        b.tokens.extend_from_slice(&[2, 7]);
+        let step = |e: &mut Engine<Cpu>, a: &mut Session, b: &mut Session| {
+            let mut rows = [StepRows { session: a, take: 1, logits: true, all_logits: false }, StepRows { session: b, take: 1, logits: true, all_logits: false }];
+            e.step_sessions(&mut rows, Choose::Logits).unwrap()
+        };
+        let first = step(&mut e, &mut a, &mut b);
+        let Chosen::Logits(l) = &first else { panic!("logits asked") };
+        assert_eq!(l.len(), 2 * v);
+        e.recycle(first);
+        let second = step(&mut e, &mut a, &mut b);
+        // Solo runs of the same prefixes.
+        let mut solo = engine(64);
+        let mut want = Vec::new();
+        for p in [&[3u32, 1][..], &[2, 7]] {
+            let mut s = solo.new_session(SamplingParams::greedy()).unwrap();
+            want.extend_from_slice(solo.feed(&mut s, p, false, &mut |_, _| {}).unwrap());
+        }
+        let Chosen::Logits(l) = &second else { panic!("logits asked") };
+        assert_eq!(bits(l), bits(&want));
+    }
+
+    #[test]
+    fn clearing_a_state_gives_the_zero_state_and_clone_from_copies_it_whole() {
+        let e = engine(64);
+        let cfg = &e.model.config;
+        let mut s = SequenceState::new(cfg);
+        s.position = 3;
+        for a in s.conv.iter_mut().chain(&mut s.recurrent) {
+            a.fill(1.5);
+        }
+        for a in s.keys.iter_mut().chain(&mut s.values) {
+            a.resize(3 * cfg.num_key_value_heads * cfg.head_dim, -2.0);
+        }
+        let mut t = SequenceState::new(cfg);
+        t.clone_from(&s);
+        assert_eq!(t, s);
+        s.clear();
+        assert_eq!(s, SequenceState::new(cfg));
+        t.clone_from(&s);
+        assert_eq!(t, s);
     }
 
     #[test]

@@ -11,6 +11,7 @@ pub mod convert;
 pub mod engine;
 pub mod fsutil;
 pub mod grammar;
+pub mod hostmem;
 pub mod hub;
 pub mod model;
 pub mod numerics;

@@ -4,8 +4,9 @@
 //! aborts, and under that mixed load `/metrics` (sequences by finish reason, prompt and
 //! generation tokens) agrees with what the clients saw, every response is valid, every repeat of
 //! a seeded request gives the same text, and every slot is free afterwards. The resident-memory
-//! check is left to the full run (2,000 requests, bench/results/2026-12-03-cpu-soak.md): 200
-//! requests are too few for the allocator to reach its high-water mark of running states.
+//! check is left to the full run (2,000 requests against the RSS after the first hundred,
+//! bench/results/2026-12-03-cpu-soak-reuse.md): over 200 requests it would compare two samples
+//! of the running sequences' memory a moment apart.
 
 use std::process::Command;
 

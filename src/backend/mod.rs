@@ -95,7 +95,10 @@ impl Batch {
 
 /// One sequence's state in host memory, in the layout every backend exports and imports (swap
 /// out and in, save and restore, fork). All f32.
-#[derive(Clone, Debug, PartialEq)]
+///
+/// `clone_from` copies in place: every array keeps its allocation where it is large enough, so a
+/// state reused for another sequence (the CPU backend's freed slots) allocates nothing.
+#[derive(Debug, PartialEq)]
 pub struct SequenceState {
     /// Tokens processed so far (the position of the next one).
     pub position: usize,
@@ -109,6 +112,21 @@ pub struct SequenceState {
     pub values: Vec<Vec<f32>>,
 }
 
+impl Clone for SequenceState {
+    fn clone(&self) -> Self {
+        Self { position: self.position, conv: self.conv.clone(), recurrent: self.recurrent.clone(), keys: self.keys.clone(), values: self.values.clone() }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.position = source.position;
+        // `Vec<Vec<f32>>::clone_from` reuses the inner vectors' buffers too.
+        self.conv.clone_from(&source.conv);
+        self.recurrent.clone_from(&source.recurrent);
+        self.keys.clone_from(&source.keys);
+        self.values.clone_from(&source.values);
+    }
+}
+
 impl SequenceState {
     /// The zero state of position 0 for `cfg`.
     pub fn new(cfg: &ModelConfig) -> Self {
@@ -120,6 +138,19 @@ impl SequenceState {
             recurrent: vec![vec![0.0; cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim]; n_lin],
             keys: vec![Vec::new(); n_full],
             values: vec![Vec::new(); n_full],
+        }
+    }
+
+    /// Makes this the zero state of position 0 (what [`SequenceState::new`] gives for the
+    /// model it was made for), keeping every array's allocation: the KV arrays become empty with
+    /// their capacity, the conv windows and recurrent states zero.
+    pub fn clear(&mut self) {
+        self.position = 0;
+        for a in self.conv.iter_mut().chain(&mut self.recurrent) {
+            a.fill(0.0);
+        }
+        for a in self.keys.iter_mut().chain(&mut self.values) {
+            a.clear();
         }
     }
 
@@ -277,7 +308,8 @@ pub trait Backend {
     fn new_states(&self, cfg: &ModelConfig) -> Result<Self::States, BackendError>;
     /// A fresh zero state (position 0) in a new slot.
     fn alloc_slot(&self, states: &mut Self::States) -> Result<u32, BackendError>;
-    /// Releases a slot and its memory.
+    /// Releases a slot. A backend may keep its memory for the next [`Backend::alloc_slot`] (the
+    /// CPU's does).
     fn free_slot(&self, states: &mut Self::States, slot: u32) -> Result<(), BackendError>;
     /// Position (tokens already processed) of a slot.
     fn slot_position(&self, states: &Self::States, slot: u32) -> Result<usize, BackendError>;

@@ -80,6 +80,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     // tracing's lines go to stderr; RUST_LOG overrides the default (info for tensorfold).
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("tensorfold=info"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())).try_init();
+    // Freed sequence states go back to the system rather than stay in the heap at their peak.
+    if !tensorfold::hostmem::fix_map_threshold() {
+        tracing::debug!("glibc's mmap threshold left as it is");
+    }
 
     // A limit that no request can get under would start a server that refuses everything.
     for (flag, value, why) in [

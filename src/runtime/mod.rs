@@ -544,6 +544,10 @@ struct Worker<B: Backend> {
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
     sampler: Sampler,
+    /// Per-row host buffers kept across ticks (a logits row is 1 MiB at Qwen3.5's vocabulary):
+    /// the biased or masked copy of a sampled row, and the ids [`logprobs`] ranks.
+    biased: Vec<f32>,
+    ids: Vec<u32>,
     stats: Stats,
     stopping: bool,
     /// Start of the busy time not yet counted (host time is busy time less step time).
@@ -583,6 +587,8 @@ impl<B: Backend> Worker<B> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             sampler: Sampler::new(),
+            biased: Vec::new(),
+            ids: Vec::new(),
             stats: Stats::default(),
             stopping: false,
             busy_since: Instant::now(),
@@ -877,7 +883,10 @@ impl<B: Backend> Worker<B> {
         let at = t_step + step_time;
         let rows = TickRows { rows: stepped.iter().map(|&i| take[i]).sum(), decode: stepped.iter().filter(|&&i| views[i].decoding).count(), seqs: stepped.len() };
         match result {
-            Ok(chosen) => self.after_step(&stepped, &take, &samples, &all_logits, chosen, at),
+            Ok(chosen) => {
+                self.after_step(&stepped, &take, &samples, &all_logits, &chosen, at);
+                self.engine.recycle(chosen);
+            }
             Err(e) => {
                 // The step's sequences end; the others go on.
                 let msg = e.to_string();
@@ -891,7 +900,7 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Samples, applies stop rules, takes snapshots and emits events after a step.
-    fn after_step(&mut self, stepped: &[usize], take: &[usize], samples: &[bool], all_logits: &[bool], chosen: Chosen, at: Instant) {
+    fn after_step(&mut self, stepped: &[usize], take: &[usize], samples: &[bool], all_logits: &[bool], chosen: &Chosen, at: Instant) {
         let v = self.engine.model.config.vocab_size;
         let max_pos = self.engine.model.config.max_position_embeddings;
         let mut offset = 0; // logits row of the next sequence
@@ -905,7 +914,7 @@ impl<B: Backend> Worker<B> {
             }
             let rows_of_seq = if all_logits[k] { fed } else { usize::from(samples[k]) };
             if all_logits[k] {
-                if let Chosen::Logits(l) = &chosen {
+                if let Chosen::Logits(l) = chosen {
                     s.send(Event::PromptLogits(l[offset * v..(offset + fed) * v].to_vec()));
                 }
             }
@@ -917,7 +926,7 @@ impl<B: Backend> Worker<B> {
                 // Only the prompt was asked for (its logits, its state).
                 done.push((i, FinishReason::Length));
             } else if samples[k] {
-                let (id, row) = match &chosen {
+                let (id, row) = match chosen {
                     Chosen::Ids(ids) => {
                         id_index += 1;
                         (ids[id_index - 1], None)
@@ -929,26 +938,28 @@ impl<B: Backend> Worker<B> {
                             s.session().sample(&mut self.sampler, &row[..self.v_eff])
                         } else {
                             // A copy: the row itself (reported logits, logprobs) stays raw.
-                            let mut biased = row[..self.v_eff].to_vec();
+                            let biased = &mut self.biased;
+                            biased.clear();
+                            biased.extend_from_slice(&row[..self.v_eff]);
                             for &(t, b) in &s.req.logit_bias {
                                 if let Some(x) = biased.get_mut(t as usize) {
                                     *x += b;
                                 }
                             }
                             if let Some(c) = s.req.constraint.as_mut() {
-                                if let Err(e) = c.mask(&mut biased) {
+                                if let Err(e) = c.mask(biased) {
                                     done.push((i, FinishReason::Error(e.to_string())));
                                     offset += rows_of_seq;
                                     continue;
                                 }
                             }
-                            s.session().sample(&mut self.sampler, &biased)
+                            s.session().sample(&mut self.sampler, biased)
                         };
                         (id, Some(row))
                     }
                 };
                 let logprobs = match (s.req.logprobs, row) {
-                    (Some(n), Some(row)) => Some(logprobs(&row[..self.v_eff], id, n)),
+                    (Some(n), Some(row)) => Some(logprobs(&row[..self.v_eff], id, n, &mut self.ids)),
                     _ => None,
                 };
                 let grammar = s.req.constraint.as_mut().map_or(Ok(false), |c| c.advance(id));
@@ -1017,20 +1028,21 @@ fn is_plain_greedy(p: &SamplingParams) -> bool {
 }
 
 /// Log-softmax of `row` at `id` and at its `n` largest entries (max-subtracted, our own exp and
-/// log, summed in id order).
-fn logprobs(row: &[f32], id: u32, n: usize) -> TokenLogprobs {
+/// log, summed in id order). `idx` is scratch (its contents are replaced).
+fn logprobs(row: &[f32], id: u32, n: usize, idx: &mut Vec<u32>) -> TokenLogprobs {
     let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let sum: f32 = row.iter().map(|&x| crate::numerics::exp(x - m)).sum();
     let lse = m + crate::numerics::log(sum);
     let lp = |x: f32| x - lse;
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(n + 1);
     if n > 0 {
-        let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+        idx.clear();
+        idx.extend(0..row.len() as u32);
         let k = n.min(idx.len());
         idx.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
         idx.truncate(k);
         idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
-        top = idx.into_iter().map(|i| (i, lp(row[i as usize]))).collect();
+        top = idx.iter().map(|&i| (i, lp(row[i as usize]))).collect();
     }
     TokenLogprobs { logprob: row.get(id as usize).map_or(f32::NEG_INFINITY, |&x| lp(x)), top }
 }

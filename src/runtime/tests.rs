@@ -333,7 +333,7 @@ fn a_returned_state_resumes_exactly() {
 #[test]
 fn logprobs_are_the_log_softmax_of_the_row() {
     let row = [1.0f32, 3.0, 2.0, 3.0];
-    let lp = logprobs(&row, 2, 2);
+    let lp = logprobs(&row, 2, 2, &mut Vec::new());
     let lse = (row.iter().map(|&x| (x as f64).exp()).sum::<f64>()).ln();
     assert!((lp.logprob as f64 - (2.0 - lse)).abs() < 1e-6);
     assert_eq!(lp.top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3], "ties: the smaller id first");

@@ -29,6 +29,9 @@ pub struct Cpu {
     pool: ThreadPool,
     /// Buffers reused from step to step (no allocation per operation once warm).
     scratch: Mutex<Scratch>,
+    /// A mixture-of-experts block's buffers (apart from `scratch`: the block's products lock
+    /// that).
+    moe: Mutex<MoeScratch>,
 }
 
 /// Reusable buffers of the calling thread's side of an operation.
@@ -42,6 +45,27 @@ struct Scratch {
     tasks: Vec<(usize, usize, usize)>,
     /// GDN: `silu(conv)` rows.
     y: Vec<f32>,
+}
+
+/// Reusable buffers of [`Backend::moe`] on the CPU (`[rows, hidden]` ones are megabytes for a
+/// prompt chunk): each is reshaped to every call's rows and grows to the largest call.
+#[derive(Debug, Default)]
+struct MoeScratch {
+    /// Router logits and the shared expert's gate logit.
+    router: Tensor,
+    gate_logit: Tensor,
+    /// The shared expert's output, the weighted sum of the routed experts' outputs, and one
+    /// expert's input and output rows.
+    shared: Tensor,
+    acc: Tensor,
+    xe: Tensor,
+    ye: Tensor,
+    /// Gate, up and activation of the MLP running (an expert's or the shared expert's).
+    mlp: [Tensor; 3],
+    /// Each expert's `(row, weight)` list.
+    by_expert: Vec<Vec<(usize, f32)>>,
+    probs: Vec<f32>,
+    chosen: Vec<(u32, f32)>,
 }
 
 thread_local! {
@@ -79,7 +103,7 @@ impl Cpu {
     /// A backend with a given instruction set and thread count (tests compare them), with f32
     /// products ([`Cpu::with_products`] to change).
     pub fn with(isa: Isa, threads: usize) -> Self {
-        Self { isa, products: Products::default(), pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()) }
+        Self { isa, products: Products::default(), pool: ThreadPool::new(threads), scratch: Mutex::new(Scratch::default()), moe: Mutex::new(MoeScratch::default()) }
     }
 
     /// This backend with the given form of the affine products (before the model is uploaded:
@@ -117,14 +141,17 @@ impl Cpu {
 }
 
 impl Cpu {
-    /// `out = W_down · (silu(W_gate · x) ⊙ (W_up · x))` over `rows` rows (width `inter`): one
-    /// expert of a mixture-of-experts block, with the dense MLP's operations.
-    fn swiglu_mlp(&self, w: &MlpWeights, x: &Tensor, rows: usize, inter: usize, out: &mut Tensor) {
-        let t = || Tensor { data: vec![0.0; rows * inter], rows, cols: inter };
-        let (mut gate, mut up, mut act) = (t(), t(), t());
-        self.matmul(x, rows, &mut [(&w.gate_proj, &mut gate), (&w.up_proj, &mut up)]);
-        self.swiglu(&gate, &up, rows, &mut act);
-        self.matmul(&act, rows, &mut [(&w.down_proj, out)]);
+    /// `out = W_down · (silu(W_gate · x) ⊙ (W_up · x))` over `rows` rows (width `inter`, in
+    /// `mlp`'s buffers): one expert of a mixture-of-experts block, with the dense MLP's
+    /// operations.
+    fn swiglu_mlp(&self, w: &MlpWeights, x: &Tensor, rows: usize, inter: usize, mlp: &mut [Tensor; 3], out: &mut Tensor) {
+        let [gate, up, act] = mlp;
+        for t in [&mut *gate, &mut *up, &mut *act] {
+            t.reshape(rows, inter);
+        }
+        self.matmul(x, rows, &mut [(&w.gate_proj, gate), (&w.up_proj, up)]);
+        self.swiglu(gate, up, rows, act);
+        self.matmul(act, rows, &mut [(&w.down_proj, out)]);
     }
 
     /// `f(r0, r1)` over blocks of `rows` rows: on every thread for a prompt, in one call on
@@ -150,7 +177,7 @@ impl SendPtr {
 }
 
 /// A row-major f32 buffer `[rows, cols]` (capacity; operations use a prefix of the rows).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Tensor {
     pub data: Vec<f32>,
     pub rows: usize,
@@ -161,6 +188,16 @@ impl Tensor {
     fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
     }
+
+    /// Makes this a `[rows, cols]` tensor in its own buffer, grown when too small (never
+    /// shrunk). The values are stale: what reads them must write them first.
+    fn reshape(&mut self, rows: usize, cols: usize) -> &mut Self {
+        if self.data.len() < rows * cols {
+            self.data.resize(rows * cols, 0.0);
+        }
+        (self.rows, self.cols) = (rows, cols);
+        self
+    }
 }
 
 /// Every sequence slot on the CPU, plus the shared RoPE table.
@@ -168,6 +205,11 @@ impl Tensor {
 pub struct CpuStates {
     cfg: ModelConfig,
     slots: Vec<Option<SequenceState>>,
+    /// The states of freed slots, whose conv windows and recurrent states (the same size for
+    /// every sequence) the next allocated slots reuse, so sequences that come and go neither
+    /// allocate nor free them (bench/results/2026-12-03-cpu-soak-reuse.md). At most one per
+    /// free slot: never more than the slots allocated at once.
+    free: Vec<SequenceState>,
     rope: RopeTable,
 }
 
@@ -216,11 +258,17 @@ impl Backend for Cpu {
     }
 
     fn new_states(&self, cfg: &ModelConfig) -> Result<CpuStates, BackendError> {
-        Ok(CpuStates { cfg: cfg.clone(), slots: Vec::new(), rope: RopeTable::new(cfg.rotary_dim(), cfg.rope_theta) })
+        Ok(CpuStates { cfg: cfg.clone(), slots: Vec::new(), free: Vec::new(), rope: RopeTable::new(cfg.rotary_dim(), cfg.rope_theta) })
     }
 
     fn alloc_slot(&self, states: &mut CpuStates) -> Result<u32, BackendError> {
-        let s = SequenceState::new(&states.cfg);
+        let s = match states.free.pop() {
+            Some(mut s) => {
+                s.clear();
+                s
+            }
+            None => SequenceState::new(&states.cfg),
+        };
         if let Some(i) = states.slots.iter().position(Option::is_none) {
             states.slots[i] = Some(s);
             return Ok(i as u32);
@@ -231,7 +279,14 @@ impl Backend for Cpu {
 
     fn free_slot(&self, states: &mut CpuStates, slot: u32) -> Result<(), BackendError> {
         states.get(slot)?;
-        states.slots[slot as usize] = None;
+        let mut s = states.slots[slot as usize].take().expect("allocated: checked above");
+        // Not the KV caches: their size follows the sequence, so kept, each slot would hold the
+        // longest sequence it ever ran. They go back to the allocator (under `serve`, to the
+        // system: crate::hostmem).
+        for a in s.keys.iter_mut().chain(&mut s.values) {
+            *a = Vec::new();
+        }
+        states.free.push(s);
         Ok(())
     }
 
@@ -245,13 +300,20 @@ impl Backend for Cpu {
 
     fn import_slot(&self, states: &mut CpuStates, slot: u32, state: &SequenceState) -> Result<(), BackendError> {
         state.check(&states.cfg)?;
-        *states.get_mut(slot)? = state.clone();
+        // In place: the slot's arrays keep their allocations.
+        states.get_mut(slot)?.clone_from(state);
         Ok(())
     }
 
     fn copy_slot(&self, states: &mut CpuStates, src: u32, dst: u32) -> Result<(), BackendError> {
-        let state = states.get(src)?.clone();
-        *states.get_mut(dst)? = state;
+        states.get(src)?;
+        states.get(dst)?;
+        if src != dst {
+            // In place, as import_slot.
+            let mut to = states.slots[dst as usize].take().expect("allocated: checked above");
+            to.clone_from(states.get(src).expect("checked above"));
+            states.slots[dst as usize] = Some(to);
+        }
         Ok(())
     }
 
@@ -448,35 +510,35 @@ impl Backend for Cpu {
         if rows == 0 {
             return;
         }
-        let t = |r: usize, c: usize| Tensor { data: vec![0.0; r * c], rows: r, cols: c };
+        let mut guard = self.moe.lock().unwrap_or_else(|e| e.into_inner());
+        let MoeScratch { router, gate_logit, shared, acc, xe, ye, mlp, by_expert, probs, chosen } = &mut *guard;
         // Router logits and the shared expert's gate logit: two products reading u.
-        let (mut logits, mut gate_logit) = (t(rows, moe.num_experts), t(rows, 1));
-        self.matmul(u, rows, &mut [(&w.gate, &mut logits), (&w.shared_expert_gate, &mut gate_logit)]);
-        let mut shared = t(rows, d);
-        self.swiglu_mlp(&w.shared_expert, u, rows, moe.shared_expert_intermediate_size, &mut shared);
+        self.matmul(u, rows, &mut [(&w.gate, router.reshape(rows, moe.num_experts)), (&w.shared_expert_gate, gate_logit.reshape(rows, 1))]);
+        self.swiglu_mlp(&w.shared_expert, u, rows, moe.shared_expert_intermediate_size, mlp, shared.reshape(rows, d));
         // Each row's experts, then each expert's rows (in row order) with their weights.
-        let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); moe.num_experts];
-        let (mut probs, mut chosen) = (Vec::new(), Vec::new());
+        by_expert.resize_with(moe.num_experts, Vec::new);
+        for list in by_expert.iter_mut() {
+            list.clear();
+        }
         for r in 0..rows {
-            kernels::moe_route(logits.row(r), moe.num_experts_per_tok, moe.norm_topk_prob, &mut probs, &mut chosen);
-            for &(e, wt) in &chosen {
+            kernels::moe_route(router.row(r), moe.num_experts_per_tok, moe.norm_topk_prob, probs, chosen);
+            for &(e, wt) in chosen.iter() {
                 by_expert[e as usize].push((r, wt));
             }
         }
         // acc[r] = Σ_e w_e · expert_e(u[r]), expert by expert in increasing index: a row's terms
         // are added in that order whatever other rows an expert serves (numerics §7.1).
-        let mut acc = t(rows, d);
+        acc.reshape(rows, d).data[..rows * d].fill(0.0);
         for (e, list) in by_expert.iter().enumerate() {
             if list.is_empty() {
                 continue;
             }
             let n = list.len();
-            let mut xe = t(n, d);
+            xe.reshape(n, d);
             for (i, &(r, _)) in list.iter().enumerate() {
                 xe.data[i * d..(i + 1) * d].copy_from_slice(u.row(r));
             }
-            let mut ye = t(n, d);
-            self.swiglu_mlp(&w.experts[e], &xe, n, moe.moe_intermediate_size, &mut ye);
+            self.swiglu_mlp(&w.experts[e], xe, n, moe.moe_intermediate_size, mlp, ye.reshape(n, d));
             for (i, &(r, wt)) in list.iter().enumerate() {
                 for (a, &v) in acc.data[r * d..(r + 1) * d].iter_mut().zip(ye.row(i)) {
                     *a += v * wt;
