@@ -354,9 +354,12 @@ pub fn sample(logits: &[f32], history: &[u32], position: u64, params: &SamplingP
 
 /// [`sample`] with scratch buffers kept between calls.
 ///
-/// With `top_k > 0` no buffer grows beyond `top_k` entries (plus the penalty window): the top
-/// `top_k` are selected with a bounded heap and then sorted, which gives the same candidates,
-/// in the same order, as sorting all V. With `top_k == 0` all V candidates are sorted.
+/// With a small `top_k` no buffer grows beyond `top_k` entries (plus the penalty window): the
+/// top `top_k` are selected with a bounded heap and then sorted, which gives the same
+/// candidates, in the same order, as sorting all V. With `top_k == 0` (or a large one) all V
+/// candidates are sorted by a stable radix sort on the logits' order-preserving integer keys,
+/// which gives that order too (ids come in increasing order and a stable sort keeps it among
+/// equal logits).
 #[derive(Debug, Clone, Default)]
 pub struct Sampler {
     /// The penalty window's ids, sorted.
@@ -367,6 +370,74 @@ pub struct Sampler {
     cands: Vec<Cand>,
     /// `p_i` of `cands[i]`.
     probs: Vec<f32>,
+    /// The radix sort's `(key << 32) | id` words and its second buffer.
+    keyed: Vec<u64>,
+    keyed_tmp: Vec<u64>,
+    /// The softmax's second buffer.
+    exps: Vec<f32>,
+    /// The vector instructions the softmax's exp runs on (found once).
+    isa: std::sync::OnceLock<crate::backend::cpu::simd::Isa>,
+}
+
+/// From this many candidates kept, all V are sorted (radix) rather than selected by a heap.
+const RADIX_FROM: usize = 1024;
+
+/// A key whose increasing order is the sampling order of logits: larger first, `-0.0` equal to
+/// `+0.0`, never NaN (the caller has replaced NaN by −inf).
+#[inline(always)]
+fn descending_key(l: f32) -> u32 {
+    // `+ 0.0` turns −0 into +0 (round to nearest) and leaves every other value as it is.
+    let b = (l + 0.0).to_bits();
+    // IEEE bits ordered as unsigned integers ascending with the value, then reversed.
+    let ascending = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
+    !ascending
+}
+
+/// The logit a [`descending_key`] came from (`-0.0` comes back as `+0.0`: no later step tells
+/// them apart, since `l − m` and its exp are the same for either).
+#[inline(always)]
+fn logit_of_key(k: u32) -> f32 {
+    let ascending = !k;
+    f32::from_bits(if ascending >> 31 == 1 { ascending & 0x7fff_ffff } else { !ascending })
+}
+
+/// Sorts `v` by its high 32 bits, stably (three LSD passes of 11, 11 and 10 bits through `tmp`).
+fn radix_sort_high(v: &mut Vec<u64>, tmp: &mut Vec<u64>) {
+    tmp.clear();
+    tmp.resize(v.len(), 0);
+    for shift in [32u32, 43, 54] {
+        let bucket = |x: u64| ((x >> shift) & 0x7ff) as usize;
+        // Four histograms, element i counted in the (i mod 4)-th: runs of equal digits (the
+        // exponent bits of logits that are close) do not chain one increment on the last.
+        let mut count = vec![[0u32; 4]; 2048];
+        let quads = v.chunks_exact(4);
+        let rest = quads.remainder();
+        for q in quads {
+            for (j, &x) in q.iter().enumerate() {
+                count[bucket(x)][j] += 1;
+            }
+        }
+        for &x in rest {
+            count[bucket(x)][0] += 1;
+        }
+        let total = |c: &[u32; 4]| c.iter().map(|&n| n as usize).sum::<usize>();
+        if count.iter().any(|c| total(c) == v.len()) {
+            // Every word has this digit: the pass would not move anything.
+            continue;
+        }
+        let mut start = Vec::with_capacity(2048);
+        let mut at = 0usize;
+        for c in &count {
+            start.push(at);
+            at += total(c);
+        }
+        for &x in v.iter() {
+            let b = bucket(x);
+            tmp[start[b]] = x;
+            start[b] += 1;
+        }
+        std::mem::swap(v, tmp);
+    }
 }
 
 impl Sampler {
@@ -400,11 +471,14 @@ impl Sampler {
             // +inf: that token has all the mass; −inf: every logit is −inf, none is preferred.
             return self.cands[0].id;
         }
+        // e_i by the vector form of our exp (the bits of `numerics::exp`), summed in order.
         self.probs.clear();
+        self.probs.extend(self.cands.iter().map(|c| c.logit));
+        self.exps.resize(self.probs.len(), 0.0);
+        crate::backend::cpu::simd::exp_shifted(*self.isa.get_or_init(crate::backend::cpu::simd::Isa::detect), &self.probs, m, &mut self.exps);
+        std::mem::swap(&mut self.probs, &mut self.exps);
         let mut sum = 0.0f32;
-        for c in &self.cands {
-            let e = numerics::exp(c.logit - m);
-            self.probs.push(e);
+        for &e in &self.probs {
             sum += e;
         }
         for p in &mut self.probs {
@@ -503,10 +577,12 @@ impl Sampler {
         let k = if top_k == 0 { v } else { top_k.min(v) };
         self.cands.clear();
         let key = |l: f32| no_nan(l / temperature);
-        if k == v {
-            let cands = &mut self.cands;
-            for_each_logit(logits, &self.penalised, |id, l| cands.push(Cand { logit: key(l), id }));
-            self.cands.sort_unstable();
+        if k >= RADIX_FROM.min(v) {
+            let keyed = &mut self.keyed;
+            keyed.clear();
+            for_each_logit(logits, &self.penalised, |id, l| keyed.push((u64::from(descending_key(key(l))) << 32) | u64::from(id)));
+            radix_sort_high(&mut self.keyed, &mut self.keyed_tmp);
+            self.cands.extend(self.keyed[..k].iter().map(|&w| Cand { logit: logit_of_key((w >> 32) as u32), id: w as u32 }));
         } else {
             // Bounded max-heap under the sampling order: its top is the worst candidate kept.
             let mut heap = BinaryHeap::from(std::mem::take(&mut self.cands));
@@ -734,6 +810,34 @@ mod tests {
                 s.collect_candidates(&l, t, k);
                 assert_eq!(ids(&s), all[..k], "seed {seed}, k {k}");
             }
+        }
+    }
+
+    #[test]
+    fn radix_sort_equals_the_definition() {
+        // Ties, both zeros, infinities and NaN (as −inf), penalties overriding some ids.
+        let mut l = tie_heavy_logits(3, 5000);
+        for (i, x) in [(0, -0.0), (1, 0.0), (2, f32::NAN), (3, f32::NEG_INFINITY), (4, f32::INFINITY), (4999, -0.0), (17, 1e-40), (18, -1e-40)] {
+            l[i] = x;
+        }
+        let history: Vec<u32> = (0..64).map(|i| (i * 37 % 5000) as u32).collect();
+        let p = SamplingParams { repetition_penalty: 1.3, frequency_penalty: 0.25, repeat_last_n: 64, ..params() };
+        for t in [1.0f32, 0.7] {
+            let mut s = Sampler::new();
+            s.apply_penalties(&l, &history, &p);
+            let pen = s.penalised.clone();
+            let key = |i: u32| no_nan(pen.iter().find(|e| e.0 == i).map_or(l[i as usize], |e| e.1) / t);
+            let mut all: Vec<u32> = (0..l.len() as u32).collect();
+            all.sort_by(|&a, &b| key(b).partial_cmp(&key(a)).unwrap().then(a.cmp(&b)));
+            for k in [RADIX_FROM, 3000, 5000] {
+                s.collect_candidates(&l, t, k);
+                assert_eq!(ids(&s), all[..k], "t {t}, k {k}");
+                // Each candidate's logit, −0 as +0.
+                assert!(s.cands.iter().all(|c| c.logit.to_bits() == (key(c.id) + 0.0).to_bits()));
+            }
+            // The heap, just below the radix sort's threshold, agrees with it.
+            s.collect_candidates(&l, t, RADIX_FROM - 1);
+            assert_eq!(ids(&s), all[..RADIX_FROM - 1]);
         }
     }
 
