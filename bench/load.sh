@@ -13,7 +13,9 @@
 # guidellm.txt, guidellm-table.txt, bar.txt, server logs. GUIDELLM=0: the bar only. SERVE_ARGS:
 # more `tensorfold serve` flags (e.g. `--snapshot-device-budget 0` to compare snapshot tiers).
 # URL=http://HOST:PORT: guidellm alone against a server already running there (a peer such as
-# llama.cpp's llama-server; MODEL then only gives the tokenizer), no bar.
+# llama.cpp's llama-server; MODEL then only gives the tokenizer), no bar. TICK_LOGS=1: both sides
+# of the bar write the runtime's tick log (TENSORFOLD_TICK_LOG) to ticks-{bench,serve}-N.txt, and
+# bar.txt adds each side's median step, host time and tick interval over its full-batch ticks.
 #
 #   python3 -m venv /tmp/load && /tmp/load/bin/pip install guidellm==0.8.1
 #   PY=/tmp/load/bin/python3 bash bench/load.sh ../shared/fixtures/tiny/mlx-q4
@@ -49,9 +51,14 @@ max_level=$(echo "$LEVELS,$BAR" | tr ',' '\n' | sort -n | tail -1)
 batch_tokens=$(( max_level > 256 ? max_level : 256 ))
 { echo "commit $(git rev-parse --short HEAD 2>/dev/null || cat .device/commit 2>/dev/null)"; echo "model $MODEL, device $DEVICE, $(nproc) cores: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2)"; uptime; } | tee "$OUT/uptime.txt"
 
+# `env` arguments: the runtime's tick log in $OUT/ticks-$1.txt when TICK_LOGS=1, else none.
+tick_env() {
+  if [ "${TICK_LOGS:-0}" = 1 ]; then echo "TENSORFOLD_TICK_LOG=$OUT/ticks-$1.txt"; else echo "-u TENSORFOLD_TICK_LOG"; fi
+}
+
 server_pid=
 start_server() {
-  "$TF" serve -m "$MODEL" --device "$DEVICE" --port "$PORT" --max-seqs "$max_level" --max-waiting 1024 --max-batch-tokens "$batch_tokens" ${SERVE_ARGS:-} > "$OUT/server-$1.log" 2>&1 &
+  env $(tick_env "serve-$1") "$TF" serve -m "$MODEL" --device "$DEVICE" --port "$PORT" --max-seqs "$max_level" --max-waiting 1024 --max-batch-tokens "$batch_tokens" ${SERVE_ARGS:-} > "$OUT/server-$1.log" 2>&1 &
   server_pid=$!
   $PY - "$PORT" "$server_pid" <<'EOF'
 import sys, time, urllib.request, os
@@ -79,7 +86,7 @@ trap stop_server EXIT
 [ -n "${URL:-}" ] && REPS=0
 for r in $(seq 1 "$REPS"); do
   echo "== rep $r: tensorfold bench --device $DEVICE --concurrency $BAR -p $PROMPT -n $GEN"
-  "$TF" bench -m "$MODEL" --device "$DEVICE" --concurrency "$BAR" -p "$PROMPT" -n "$GEN" --json "$OUT/bench-$r.json" 2>&1 | tail -n +2
+  env $(tick_env "bench-$r") "$TF" bench -m "$MODEL" --device "$DEVICE" --concurrency "$BAR" -p "$PROMPT" -n "$GEN" --json "$OUT/bench-$r.json" 2>&1 | tail -n +2
   echo "== rep $r: the same through tensorfold serve (bench/serve_bar.py)"
   start_server "bar-$r"
   $PY bench/serve_bar.py --url "http://127.0.0.1:$PORT" --concurrency "$BAR" --prompt "$PROMPT" --gen "$GEN" --vocab "$VOCAB" --json "$OUT/serve-bar-$r.json"
@@ -104,6 +111,19 @@ for r in range(1, reps + 1):
 c = max(levels)
 tp, tt = statistics.median(ratios[c][0]), statistics.median(ratios[c][1])
 print(f"bar at {c} streams (median of {reps}): decode tokens/s through the server {tp:.1%} of the bench ({'PASS' if tp >= 0.9 else 'FAIL'}, >= 90%); TTFT {tt:.1%} of the bench ({'PASS' if tt <= 1.1 else 'FAIL'}, within 110%)")
+# Tick logs (TICK_LOGS=1): lines `tick t_us rows decode seqs step_us host_us`; the ticks where all
+# c sequences decode (one row each), and the interval from the previous tick's end.
+import os
+for r in range(1, reps + 1):
+    for side, name in (("bench", f"bench-{r}"), ("serve", f"serve-bar-{r}")):
+        path = f"{out}/ticks-{name}.txt"
+        if not os.path.exists(path):
+            continue
+        rows = [list(map(int, l.split())) for l in open(path) if l.strip()]
+        full = [(t[1] - p[1], t[5], t[6]) for p, t in zip(rows, rows[1:]) if t[3] == c and t[2] == c and p[3] == c]
+        if full:
+            med = lambda i: statistics.median(x[i] for x in full) / 1e3
+            print(f"ticks rep {r} {side}: {len(full)} full-batch ticks of {c} rows: interval {med(0):.2f} ms, step {med(1):.2f} ms, host {med(2):.3f} ms (medians)")
 EOF
 
 [ "${GUIDELLM:-1}" = 0 ] && exit 0
