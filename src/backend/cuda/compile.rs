@@ -23,8 +23,8 @@ pub const COMMON: &str = include_str!("kernels/common.cuh");
 /// order ([`matmul_int_entry`] indexes it), then the wide prompt tile of 4-bit codes
 /// `matmul_int4_s{sdt}_u{unit}_wide` for units 64, 32 × scale dtypes 0, 1, 2, then the one-token
 /// gate|up products with SwiGLU `matmul_int{bits}_s{sdt}_u{unit}_one_swiglu` in the order of the
-/// first.
-const MATMUL_INT_ENTRIES: [&str; 55] = [
+/// first, then the batched-decode tile `matmul_int{bits}_s{sdt}_u{unit}_mid` in that order too.
+const MATMUL_INT_ENTRIES: [&str; 67] = [
     "quantize_rows",
     "matmul_int4_s0_u64_one",
     "matmul_int4_s0_u64_small",
@@ -80,12 +80,27 @@ const MATMUL_INT_ENTRIES: [&str; 55] = [
     "matmul_int8_s0_u32_one_swiglu",
     "matmul_int8_s1_u32_one_swiglu",
     "matmul_int8_s2_u32_one_swiglu",
+    "matmul_int4_s0_u64_mid",
+    "matmul_int4_s1_u64_mid",
+    "matmul_int4_s2_u64_mid",
+    "matmul_int4_s0_u32_mid",
+    "matmul_int4_s1_u32_mid",
+    "matmul_int4_s2_u32_mid",
+    "matmul_int8_s0_u64_mid",
+    "matmul_int8_s1_u64_mid",
+    "matmul_int8_s2_u64_mid",
+    "matmul_int8_s0_u32_mid",
+    "matmul_int8_s1_u32_mid",
+    "matmul_int8_s2_u32_mid",
 ];
 
 /// The `matmul_int` kernel for `bits` (4, 8), scale dtype `sdt` (0 f32, 1 f16, 2 bf16), unit
 /// length `unit` (64, 32) and tile `tile` (0 one, 1 small, 2 large, 3 wide: 4-bit codes only,
-/// 4 one token with SwiGLU).
+/// 4 one token with SwiGLU, 5 mid: 32 rows × 16 tokens).
 pub fn matmul_int_entry(bits: u32, sdt: u32, unit: u32, tile: usize) -> &'static str {
+    if tile == 5 {
+        return MATMUL_INT_ENTRIES[55 + (usize::from(bits == 8) * 2 + usize::from(unit == 32)) * 3 + sdt as usize];
+    }
     if tile == 4 {
         return MATMUL_INT_ENTRIES[43 + (usize::from(bits == 8) * 2 + usize::from(unit == 32)) * 3 + sdt as usize];
     }
@@ -269,7 +284,7 @@ mod tests {
         for bits in [4, 8] {
             for sdt in 0..3 {
                 for unit in [64, 32] {
-                    for (tile, name) in ["one", "small", "large", "wide", "one_swiglu"].iter().enumerate() {
+                    for (tile, name) in ["one", "small", "large", "wide", "one_swiglu", "mid"].iter().enumerate() {
                         if tile == 3 && bits == 8 {
                             continue;
                         }

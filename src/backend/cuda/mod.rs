@@ -620,6 +620,10 @@ pub struct Cuda {
     /// Tokens from which integer products of 4-bit codes take the wide tile (matmul_int.cu
     /// `_wide`); `TENSORFOLD_INT_WIDE_ROWS`, a scheduling knob (the bits are the same).
     int_wide_rows: usize,
+    /// Row counts up to which batched products below the wide tile take the 32 × 16 tile (`_mid`,
+    /// two blocks per multiprocessor) instead of 32 × 32 (`_large`); `TENSORFOLD_INT_MID_ROWS`
+    /// (default: all of them), a scheduling knob (the bits are the same).
+    int_mid_rows: usize,
     /// Blocks of the one-token integer products (matmul_int.cu `_one`) resident at once on the
     /// device, at most `TENSORFOLD_INT_ONE_BLOCKS` (default 2) per multiprocessor: their grid,
     /// so a launch of many rows has no tail wave.
@@ -765,6 +769,7 @@ impl Cuda {
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             int_wide_rows: std::env::var("TENSORFOLD_INT_WIDE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
+            int_mid_rows: std::env::var("TENSORFOLD_INT_MID_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(usize::MAX),
             products: Products::default(),
             expert_tables: Mutex::new(HashMap::new()),
             attn_blocks: std::env::var("TENSORFOLD_ATTN_BLOCKS").ok().and_then(|v| v.parse().ok()).filter(|&b: &u32| (1..=1024).contains(&b)).unwrap_or(ATTN_BLOCKS),
@@ -1226,6 +1231,7 @@ impl Cuda {
             });
         }
         let wide = tile == 2 && rows >= self.int_wide_rows;
+        let tile = if tile == 2 && !wide && rows <= self.int_mid_rows { 5 } else { tile };
         // Launches of up to four matrices stored alike (format, scale dtype, unit length).
         let affine: Vec<&(&CudaMatrix, &mut CudaTensor)> = outs.iter().filter(|(m, _)| m.fmt >= 4).collect();
         let key = |m: &CudaMatrix| (m.fmt, m.sdtype, m.group.min(64));
@@ -1243,6 +1249,7 @@ impl Cuda {
             let (tr, tt) = match tile {
                 3 => (128u32, 32u32),
                 2 => (32, 32),
+                5 => (32, 16),
                 1 => (16, 8),
                 _ => (1, 1),
             };

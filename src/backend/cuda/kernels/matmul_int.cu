@@ -608,8 +608,8 @@ __device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, u32 tile
 }
 
 // Entry points: bits, scale dtype (0 f32, 1 f16, 2 bf16), unit length, and the tile: one
-// token quantized in the block (decode), 16 rows × 8 tokens (a few rows), or 32 × 32 (prompts,
-// batched decode).
+// token quantized in the block (decode), 16 rows × 8 tokens (a few rows), 32 × 32 (prompts,
+// batched decode), or 32 × 16 with two blocks resident per multiprocessor (batched decode).
 #define MM_INT(BITS, SDT, UL)                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_one(IntMats m, const float* x, u32 rows) {                              \
         matmul_int_t1<BITS, SDT, UL, false>(m, x, rows);                                                                                \
@@ -622,6 +622,9 @@ __device__ __forceinline__ void matmul_int(const IntMats& ms, IntIn in, u32 tile
     }                                                                                                                                    \
     extern "C" __global__ void __launch_bounds__(256) matmul_int##BITS##_s##SDT##_u##UL##_large(IntMats m, IntIn in, const float* x, u32 tiles) {  \
         matmul_int<BITS, SDT, UL, 2, 4>(m, in, tiles);                                                                                       \
+    }                                                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) matmul_int##BITS##_s##SDT##_u##UL##_mid(IntMats m, IntIn in, const float* x, u32 tiles) {  \
+        matmul_int<BITS, SDT, UL, 2, 2>(m, in, tiles);                                                                                       \
     }
 #define MM_INT_SDT(BITS, UL) MM_INT(BITS, 0, UL) MM_INT(BITS, 1, UL) MM_INT(BITS, 2, UL)
 MM_INT_SDT(4, 64)
