@@ -548,6 +548,12 @@ struct Worker<B: Backend> {
     /// the biased or masked copy of a sampled row, and the ids [`logprobs`] ranks.
     biased: Vec<f32>,
     ids: Vec<u32>,
+    /// A tick's token events, sent together once every row is sampled: a client task waiting on
+    /// its channel is woken by each send, and wakes sent back to back find a woken worker of the
+    /// server's async runtime instead of waking one per row.
+    outbox: Vec<(usize, Event)>,
+    /// Sequences (indices into `running`) whose state is snapshotted after the tick's events.
+    snapshot_due: Vec<usize>,
     stats: Stats,
     stopping: bool,
     /// Start of the busy time not yet counted (host time is busy time less step time).
@@ -589,6 +595,8 @@ impl<B: Backend> Worker<B> {
             sampler: Sampler::new(),
             biased: Vec::new(),
             ids: Vec::new(),
+            outbox: Vec::new(),
+            snapshot_due: Vec::new(),
             stats: Stats::default(),
             stopping: false,
             busy_since: Instant::now(),
@@ -906,6 +914,8 @@ impl<B: Backend> Worker<B> {
         let mut offset = 0; // logits row of the next sequence
         let mut id_index = 0;
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
+        let mut outbox = std::mem::take(&mut self.outbox);
+        let mut snapshot_due = std::mem::take(&mut self.snapshot_due);
         for (k, &i) in stepped.iter().enumerate() {
             let s = &mut self.running[i];
             let fed = take[i];
@@ -970,7 +980,7 @@ impl<B: Backend> Worker<B> {
                 // where the stop rules would go on (`ignore_eos`).
                 let step = if grammar == Ok(true) { s.output.end_of_sequence(id) } else { s.output.push(id, length, max_pos) };
                 self.stats.generated_tokens += 1;
-                s.send(Event::Token(Token { id, text: step.text, logits: if s.req.return_logits { row.map(<[f32]>::to_vec) } else { None }, logprobs, at }));
+                outbox.push((i, Event::Token(Token { id, text: step.text, logits: if s.req.return_logits { row.map(<[f32]>::to_vec) } else { None }, logprobs, at })));
                 if let Some(f) = step.finish {
                     done.push((i, f));
                 } else if let Err(e) = grammar {
@@ -985,10 +995,19 @@ impl<B: Backend> Worker<B> {
                 let stride = self.cfg.snapshots.every;
                 let due = (stride > 0 && pos.is_multiple_of(stride)) || s.boundaries.contains(&pos) || (pos == s.prompt_len && s.output.generated() == 1);
                 if due {
-                    let _ = self.engine.snapshot(se);
+                    snapshot_due.push(i);
                 }
             }
         }
+        for (i, e) in outbox.drain(..) {
+            self.running[i].send(e);
+        }
+        for &i in &snapshot_due {
+            let _ = self.engine.snapshot(self.running[i].session());
+        }
+        snapshot_due.clear();
+        self.outbox = outbox;
+        self.snapshot_due = snapshot_due;
         for (i, reason) in done.into_iter().rev() {
             let s = self.running.remove(i);
             self.finish(s, reason);
