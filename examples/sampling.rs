@@ -17,7 +17,11 @@ fn main() {
         .map(|i| {
             let w = philox4x32_10([i, 0, 0, 0], [12345, 678]);
             let s: f32 = w.iter().map(|&x| (x >> 8) as f32 / (1u32 << 24) as f32).sum::<f32>() * 8.0 - 16.0;
-            if i % 50_000 == 7 { s + 25.0 } else { s }
+            if i % 50_000 == 7 {
+                s + 25.0
+            } else {
+                s
+            }
         })
         .collect();
     let history: Vec<u32> = (0..64).map(|i| (i * 7919 % v) as u32).collect();
