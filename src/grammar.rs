@@ -14,14 +14,16 @@
 //!
 //! The runtime applies [`Constraint::mask`] to a copy of the row after `logit_bias` and
 //! before the sequence's sampler, and [`Constraint::advance`]s it with the sampled id; the
-//! logits themselves, and every other row, are untouched (docs/numerics.md).
+//! logits themselves, and every other row, are untouched (docs/numerics.md). The mask of the
+//! next position depends only on the ids advanced so far, so the runtime computes it
+//! ([`Constraint::prepare`]) on a helper thread while the model step runs.
 
 use std::sync::Arc;
 
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
-use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 
 use crate::server::parse::{resolve_ref, ToolSchemas};
 use crate::server::{OutputFormat, ToolChoice};
@@ -164,11 +166,14 @@ pub struct Constraint {
     /// The ids that end a complete grammar (the vocabulary's EOS ids, which llguidance's
     /// token table holds too).
     eos_ids: Arc<[u32]>,
+    /// The allowed ids at the current state, computed ahead ([`Constraint::prepare`]); taken
+    /// by [`Constraint::mask`], dropped by [`Constraint::advance`].
+    ready: Option<Result<SimpleVob, GrammarError>>,
 }
 
 impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Constraint").field("size", &self.size).field("stopped", &self.matcher.is_stopped()).finish_non_exhaustive()
+        f.debug_struct("Constraint").field("size", &self.size).field("stopped", &self.matcher.is_stopped()).field("prepared", &self.ready.is_some()).finish_non_exhaustive()
     }
 }
 
@@ -460,7 +465,8 @@ impl Constraint {
         let mut matcher = Matcher::new(Ok(parser));
         // Some grammars compile and then cannot give a first mask (a schema whose `$ref` only
         // refers to itself): that too is the request's to hear about, not a failed generation.
-        matcher.compute_mask_or_eos().map_err(|e| {
+        // The mask is kept: it is the first position's.
+        let first = matcher.compute_mask_or_eos().map_err(|e| {
             let message = format!("it allows no first token ({})", runtime_message(&e.to_string()));
             if forced {
                 GrammarError::Tools(message)
@@ -468,7 +474,27 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into() }))
+        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into(), ready: Some(Ok(first)) }))
+    }
+
+    /// The allowed ids at the current state, llguidance's way.
+    fn allowed(&mut self) -> Result<SimpleVob, GrammarError> {
+        self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))
+    }
+
+    /// Computes the mask of the current state now, for the next [`Constraint::mask`] (which
+    /// then only applies it). The same ids as `mask` would compute itself: the mask depends
+    /// only on the ids advanced so far, so it may be computed while the model step that gives
+    /// the row runs. Does nothing when it is computed already.
+    pub fn prepare(&mut self) {
+        if self.ready.is_none() {
+            self.ready = Some(self.allowed());
+        }
+    }
+
+    /// Whether the current state's mask is computed already ([`Constraint::prepare`]).
+    pub fn is_prepared(&self) -> bool {
+        self.ready.is_some()
     }
 
     /// Sets every id the grammar does not allow next to −∞ in `row` (a copy of a logits row,
@@ -478,7 +504,10 @@ impl Constraint {
     /// # Errors
     /// [`GrammarError::Runtime`] when llguidance fails (its error state, a parser limit).
     pub fn mask(&mut self, row: &mut [f32]) -> Result<(), GrammarError> {
-        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
+        let allowed = match self.ready.take() {
+            Some(r) => r?,
+            None => self.allowed()?,
+        };
         let n = row.len().min(self.size);
         let words = allowed.as_slice();
         for (w, chunk) in row[..n].chunks_mut(32).enumerate() {
@@ -505,6 +534,7 @@ impl Constraint {
     /// # Errors
     /// [`GrammarError::Runtime`] when the grammar does not allow `id`.
     pub fn advance(&mut self, id: u32) -> Result<bool, GrammarError> {
+        self.ready = None;
         if self.eos_ids.contains(&id) {
             // When nothing can follow the output (a closed JSON object), llguidance stops its
             // parser right after the last text token; a stopped parser refuses every id, EOS

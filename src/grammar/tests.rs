@@ -344,3 +344,37 @@ fn unenforceable_parameters_are_refused_naming_their_place_in_the_schema() {
     // A JSON value's schema that llguidance refuses is found among the others and named.
     assert_eq!(fault(json!({"ok": {"type": "integer"}, "n": {"type": "integer", "minimum": 5, "maximum": 1}})).0, "properties.n");
 }
+
+#[test]
+fn a_prepared_mask_is_the_mask_computed_in_place() {
+    // Along a forced call (free text, then JSON), the runtime's overlapped path (prepare during
+    // the step, then mask) gives every row the bits of the serial one (mask alone).
+    let t = tools();
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    let row: Vec<f32> = (0..vocab().len() + 7).map(|i| (i % 89) as f32 * 0.5 - 9.0).collect();
+    let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let (mut serial, mut ahead) = (c.clone(), c);
+    assert!(ahead.is_prepared(), "building computes the first mask, and keeps it");
+    for (k, id) in ids(CALL).into_iter().enumerate() {
+        let (mut a, mut b) = (row.clone(), row.clone());
+        if k % 3 != 2 {
+            ahead.prepare();
+            assert!(ahead.is_prepared());
+            ahead.prepare(); // a second call keeps the mask it has
+        }
+        serial.mask(&mut a).unwrap();
+        ahead.mask(&mut b).unwrap();
+        assert!(bits(&a) == bits(&b), "token {k}: the masks differ");
+        assert!(a[id as usize].is_finite(), "token {k}: the path's id was masked");
+        assert_eq!(serial.advance(id), ahead.advance(id));
+        assert!(!ahead.is_prepared(), "advancing drops the mask of the state left");
+    }
+    // A prepared failure is the same failure: a complete call allows only EOS, and text
+    // after it is refused by advance in both.
+    ahead.prepare();
+    let (mut a, mut b) = (row.clone(), row.clone());
+    serial.mask(&mut a).unwrap();
+    ahead.mask(&mut b).unwrap();
+    assert!(bits(&a) == bits(&b));
+    assert!(a[im_end() as usize].is_finite());
+}
