@@ -300,10 +300,11 @@ fn string_branch<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<Option<
 }
 
 /// The grammar of a text (string-typed) parameter's value, written raw as the template writes
-/// it: one of its `enum` strings (or its `const`); `minLength`..`maxLength` characters with a
-/// `maxLength` (no newline or `<`, so the value's end is never in doubt); otherwise text of at
-/// least `minLength` characters up to the first `\n</parameter>`. Rules it needs are added to
-/// `out` under `rule`'s name.
+/// it: one of its `enum` strings (or its `const`); a string of its `format` where we know the
+/// format ([`format_regex`]), within `minLength`..`maxLength`; `minLength`..`maxLength`
+/// characters with a `maxLength` (no newline or `<`, so the value's end is never in doubt);
+/// otherwise text of at least `minLength` characters up to the first `\n</parameter>`. Rules
+/// it needs are added to `out` under `rule`'s name.
 fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) -> Result<String, SchemaFault> {
     let Some((at, s)) = string_branch(schema, root)? else {
         // The lazy lexeme takes its own end.
@@ -327,8 +328,29 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
     }
     let min = length_bound(s, "minLength").map_err(|(p, m)| fault(&p, m))?;
     let max = length_bound(s, "maxLength").map_err(|(p, m)| fault(&p, m))?;
+    if let (Some(lo), Some(hi)) = (min, max) {
+        if lo > hi {
+            return Err(fault("minLength", format!("`minLength` {lo} is greater than `maxLength` {hi}")));
+        }
+    }
+    let format = match s.get("format") {
+        None => None,
+        // A format we have no regex for stays free text, as JSON Schema makes formats optional
+        // to check.
+        Some(Json::String(f)) => format_regex(f),
+        Some(v) => return Err(fault("format", format!("`format` must be a string, got {v}"))),
+    };
+    if let Some(rx) = format {
+        // No format's text holds `<` or a newline, so the value's end is never in doubt.
+        if min.is_none() && max.is_none() {
+            return Ok(format!("/{rx}/ {END_PARAM}"));
+        }
+        let lexeme = format!("{}_FORMAT", rule.to_uppercase());
+        let hi = max.map(|h| h.to_string()).unwrap_or_default();
+        out.push_str(&format!("{lexeme}: /{rx}/ & /[^<\\n]{{{},{hi}}}/\n", min.unwrap_or(0)));
+        return Ok(format!("{lexeme} {END_PARAM}"));
+    }
     match (min, max) {
-        (Some(lo), Some(hi)) if lo > hi => Err(fault("minLength", format!("`minLength` {lo} is greater than `maxLength` {hi}"))),
         (lo, Some(hi)) => Ok(format!("/[^<\\n]{{{},{hi}}}/ {END_PARAM}", lo.unwrap_or(0))),
         (Some(lo), None) if lo > 0 => {
             let lexeme = format!("{rule}_text");
@@ -337,6 +359,31 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
         }
         _ => Ok("text_value".into()),
     }
+}
+
+/// The regex (in a Lark `/.../` literal) of the strings of a JSON-schema string `format`, for the
+/// formats clients put on tool parameters; `None` for others. Written from the RFCs the JSON
+/// Schema validation spec names (3339 dates and times, 4122 UUIDs, 5321 mailboxes in their
+/// dot-atom form, 1123 host names, 3986 URIs as a scheme and URI characters), as plain text
+/// without `<` or newlines.
+fn format_regex(format: &str) -> Option<String> {
+    const DATE: &str = "[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-9]))";
+    const TIME: &str = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
+    const LABEL: &str = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+    const ATOM: &str = "[A-Za-z0-9!#$%&'*+=?^_`{|}~\\/-]+";
+    const OCTET: &str = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
+    let hex = |n: u32| format!("[0-9A-Fa-f]{{{n}}}");
+    Some(match format {
+        "date" => DATE.to_string(),
+        "time" => TIME.to_string(),
+        "date-time" => format!("{DATE}[Tt]{TIME}"),
+        "uuid" => format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12)),
+        "hostname" => format!("{LABEL}(?:\\.{LABEL})*"),
+        "email" => format!("{ATOM}(?:\\.{ATOM})*@{LABEL}(?:\\.{LABEL})*"),
+        "ipv4" => format!("{OCTET}(?:\\.{OCTET}){{3}}"),
+        "uri" => "[A-Za-z][A-Za-z0-9+.-]*:(?:[A-Za-z0-9._~:\\/?#\\[\\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*".to_string(),
+        _ => return None,
+    })
 }
 
 /// The end of a parameter, as the template writes it.
