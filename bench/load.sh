@@ -119,7 +119,7 @@ for r in range(1, reps + 1):
         path = f"{out}/ticks-{name}.txt"
         if not os.path.exists(path):
             continue
-        rows = [list(map(int, l.split())) for l in open(path) if l.strip()]
+        rows = [list(map(int, l.split())) for l in open(path) if l.strip() and not l.startswith("#")]
         full = [(t[1] - p[1], t[5], t[6]) for p, t in zip(rows, rows[1:]) if t[3] == c and t[2] == c and p[3] == c]
         if full:
             med = lambda i: statistics.median(x[i] for x in full) / 1e3
