@@ -14,14 +14,16 @@
 //!
 //! The runtime applies [`Constraint::mask`] to a copy of the row after `logit_bias` and
 //! before the sequence's sampler, and [`Constraint::advance`]s it with the sampled id; the
-//! logits themselves, and every other row, are untouched (docs/numerics.md).
+//! logits themselves, and every other row, are untouched (docs/numerics.md). The mask of the
+//! next position depends only on the ids advanced so far, so the runtime computes it
+//! ([`Constraint::prepare`]) on a helper thread while the model step runs.
 
 use std::sync::Arc;
 
 use llguidance::api::{StopReason, TopLevelGrammar};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::{json, Value as Json};
-use toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 
 use crate::server::parse::{resolve_ref, ToolSchemas};
 use crate::server::{OutputFormat, ToolChoice};
@@ -164,11 +166,14 @@ pub struct Constraint {
     /// The ids that end a complete grammar (the vocabulary's EOS ids, which llguidance's
     /// token table holds too).
     eos_ids: Arc<[u32]>,
+    /// The allowed ids at the current state, computed ahead ([`Constraint::prepare`]); taken
+    /// by [`Constraint::mask`], dropped by [`Constraint::advance`].
+    ready: Option<Result<SimpleVob, GrammarError>>,
 }
 
 impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Constraint").field("size", &self.size).field("stopped", &self.matcher.is_stopped()).finish_non_exhaustive()
+        f.debug_struct("Constraint").field("size", &self.size).field("stopped", &self.matcher.is_stopped()).field("prepared", &self.ready.is_some()).finish_non_exhaustive()
     }
 }
 
@@ -295,10 +300,11 @@ fn string_branch<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<Option<
 }
 
 /// The grammar of a text (string-typed) parameter's value, written raw as the template writes
-/// it: one of its `enum` strings (or its `const`); `minLength`..`maxLength` characters with a
-/// `maxLength` (no newline or `<`, so the value's end is never in doubt); otherwise text of at
-/// least `minLength` characters up to the first `\n</parameter>`. Rules it needs are added to
-/// `out` under `rule`'s name.
+/// it: one of its `enum` strings (or its `const`); a string of its `format` where we know the
+/// format ([`format_regex`]), within `minLength`..`maxLength`; `minLength`..`maxLength`
+/// characters with a `maxLength` (no newline or `<`, so the value's end is never in doubt);
+/// otherwise text of at least `minLength` characters up to the first `\n</parameter>`. Rules
+/// it needs are added to `out` under `rule`'s name.
 fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) -> Result<String, SchemaFault> {
     let Some((at, s)) = string_branch(schema, root)? else {
         // The lazy lexeme takes its own end.
@@ -322,8 +328,29 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
     }
     let min = length_bound(s, "minLength").map_err(|(p, m)| fault(&p, m))?;
     let max = length_bound(s, "maxLength").map_err(|(p, m)| fault(&p, m))?;
+    if let (Some(lo), Some(hi)) = (min, max) {
+        if lo > hi {
+            return Err(fault("minLength", format!("`minLength` {lo} is greater than `maxLength` {hi}")));
+        }
+    }
+    let format = match s.get("format") {
+        None => None,
+        // A format we have no regex for stays free text, as JSON Schema makes formats optional
+        // to check.
+        Some(Json::String(f)) => format_regex(f),
+        Some(v) => return Err(fault("format", format!("`format` must be a string, got {v}"))),
+    };
+    if let Some(rx) = format {
+        // No format's text holds `<` or a newline, so the value's end is never in doubt.
+        if min.is_none() && max.is_none() {
+            return Ok(format!("/{rx}/ {END_PARAM}"));
+        }
+        let lexeme = format!("{}_FORMAT", rule.to_uppercase());
+        let hi = max.map(|h| h.to_string()).unwrap_or_default();
+        out.push_str(&format!("{lexeme}: /{rx}/ & /[^<\\n]{{{},{hi}}}/\n", min.unwrap_or(0)));
+        return Ok(format!("{lexeme} {END_PARAM}"));
+    }
     match (min, max) {
-        (Some(lo), Some(hi)) if lo > hi => Err(fault("minLength", format!("`minLength` {lo} is greater than `maxLength` {hi}"))),
         (lo, Some(hi)) => Ok(format!("/[^<\\n]{{{},{hi}}}/ {END_PARAM}", lo.unwrap_or(0))),
         (Some(lo), None) if lo > 0 => {
             let lexeme = format!("{rule}_text");
@@ -332,6 +359,31 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
         }
         _ => Ok("text_value".into()),
     }
+}
+
+/// The regex (in a Lark `/.../` literal) of the strings of a JSON-schema string `format`, for the
+/// formats clients put on tool parameters; `None` for others. Written from the RFCs the JSON
+/// Schema validation spec names (3339 dates and times, 4122 UUIDs, 5321 mailboxes in their
+/// dot-atom form, 1123 host names, 3986 URIs as a scheme and URI characters), as plain text
+/// without `<` or newlines.
+fn format_regex(format: &str) -> Option<String> {
+    const DATE: &str = "[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-9]))";
+    const TIME: &str = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
+    const LABEL: &str = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+    const ATOM: &str = "[A-Za-z0-9!#$%&'*+=?^_`{|}~\\/-]+";
+    const OCTET: &str = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
+    let hex = |n: u32| format!("[0-9A-Fa-f]{{{n}}}");
+    Some(match format {
+        "date" => DATE.to_string(),
+        "time" => TIME.to_string(),
+        "date-time" => format!("{DATE}[Tt]{TIME}"),
+        "uuid" => format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12)),
+        "hostname" => format!("{LABEL}(?:\\.{LABEL})*"),
+        "email" => format!("{ATOM}(?:\\.{ATOM})*@{LABEL}(?:\\.{LABEL})*"),
+        "ipv4" => format!("{OCTET}(?:\\.{OCTET}){{3}}"),
+        "uri" => "[A-Za-z][A-Za-z0-9+.-]*:(?:[A-Za-z0-9._~:\\/?#\\[\\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*".to_string(),
+        _ => return None,
+    })
 }
 
 /// The end of a parameter, as the template writes it.
@@ -460,7 +512,8 @@ impl Constraint {
         let mut matcher = Matcher::new(Ok(parser));
         // Some grammars compile and then cannot give a first mask (a schema whose `$ref` only
         // refers to itself): that too is the request's to hear about, not a failed generation.
-        matcher.compute_mask_or_eos().map_err(|e| {
+        // The mask is kept: it is the first position's.
+        let first = matcher.compute_mask_or_eos().map_err(|e| {
             let message = format!("it allows no first token ({})", runtime_message(&e.to_string()));
             if forced {
                 GrammarError::Tools(message)
@@ -468,7 +521,27 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into() }))
+        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into(), ready: Some(Ok(first)) }))
+    }
+
+    /// The allowed ids at the current state, llguidance's way.
+    fn allowed(&mut self) -> Result<SimpleVob, GrammarError> {
+        self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))
+    }
+
+    /// Computes the mask of the current state now, for the next [`Constraint::mask`] (which
+    /// then only applies it). The same ids as `mask` would compute itself: the mask depends
+    /// only on the ids advanced so far, so it may be computed while the model step that gives
+    /// the row runs. Does nothing when it is computed already.
+    pub fn prepare(&mut self) {
+        if self.ready.is_none() {
+            self.ready = Some(self.allowed());
+        }
+    }
+
+    /// Whether the current state's mask is computed already ([`Constraint::prepare`]).
+    pub fn is_prepared(&self) -> bool {
+        self.ready.is_some()
     }
 
     /// Sets every id the grammar does not allow next to −∞ in `row` (a copy of a logits row,
@@ -478,7 +551,10 @@ impl Constraint {
     /// # Errors
     /// [`GrammarError::Runtime`] when llguidance fails (its error state, a parser limit).
     pub fn mask(&mut self, row: &mut [f32]) -> Result<(), GrammarError> {
-        let allowed = self.matcher.compute_mask_or_eos().map_err(|e| GrammarError::Runtime(runtime_message(&e.to_string())))?;
+        let allowed = match self.ready.take() {
+            Some(r) => r?,
+            None => self.allowed()?,
+        };
         let n = row.len().min(self.size);
         let words = allowed.as_slice();
         for (w, chunk) in row[..n].chunks_mut(32).enumerate() {
@@ -505,6 +581,7 @@ impl Constraint {
     /// # Errors
     /// [`GrammarError::Runtime`] when the grammar does not allow `id`.
     pub fn advance(&mut self, id: u32) -> Result<bool, GrammarError> {
+        self.ready = None;
         if self.eos_ids.contains(&id) {
             // When nothing can follow the output (a closed JSON object), llguidance stops its
             // parser right after the last text token; a stopped parser refuses every id, EOS

@@ -5,7 +5,7 @@
 //! replayed, resumed or sampled on another device and give the same tokens. Every step below
 //! is specified down to the order of floating-point operations, so a CUDA kernel that performs
 //! the same IEEE-754 operations in the same order (compiled with `--fmad=false`, using the
-//! portable [`crate::numerics::exp`]) reproduces the chosen id bit for bit. `docs/sampling.md` holds
+//! portable [`numerics::exp`](crate::numerics::exp)) reproduces the chosen id bit for bit. `docs/sampling.md` holds
 //! the same contract as prose for `docs/numerics.md`.
 //!
 //! # The contract
@@ -31,7 +31,7 @@
 //! 4. **Order.** Candidates are all ids sorted by (`l` descending, id ascending); `top_k > 0`
 //!    keeps the first `top_k`. Values compare as IEEE numbers (−0 equals +0).
 //! 5. **Softmax** over the kept candidates in that order: `m` = the first `l`; if `m` is ±inf
-//!    return the first candidate's id. Otherwise `e_i = exp(l_i − m)` with [`crate::numerics::exp`],
+//!    return the first candidate's id. Otherwise `e_i = exp(l_i − m)` with [`numerics::exp`](crate::numerics::exp),
 //!    `sum` = sequential sum of the `e_i`, `p_i = e_i / sum`.
 //! 6. **Top-p** (if `top_p < 1`): keep the shortest prefix whose sequential cumulative `p` is
 //!    `>= top_p`; all candidates if none reaches it.

@@ -139,8 +139,16 @@ pub fn chat(a: ChatArgs) -> Result<()> {
     params.validate()?;
 
     let boundary_ids: Vec<u32> = tokenizer.token_to_id("<|im_start|>").into_iter().collect();
-    let cfg =
-        RuntimeConfig { max_seqs: 1, max_batch_tokens: a.chunk, chunk: a.chunk, max_waiting: 1, state_budget: u64::MAX, snapshots: a.snapshots.config(a.device), boundary_ids };
+    let cfg = RuntimeConfig {
+        max_seqs: 1,
+        max_batch_tokens: a.chunk,
+        chunk: a.chunk,
+        max_waiting: 1,
+        state_budget: u64::MAX,
+        snapshots: a.snapshots.config(a.device),
+        boundary_ids,
+        ..RuntimeConfig::default()
+    };
     let (chunk, model_dir) = (a.chunk, dir.clone());
     let host = Arc::new(host);
     let h = host.clone();

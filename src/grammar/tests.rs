@@ -344,3 +344,92 @@ fn unenforceable_parameters_are_refused_naming_their_place_in_the_schema() {
     // A JSON value's schema that llguidance refuses is found among the others and named.
     assert_eq!(fault(json!({"ok": {"type": "integer"}, "n": {"type": "integer", "minimum": 5, "maximum": 1}})).0, "properties.n");
 }
+
+#[test]
+fn a_prepared_mask_is_the_mask_computed_in_place() {
+    // Along a forced call (free text, then JSON), the runtime's overlapped path (prepare during
+    // the step, then mask) gives every row the bits of the serial one (mask alone).
+    let t = tools();
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    let row: Vec<f32> = (0..vocab().len() + 7).map(|i| (i % 89) as f32 * 0.5 - 9.0).collect();
+    let bits = |r: &[f32]| r.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let (mut serial, mut ahead) = (c.clone(), c);
+    assert!(ahead.is_prepared(), "building computes the first mask, and keeps it");
+    for (k, id) in ids(CALL).into_iter().enumerate() {
+        let (mut a, mut b) = (row.clone(), row.clone());
+        if k % 3 != 2 {
+            ahead.prepare();
+            assert!(ahead.is_prepared());
+            ahead.prepare(); // a second call keeps the mask it has
+        }
+        serial.mask(&mut a).unwrap();
+        ahead.mask(&mut b).unwrap();
+        assert!(bits(&a) == bits(&b), "token {k}: the masks differ");
+        assert!(a[id as usize].is_finite(), "token {k}: the path's id was masked");
+        assert_eq!(serial.advance(id), ahead.advance(id));
+        assert!(!ahead.is_prepared(), "advancing drops the mask of the state left");
+    }
+    // A prepared failure is the same failure: a complete call allows only EOS, and text
+    // after it is refused by advance in both.
+    ahead.prepare();
+    let (mut a, mut b) = (row.clone(), row.clone());
+    serial.mask(&mut a).unwrap();
+    ahead.mask(&mut b).unwrap();
+    assert!(bits(&a) == bits(&b));
+    assert!(a[im_end() as usize].is_finite());
+}
+
+#[test]
+fn a_text_parameter_with_a_known_format_takes_only_strings_of_it() {
+    let mut t = ToolSchemas::new();
+    let string = |format: &str| json!({"type": "string", "format": format});
+    t.insert(
+        "book",
+        Some(&json!({"type": "object", "properties": {
+            "when": string("date-time"), "day": string("date"), "at": string("time"), "mail": string("email"),
+            "id": string("uuid"), "link": string("uri"), "host": string("hostname"), "ip": string("ipv4"),
+            "short": {"type": "string", "format": "uri", "minLength": 10, "maxLength": 12},
+            "color": string("x-colour"), "either": {"anyOf": [{"type": "string", "format": "uuid"}, {"type": "null"}]}
+        }})),
+    );
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    let one = |key: &str, value: &str| accepts_whole(&c, &call_of("book", &[(key, value)]));
+    let cases: &[(&str, &[&str], &[&str])] = &[
+        (
+            "when",
+            &["2026-12-03T17:05:00Z", "2024-02-29t23:59:60.125+05:30"],
+            &["2026-12-03 17:05:00Z", "2026-13-01T00:00:00Z", "2026-04-31T00:00:00Z", "2026-12-03T17:05:00", "tomorrow"],
+        ),
+        ("day", &["2026-12-03", "1999-01-31"], &["2026-12-3", "2026-02-30", "03/12/2026", "2026-12-03T10:00:00Z"]),
+        ("at", &["17:05:00Z", "00:00:00.5-01:00"], &["17:05", "24:00:00Z", "5pm"]),
+        ("mail", &["ada@example.com", "first.last+tag@mail.example.org"], &["ada", "ada@", "@example.com", "a b@example.com", "ada@-bad.com"]),
+        ("id", &["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000"], &["123e4567e89b12d3a456426614174000", "123e4567-e89b-12d3-a456-42661417400g"]),
+        ("link", &["https://example.com/a/b?q=1&r=%20#top", "mailto:ada@example.com", "urn:isbn:0451450523"], &["example.com/a", "https://exa mple.com", "1http://x"]),
+        ("host", &["example.com", "localhost", "a-1.b-2.c"], &["-a.com", "a..b", "a_b.com"]),
+        ("ip", &["192.168.0.1", "0.0.0.0", "255.255.255.255"], &["256.1.1.1", "1.2.3", "01.2.3.4"]),
+        // A length bound applies together with the format.
+        ("short", &["https://a.io", "ftp://a.io"], &["https://ab.io", "a:b", "https:/ a.io"]),
+        // A format we have no regex for is free text, not a refusal.
+        ("color", &["teal-ish, like the sea\nat dusk"], &[]),
+        ("either", &["123e4567-e89b-12d3-a456-426614174000"], &["not a uuid"]),
+    ];
+    for (key, good, bad) in cases {
+        for v in good.iter() {
+            assert!(one(key, v), "{key}: {v:?} should be accepted");
+        }
+        for v in bad.iter() {
+            assert!(!one(key, v), "{key}: {v:?} should be refused");
+        }
+    }
+    // The parser reads a formatted value back as the string it is.
+    let text = call_of("book", &[("when", "2026-12-03T17:05:00Z"), ("mail", "ada@example.com")]);
+    let parsed = OutputParser::parse(&text, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() }, false);
+    assert_eq!(parsed.tool_calls[0].input(), json!({"when": "2026-12-03T17:05:00Z", "mail": "ada@example.com"}));
+    // A `format` that is not a string is a schema error naming it.
+    let mut bad = ToolSchemas::new();
+    bad.insert("f", Some(&json!({"type": "object", "properties": {"d": {"type": "string", "format": 7}}})));
+    match Constraint::build(vocab(), &spec(&OutputFormat::Text, &bad, &ToolChoice::Required, false)).unwrap_err() {
+        GrammarError::Tool { path, .. } => assert_eq!(path, "properties.d.format"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -16,6 +16,7 @@
 //! (docs/numerics.md; the sampler's draw is keyed by seed and position), so a request gives the
 //! bits of a solo run whatever the load.
 
+mod masks;
 pub mod scheduler;
 pub mod stop;
 
@@ -55,11 +56,15 @@ pub struct RuntimeConfig {
     /// A snapshot is also taken before each of these ids in a prompt (`<|im_start|>`: chat turn
     /// boundaries, so the next turn of a conversation resumes there).
     pub boundary_ids: Vec<u32>,
+    /// Compute the grammar masks of a tick's constrained rows on helper threads while its
+    /// model step runs (the same masks: each depends only on the ids before the row); off,
+    /// the runtime's thread computes them after the step.
+    pub overlap_masks: bool,
 }
 
 impl Default for RuntimeConfig {
     /// 64 sequences, 512-token steps, prompt chunks of 256, 256 waiting, 8 GiB of state,
-    /// snapshots off.
+    /// snapshots off, masks overlapped with the step.
     fn default() -> Self {
         Self {
             max_seqs: 64,
@@ -69,6 +74,7 @@ impl Default for RuntimeConfig {
             state_budget: 8 << 30,
             snapshots: SnapshotConfig::disabled(),
             boundary_ids: Vec::new(),
+            overlap_masks: true,
         }
     }
 }
@@ -560,6 +566,9 @@ struct Worker<B: Backend> {
     busy_since: Instant,
     /// `TENSORFOLD_TICK_LOG=FILE`: one line per tick, times from the worker's start.
     tick_log: Option<(Instant, std::io::BufWriter<std::fs::File>)>,
+    /// The helper threads that prepare grammar masks during steps (started by the first
+    /// constrained tick, with [`RuntimeConfig::overlap_masks`]).
+    masker: Option<masks::Masker>,
 }
 
 /// What one tick ran, for the tick log.
@@ -601,6 +610,7 @@ impl<B: Backend> Worker<B> {
             stopping: false,
             busy_since: Instant::now(),
             tick_log,
+            masker: None,
         }
     }
 
@@ -874,6 +884,15 @@ impl<B: Backend> Worker<B> {
             }
         };
         let all_logits: Vec<bool> = stepped.iter().map(|&i| self.running[i].req.prompt_logits && !self.running[i].decoding()).collect();
+        if self.cfg.overlap_masks {
+            // The masks of the constrained rows this step samples, computed while it runs.
+            for (k, &i) in stepped.iter().enumerate() {
+                let slot = &mut self.running[i].req.constraint;
+                if samples[k] && slot.as_ref().is_some_and(|c| !c.is_prepared()) {
+                    self.masker.get_or_insert_with(masks::Masker::new).send(i, slot);
+                }
+            }
+        }
         let t_step = Instant::now();
         let result = {
             let mut rows: Vec<StepRows<'_>> = Vec::with_capacity(stepped.len());
@@ -889,6 +908,12 @@ impl<B: Backend> Worker<B> {
         };
         let step_time = t_step.elapsed();
         let at = t_step + step_time;
+        // Waiting for masks not ready yet counts as host time: the step is over.
+        if let Some(m) = self.masker.as_mut().filter(|m| m.busy()) {
+            for (i, c) in m.collect() {
+                self.running[i].req.constraint = Some(c);
+            }
+        }
         let rows = TickRows { rows: stepped.iter().map(|&i| take[i]).sum(), decode: stepped.iter().filter(|&&i| views[i].decoding).count(), seqs: stepped.len() };
         match result {
             Ok(chosen) => {

@@ -389,3 +389,37 @@ fn a_constrained_sequence_obeys_its_schema_and_leaves_the_others_exact() {
     assert_eq!(again.ids, got.ids);
     assert_eq!(again.logits, got.logits);
 }
+
+#[test]
+fn masks_overlapped_with_the_step_give_the_serial_run_bits() {
+    // Two constrained sequences (sampled, their masks prepared on the helper threads during
+    // each step) among unconstrained ones: every id and logit row is the same with the masks
+    // computed after the step on the runtime's thread.
+    let tokenizer = Arc::new(Tokenizer::from_dir(&shared(TINY)).expect("the fixture's tokenizer"));
+    let v = tokenizer.vocab_size();
+    let constraint = json_constraint(&tokenizer);
+    let run = |overlap: bool| -> Vec<Run> {
+        let rt = start(TINY, RuntimeConfig { max_seqs: 6, max_batch_tokens: 24, chunk: 8, overlap_masks: overlap, ..RuntimeConfig::default() }, Some(tokenizer.clone()));
+        let mut handles: Vec<Handle> = (0..6)
+            .map(|i| {
+                let params = if i < 2 { SamplingParams { seed: 5 + i as u64, ..SamplingParams::default() } } else { params(i) };
+                let mut r = request(prompt(4 + 5 * i, 40 + i as u64, v), params, 40);
+                r.stop.eos_ids = tokenizer.eos_ids().to_vec();
+                if i < 2 {
+                    r.constraint = Some(constraint.clone());
+                }
+                rt.submit(r).unwrap()
+            })
+            .collect();
+        handles.iter_mut().map(collect).collect()
+    };
+    let (serial, overlapped) = (run(false), run(true));
+    for (i, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
+        assert_eq!(a.ids, b.ids, "sequence {i}: ids");
+        assert!(a.logits == b.logits, "sequence {i}: logits bits");
+        assert_eq!(a.finished.as_ref().map(|f| &f.reason), b.finished.as_ref().map(|f| &f.reason), "sequence {i}: finish");
+    }
+    for a in &serial[..2] {
+        serde_json::from_str::<serde_json::Value>(&a.text).unwrap_or_else(|e| panic!("{:?} is not JSON: {e}", a.text));
+    }
+}

@@ -3,7 +3,7 @@
 //! Content blocks convert into the template's OpenAI-style messages: `tool_use` blocks become
 //! an assistant message's `tool_calls`, each `tool_result` block a `tool` message, `thinking`
 //! blocks the assistant's `reasoning_content`; the top-level `system` becomes the system
-//! message and `thinking.type` the `enable_thinking` switch.
+//! message, and `thinking.type` with `output_config.effort` the `enable_thinking` switch.
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
@@ -103,10 +103,11 @@ pub struct ToolChoiceParam {
     pub disable_parallel_tool_use: Option<bool>,
 }
 
-/// `thinking`: `{"type": "enabled", "budget_tokens": N}` or `{"type": "disabled"}`.
+/// `thinking`: `{"type": "enabled", "budget_tokens": N}`, `{"type": "adaptive"}`,
+/// `{"type": "between_tools"}` or `{"type": "disabled"}`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ThinkingParam {
-    /// `enabled`, `disabled` (or `adaptive`, treated as enabled).
+    /// `enabled`, `adaptive`, `between_tools` or `disabled` (what each does: [`thinking_switch`]).
     #[serde(rename = "type")]
     pub kind: String,
     /// Thinking budget (not enforced).
@@ -178,7 +179,8 @@ pub struct OutputConfig {
     /// The output's format (structured outputs).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<OutputFormatParam>,
-    /// How much effort the model should spend (accepted, not used).
+    /// How much effort the model should spend: `low`, `medium`, `high`, `xhigh` or `max`
+    /// (what it does: [`thinking_switch`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub effort: Option<Json>,
 }
@@ -229,6 +231,10 @@ pub struct CountTokensRequest {
     /// Extended thinking.
     #[serde(default)]
     pub thinking: Option<ThinkingParam>,
+    /// Output settings: `effort` switches thinking as in a messages request (`format` does not
+    /// change the prompt).
+    #[serde(default)]
+    pub output_config: Option<OutputConfig>,
     /// Extra template variables (extension).
     #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Json>>,
@@ -265,7 +271,15 @@ impl MessagesRequest {
             n: 1,
             ..SamplingOptions::default()
         };
-        let prompt = prompt(&self.messages, self.system.as_ref(), self.tools.as_deref(), self.tool_choice.as_ref(), self.thinking.as_ref(), self.chat_template_kwargs.as_ref())?;
+        let effort = self.output_config.as_ref().and_then(|c| c.effort.as_ref());
+        let prompt = prompt(
+            &self.messages,
+            self.system.as_ref(),
+            self.tools.as_deref(),
+            self.tool_choice.as_ref(),
+            thinking_switch(self.thinking.as_ref(), effort)?,
+            self.chat_template_kwargs.as_ref(),
+        )?;
         let output_format = match (self.output_config.as_ref().and_then(|c| c.format.as_ref()), &self.output_format) {
             (Some(_), Some(_)) => return Err(RequestError::invalid("output_format", "give `output_config.format` or `output_format`, not both")),
             (Some(f), None) => f.output_format("output_config.format")?,
@@ -289,7 +303,38 @@ impl MessagesRequest {
 impl CountTokensRequest {
     /// Checks the request and converts it into the prompt to render and count.
     pub fn validate(&self) -> Result<ChatPrompt, RequestError> {
-        prompt(&self.messages, self.system.as_ref(), self.tools.as_deref(), self.tool_choice.as_ref(), self.thinking.as_ref(), self.chat_template_kwargs.as_ref())
+        let effort = self.output_config.as_ref().and_then(|c| c.effort.as_ref());
+        prompt(
+            &self.messages,
+            self.system.as_ref(),
+            self.tools.as_deref(),
+            self.tool_choice.as_ref(),
+            thinking_switch(self.thinking.as_ref(), effort)?,
+            self.chat_template_kwargs.as_ref(),
+        )
+    }
+}
+
+/// Qwen3.5's one reasoning switch (`enable_thinking`) from Anthropic's `thinking.type` and
+/// `output_config.effort`. An explicit type decides: `enabled` and `between_tools` turn
+/// thinking on, `disabled` off. `adaptive` leaves it to the effort: `low` (spend as little as
+/// the task allows) turns it off, any other effort, or none (Anthropic's default is `high`),
+/// on. Without `thinking` the client asked for no reasoning, so an effort never turns it on:
+/// `low` turns it off (a model whose template thinks by default answers directly), others
+/// leave the template's default. The request's own `chat_template_kwargs.enable_thinking`
+/// wins over all of these ([`set_thinking`]).
+fn thinking_switch(thinking: Option<&ThinkingParam>, effort: Option<&Json>) -> Result<Option<bool>, RequestError> {
+    let low = match effort {
+        None | Some(Json::Null) => false,
+        Some(Json::String(e)) if matches!(e.as_str(), "low" | "medium" | "high" | "xhigh" | "max") => e == "low",
+        Some(other) => return Err(RequestError::invalid("output_config.effort", format!("must be \"low\", \"medium\", \"high\", \"xhigh\" or \"max\", got {other}"))),
+    };
+    match thinking.map(|t| t.kind.as_str()) {
+        Some("enabled" | "between_tools") => Ok(Some(true)),
+        Some("disabled") => Ok(Some(false)),
+        Some("adaptive") => Ok(Some(!low)),
+        Some(other) => Err(RequestError::invalid("thinking.type", format!("must be \"enabled\", \"adaptive\", \"between_tools\" or \"disabled\", got {other:?}"))),
+        None => Ok(low.then_some(false)),
     }
 }
 
@@ -322,7 +367,7 @@ fn prompt(
     system: Option<&Content>,
     tools: Option<&[Tool]>,
     tool_choice: Option<&ToolChoiceParam>,
-    thinking: Option<&ThinkingParam>,
+    thinking: Option<bool>,
     chat_template_kwargs: Option<&Map<String, Json>>,
 ) -> Result<ChatPrompt, RequestError> {
     if messages.is_empty() {
@@ -355,7 +400,7 @@ fn prompt(
             return Err(RequestError::invalid(format!("chat_template_kwargs.{reserved}"), "is set by the server"));
         }
     }
-    set_thinking(&mut kwargs, thinking.map(|t| t.kind != "disabled"));
+    set_thinking(&mut kwargs, thinking);
     let mut prompt = ChatPrompt { messages: out, kwargs, parallel_tool_calls: !tool_choice.and_then(|c| c.disable_parallel_tool_use).unwrap_or(false), ..ChatPrompt::default() };
     let mut set = ToolSet::default();
     for (i, tool) in tools.unwrap_or_default().iter().enumerate() {
@@ -747,6 +792,45 @@ mod tests {
 
         let count = from_json::<CountTokensRequest>(br#"{"messages": [{"role": "user", "content": "hi"}], "system": "S"}"#).unwrap().validate().unwrap();
         assert_eq!(Json::Array(count.messages), json!([{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]));
+    }
+
+    #[test]
+    fn thinking_type_and_effort_make_the_thinking_switch() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let thinking = |extra: Json| -> Option<Json> {
+            let mut body = json!({"messages": user, "max_tokens": 5});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            let on = messages(body.clone()).unwrap().prompt.kwargs.get("enable_thinking").cloned();
+            // count_tokens renders the same prompt.
+            body.as_object_mut().unwrap().remove("max_tokens");
+            let count = from_json::<CountTokensRequest>(body.to_string().as_bytes()).unwrap().validate().unwrap();
+            assert_eq!(count.kwargs.get("enable_thinking"), on.as_ref(), "count_tokens of {body}");
+            on
+        };
+        let effort = |e: &str| json!({"effort": e});
+        // An explicit type decides, whatever the effort.
+        assert_eq!(thinking(json!({"thinking": {"type": "enabled", "budget_tokens": 1024}, "output_config": effort("low")})), Some(json!(true)));
+        assert_eq!(thinking(json!({"thinking": {"type": "between_tools"}})), Some(json!(true)));
+        assert_eq!(thinking(json!({"thinking": {"type": "disabled"}, "output_config": effort("max")})), Some(json!(false)));
+        // Adaptive: low effort answers directly; any other effort, or none, thinks.
+        assert_eq!(thinking(json!({"thinking": {"type": "adaptive"}, "output_config": effort("low")})), Some(json!(false)));
+        for e in ["medium", "high", "xhigh", "max"] {
+            assert_eq!(thinking(json!({"thinking": {"type": "adaptive"}, "output_config": effort(e)})), Some(json!(true)), "{e}");
+        }
+        assert_eq!(thinking(json!({"thinking": {"type": "adaptive", "display": "summarized"}})), Some(json!(true)));
+        // No `thinking`: effort only ever saves reasoning.
+        assert_eq!(thinking(json!({"output_config": effort("low")})), Some(json!(false)));
+        assert_eq!(thinking(json!({"output_config": effort("high")})), None);
+        assert_eq!(thinking(json!({"output_config": {"effort": null}})), None);
+        assert_eq!(thinking(json!({})), None);
+        // The request's own template switch wins.
+        assert_eq!(thinking(json!({"thinking": {"type": "adaptive"}, "output_config": effort("low"), "chat_template_kwargs": {"enable_thinking": true}})), Some(json!(true)));
+        assert_eq!(thinking(json!({"thinking": {"type": "enabled", "budget_tokens": 1024}, "chat_template_kwargs": {"enable_thinking": false}})), Some(json!(false)));
+        let e = messages(json!({"messages": user, "max_tokens": 5, "output_config": effort("extreme")})).unwrap_err();
+        assert_eq!(e.field(), Some("output_config.effort"));
+        assert!(e.to_string().contains("\"extreme\""), "{e}");
+        assert_eq!(messages(json!({"messages": user, "max_tokens": 5, "output_config": {"effort": 3}})).unwrap_err().field(), Some("output_config.effort"));
+        assert_eq!(messages(json!({"messages": user, "max_tokens": 5, "thinking": {"type": "sometimes"}})).unwrap_err().field(), Some("thinking.type"));
     }
 
     #[test]

@@ -252,10 +252,18 @@ fn template_kwargs(kwargs: Option<&Map<String, Json>>) -> Result<Map<String, Jso
     Ok(kwargs)
 }
 
-/// The thinking switch of `reasoning_effort` / `reasoning.effort`: `none` and `minimal` turn
-/// it off, other efforts on.
-fn thinking_of_effort(effort: Option<&str>) -> Option<bool> {
-    effort.map(|e| !matches!(e, "none" | "minimal"))
+/// The thinking switch of `reasoning_effort` / `reasoning.effort` (`field`): Qwen3.5's template
+/// has only `enable_thinking`, so `none` and `minimal` (OpenAI's "no or almost no reasoning")
+/// turn it off and `low` to `xhigh` (and `max`, which other servers take) turn it on, as ollama
+/// maps efforts for models whose thinking is on or off. Any other value is refused, as OpenAI
+/// refuses it. The request's own `chat_template_kwargs.enable_thinking` wins ([`set_thinking`]).
+fn thinking_of_effort(field: &str, effort: Option<&str>) -> Result<Option<bool>, RequestError> {
+    match effort {
+        None => Ok(None),
+        Some("none" | "minimal") => Ok(Some(false)),
+        Some("low" | "medium" | "high" | "xhigh" | "max") => Ok(Some(true)),
+        Some(other) => Err(RequestError::invalid(field, format!("must be one of \"none\", \"minimal\", \"low\", \"medium\", \"high\", \"xhigh\", got {other:?}"))),
+    }
 }
 
 /// Decodes a tool call's `arguments` (a JSON string, as OpenAI clients send it, or an object)
@@ -434,7 +442,8 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Map<String, Json>>,
     /// End the prompt with the assistant's opening (vLLM's extension; default true).
     pub add_generation_prompt: Option<bool>,
-    /// Reasoning effort (`none` / `minimal` turn thinking off, others on).
+    /// Reasoning effort: `none` / `minimal` turn thinking off, `low` to `xhigh` on
+    /// (`thinking_of_effort`).
     pub reasoning_effort: Option<String>,
     /// Output format.
     pub response_format: Option<ResponseFormat>,
@@ -482,7 +491,7 @@ impl ChatCompletionRequest {
             add_generation_prompt: self.add_generation_prompt,
             ..ChatPrompt::default()
         };
-        set_thinking(&mut prompt.kwargs, thinking_of_effort(self.reasoning_effort.as_deref()));
+        set_thinking(&mut prompt.kwargs, thinking_of_effort("reasoning_effort", self.reasoning_effort.as_deref())?);
         let mut tools = ToolSet::default();
         for (i, tool) in self.tools.iter().flatten().enumerate() {
             if tool.kind != "function" {
@@ -1282,7 +1291,7 @@ impl ResponsesRequest {
             parallel_tool_calls: self.parallel_tool_calls.unwrap_or(true),
             ..ChatPrompt::default()
         };
-        set_thinking(&mut prompt.kwargs, thinking_of_effort(self.reasoning.as_ref().and_then(|r| r.effort.as_deref())));
+        set_thinking(&mut prompt.kwargs, thinking_of_effort("reasoning.effort", self.reasoning.as_ref().and_then(|r| r.effort.as_deref()))?);
         let mut tools = ToolSet::default();
         for (i, tool) in self.tools.iter().flatten().enumerate() {
             if tool.kind != "function" {
@@ -1904,6 +1913,31 @@ mod tests {
         assert_eq!(field(json!({"prompt": "x", "suffix": "y"})).as_deref(), Some("suffix"));
         assert_eq!(field(json!({"prompt": "x", "logprobs": 6})).as_deref(), Some("logprobs"));
         assert_eq!(field(json!({"prompt": "x", "n": 0})).as_deref(), Some("n"));
+    }
+
+    #[test]
+    fn reasoning_efforts_switch_thinking_unless_the_template_kwargs_do() {
+        let user = json!([{"role": "user", "content": "hi"}]);
+        let thinking = |extra: Json| -> Option<Json> {
+            let mut body = json!({"messages": user});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            chat(body).unwrap().prompt.kwargs.get("enable_thinking").cloned()
+        };
+        for (effort, on) in [("none", false), ("minimal", false), ("low", true), ("medium", true), ("high", true), ("xhigh", true)] {
+            assert_eq!(thinking(json!({"reasoning_effort": effort})), Some(json!(on)), "{effort}");
+            let responses = from_json::<ResponsesRequest>(json!({"input": "hi", "reasoning": {"effort": effort}}).to_string().as_bytes()).unwrap().validate().unwrap();
+            assert_eq!(responses.prompt.kwargs.get("enable_thinking"), Some(&json!(on)), "reasoning.effort {effort}");
+        }
+        // No effort: the template's default (nothing set); the request's own switch wins.
+        assert_eq!(thinking(json!({})), None);
+        assert_eq!(thinking(json!({"reasoning_effort": null})), None);
+        assert_eq!(thinking(json!({"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": false}})), Some(json!(false)));
+        assert_eq!(thinking(json!({"reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}})), Some(json!(true)));
+        let e = chat(json!({"messages": user, "reasoning_effort": "extreme"})).unwrap_err();
+        assert_eq!((e.field(), e.code()), (Some("reasoning_effort"), "invalid_value"));
+        assert!(e.to_string().contains("\"extreme\""), "{e}");
+        let e = from_json::<ResponsesRequest>(br#"{"input": "hi", "reasoning": {"effort": "HIGH"}}"#).unwrap().validate().unwrap_err();
+        assert_eq!(e.field(), Some("reasoning.effort"));
     }
 
     #[test]

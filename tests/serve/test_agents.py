@@ -67,6 +67,22 @@ class Chat(unittest.TestCase):
         self.assertTrue(m.content)
         self.assertIsNone(m.model_extra.get("reasoning_content"))
 
+    def test_reasoning_effort_switches_thinking_and_template_kwargs_win(self):
+        kw = dict(model=MODEL, messages=USER, max_tokens=4, temperature=0)
+        low = oai().chat.completions.create(reasoning_effort="low", extra_body={"ignore_eos": True}, **kw).choices[0].message
+        self.assertTrue(low.model_extra.get("reasoning_content"), low)
+        self.assertFalse(low.content)
+        off = oai().chat.completions.create(reasoning_effort="none", extra_body={"ignore_eos": True}, **kw)
+        self.assertTrue(off.choices[0].message.content)
+        self.assertIsNone(off.choices[0].message.model_extra.get("reasoning_content"))
+        # chat_template_kwargs.enable_thinking wins over the effort: the same prompt as "none".
+        kwargs_off = oai().chat.completions.create(reasoning_effort="high", extra_body={"ignore_eos": True, **NO_THINK}, **kw)
+        self.assertEqual(kwargs_off.choices[0].message.content, off.choices[0].message.content)
+        self.assertEqual(kwargs_off.usage.prompt_tokens, off.usage.prompt_tokens)
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(reasoning_effort="extreme", **kw)
+        self.assertEqual((e.exception.body["param"], e.exception.body["code"]), ("reasoning_effort", "invalid_value"))
+
     def test_tools_and_tool_history_render_and_count_alike(self):
         history = USER + [
             {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo", "days": 2})}}]},
@@ -344,6 +360,14 @@ class Responses(unittest.TestCase):
         self.assertTrue(r.output[0].content[0].text)
         self.assertEqual(r.output_text, "")
 
+    def test_minimal_effort_has_no_reasoning_item(self):
+        r = oai().responses.create(model=MODEL, input="Answer at once.", max_output_tokens=4, reasoning={"effort": "minimal"}, extra_body={"ignore_eos": True, "temperature": 0})
+        self.assertEqual([i.type for i in r.output], ["message"])
+        self.assertTrue(r.output_text)
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().responses.create(model=MODEL, input="hi", reasoning={"effort": "lots"})
+        self.assertEqual(e.exception.body["param"], "reasoning.effort")
+
     def test_function_call_history_is_accepted(self):
         items = [
             {"role": "user", "content": "Weather in Oslo?"},
@@ -387,6 +411,26 @@ class Messages(unittest.TestCase):
         self.assertEqual(events[0], "message_start")
         self.assertIn("content_block_delta", events)
         self.assertEqual(final.content[0].thinking, m.content[0].thinking)
+
+    def test_effort_and_adaptive_thinking_make_the_thinking_switch(self):
+        kw = dict(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
+        high = claude().messages.create(thinking={"type": "adaptive"}, output_config={"effort": "high"}, extra_body={"ignore_eos": True}, **kw)
+        self.assertEqual(high.content[0].type, "thinking")
+        low = claude().messages.create(thinking={"type": "adaptive"}, output_config={"effort": "low"}, extra_body={"ignore_eos": True}, **kw)
+        self.assertEqual([b.type for b in low.content], ["text"])
+        # count_tokens renders the same prompt, and the thinking prompt is another length.
+        count = claude().messages.count_tokens(model=MODEL, messages=kw["messages"], thinking={"type": "adaptive"}, output_config={"effort": "low"})
+        self.assertEqual(count.input_tokens, low.usage.input_tokens + (low.usage.cache_read_input_tokens or 0))
+        self.assertNotEqual(low.usage.input_tokens + (low.usage.cache_read_input_tokens or 0), high.usage.input_tokens + (high.usage.cache_read_input_tokens or 0))
+        # Without `thinking` an effort never asks for reasoning; chat_template_kwargs win over it.
+        plain = claude().messages.create(output_config={"effort": "max"}, extra_body={"ignore_eos": True}, **kw)
+        self.assertEqual([b.type for b in plain.content], ["text"])
+        forced = claude().messages.create(output_config={"effort": "low"}, extra_body={"ignore_eos": True, **THINK}, **kw)
+        self.assertEqual(forced.content[0].type, "thinking")
+        with self.assertRaises(anthropic.BadRequestError) as e:
+            claude().messages.create(output_config={"effort": "extreme"}, **kw)
+        self.assertEqual(e.exception.body["type"], "error")
+        self.assertIn("output_config.effort", e.exception.body["error"]["message"])
 
     def test_stop_sequences_and_errors_in_anthropic_shape(self):
         base = dict(model=MODEL, max_tokens=12, messages=[{"role": "user", "content": "Count"}], extra_body={"temperature": 0, "ignore_eos": True, **NO_THINK})
