@@ -3,7 +3,7 @@
 //! `cargo run --release --example grammar_mask -- TOKENIZER_DIR [repeats]` (a directory with
 //! `tokenizer.json`, e.g. ../shared/tokenizers/qwen3.5). Each constraint follows a valid output
 //! token by token (mask a row the width of the vocabulary, then advance), so the per-token
-//! figure is the mask cost along a real path through the grammar. Results: bench/results/grammar.md.
+//! figure is the mask cost along a real path through the grammar. Results: bench/results/2026-12-02-grammar-mask.md.
 
 use std::sync::Arc;
 use std::time::Instant;

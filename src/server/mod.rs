@@ -9,8 +9,8 @@
 //!   calls.
 //!
 //! Nothing here depends on the runtime: a handler validates a request into a
-//! [`ChatPrompt`](openai::ChatPrompt) (template messages + kwargs + tools) and
-//! [`SamplingOptions`](openai::SamplingOptions), renders and encodes the prompt with
+//! [`ChatPrompt`] (template messages + kwargs + tools) and
+//! [`SamplingOptions`], renders and encodes the prompt with
 //! [`crate::tokenizer`], runs it, and feeds the decoded text through
 //! [`parse::OutputParser`] into the response types.
 
