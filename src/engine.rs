@@ -466,12 +466,9 @@ impl<B: Backend> Engine<B> {
             return Ok(false);
         }
         if let (Residence::Device(src), true) = (&s.home, self.snapshots.fits_slot(bytes)) {
-            // No free slot (or memory) is not an error: the host tier takes it.
-            if let Ok(slot) = self.model.backend.alloc_slot(&mut self.states) {
-                if let Err(e) = self.model.backend.copy_slot(&mut self.states, *src, slot) {
-                    let _ = self.model.backend.free_slot(&mut self.states, slot);
-                    return Err(e);
-                }
+            // No free slot (or memory) is not an error: the host tier takes it (a device fault
+            // is sticky, and the host tier's copy reports it).
+            if let Ok(slot) = self.model.backend.snapshot_slot(&mut self.states, *src) {
                 return Ok(match self.snapshots.insert_slot(prefix, slot, bytes) {
                     Some(displaced) => {
                         // Dropped, not copied to host memory: a copy here would stall every

@@ -173,6 +173,70 @@ fn copy_then_continue<B: Backend>(m: &Model<B>, what: &str) {
     }
 }
 
+/// `Backend::snapshot_slot`: a snapshot of a sequence whose last KV page is partly filled (a
+/// 280-token prompt: one full page and 24 positions of the next), which the sequence goes on
+/// writing while the snapshot holds it (on CUDA the snapshot shares the pages). Resumed into
+/// fresh slots, the snapshots continue as cold runs; a slot sharing a page with a snapshot and
+/// then given another state (copy_slot onto it) leaves the snapshot intact; where the backend
+/// shares (`shares`), a step that continues a snapshot is refused.
+fn snapshot_then_continue<B: Backend>(m: &Model<B>, what: &str, shares: bool) {
+    let v = m.config.vocab_size;
+    // Room for STEPS more: the solo run of the state after the decode ticks prefills it all.
+    let long = prompt_of_len(7, 280, v);
+    let mid = prompt_of_len(8, 200, v);
+    let b = &m.backend;
+    let mut states = b.new_states(&m.config).unwrap();
+    let mut pre = m.scratch(MAX_PROMPT, 1).unwrap();
+    let mut scratch = m.scratch(8, 8).unwrap();
+    let (sa, sb) = (b.alloc_slot(&mut states).unwrap(), b.alloc_slot(&mut states).unwrap());
+    let a0 = prefill(m, &mut states, &mut pre, sa, &long);
+    let b0 = prefill(m, &mut states, &mut pre, sb, &mid);
+    let snap = b.snapshot_slot(&mut states, sa).unwrap();
+    assert_eq!(b.slot_position(&states, snap).unwrap(), long.len());
+    if shares {
+        let step = Batch::single(snap, long.len() as u32, &a0.ids[long.len()..], false);
+        assert!(matches!(m.step_greedy(&step, &mut states, &mut pre, v), Err(BackendError::Slot { slot, .. }) if slot == snap as usize), "{what}: a step continued a snapshot");
+    }
+    // The source writes on into the page it shares with the snapshot.
+    let mut run = vec![a0.clone(), b0.clone()];
+    decode_together(m, &mut states, &mut run, &mut scratch, false);
+    let later = b.snapshot_slot(&mut states, sa).unwrap();
+    // The source's slot takes another state: its shared pages must stay as the snapshots hold them.
+    b.copy_slot(&mut states, sb, sa).unwrap();
+    let resumed = |states: &mut B::States, from: u32| {
+        let slot = b.alloc_slot(states).unwrap();
+        b.copy_slot(states, from, slot).unwrap();
+        slot
+    };
+    let (r0, r1) = (resumed(&mut states, snap), resumed(&mut states, later));
+    b.free_slot(&mut states, snap).unwrap();
+    let mut seqs = vec![Seq { slot: r0, ..a0.clone() }, Seq { slot: r1, logits: Vec::new(), ..run[0].clone() }, Seq { slot: sa, logits: Vec::new(), ..run[1].clone() }];
+    decode_together(m, &mut states, &mut seqs, &mut scratch, true);
+    same(&run[0], &solo(m, &long), &format!("{what}: the source of the snapshots"));
+    same(&seqs[0], &solo(m, &long), &format!("{what}: resumed from the snapshot at the end of the prompt"));
+    let at = run[0].pos;
+    same(&seqs[1], &solo(m, &run[0].ids[..at]), &format!("{what}: resumed from the snapshot after the decode ticks"));
+    let at = run[1].pos;
+    same(&seqs[2], &solo(m, &run[1].ids[..at]), &format!("{what}: the slot given another state"));
+}
+
+#[test]
+fn cpu_snapshot_slot_then_resume() {
+    let host = HostModel::open(&shared(FIXTURES[0])).unwrap();
+    snapshot_then_continue(&Model::new(&host, cpu_backend()).unwrap(), "cpu", false);
+}
+
+#[test]
+fn gpu_snapshot_slot_then_resume() {
+    if gpu().is_none() {
+        return;
+    }
+    for dir in FIXTURES {
+        let host = HostModel::open(&shared(dir)).unwrap();
+        snapshot_then_continue(&Model::new(&host, cuda_backend()).unwrap(), dir, true);
+    }
+}
+
 #[test]
 fn cpu_copy_slot_then_both_continue_as_the_source() {
     for dir in FIXTURES {

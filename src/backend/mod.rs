@@ -332,6 +332,20 @@ pub trait Backend {
         let state = self.export_slot(states, src)?;
         self.import_slot(states, dst, &state)
     }
+    /// A new slot holding `src`'s state, as [`Backend::alloc_slot`] then [`Backend::copy_slot`]
+    /// give, but read-only: no step may continue it until [`Backend::copy_slot`] or
+    /// [`Backend::import_slot`] replaces its state (a backend that shares memory refuses such a
+    /// step with [`BackendError::Slot`]), so a device may share memory with `src` (CUDA: the KV
+    /// pages) rather than copy it. For snapshots of a prefix, resumed by copying them into
+    /// another slot; the default is those two calls.
+    fn snapshot_slot(&self, states: &mut Self::States, src: u32) -> Result<u32, BackendError> {
+        let slot = self.alloc_slot(states)?;
+        if let Err(e) = self.copy_slot(states, src, slot) {
+            let _ = self.free_slot(states, slot);
+            return Err(e);
+        }
+        Ok(slot)
+    }
     /// Makes `batch` runnable: checks every sequence continues its slot at the right position,
     /// grows KV caches and the RoPE table to hold it, and loads the step description where the
     /// operations read it. Called before the operations of a step.

@@ -15,7 +15,7 @@ use tensorfold::model::{HostModel, Model};
 use tensorfold::runtime::{Event, FinishReason, Handle, Request, Runtime, RuntimeConfig, StopRules};
 use tensorfold::sampling::argmax;
 use tensorfold::sampling::SamplingParams;
-use tensorfold::session::Session;
+use tensorfold::session::{Session, SnapshotConfig};
 use tensorfold::tokenizer::Tokenizer;
 
 #[derive(Args, Debug)]
@@ -247,6 +247,10 @@ fn drain(h: &mut Handle, cancel_after: Option<usize>) -> Outcome {
     o
 }
 
+/// The snapshot stride of the batched run of `verify --concurrency`: small enough that
+/// prompts of a few hundred tokens take snapshots on the way.
+const PREFIX_STRIDE: usize = 64;
+
 /// `verify --concurrency N`.
 fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
     if n == 0 {
@@ -258,14 +262,27 @@ fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
     let v_eff = Tokenizer::from_dir(&dir).map(|t| t.vocab_size().min(vocab)).unwrap_or(vocab);
     let steps = a.steps.max(2);
     let max_pos = host.config.max_position_embeddings;
-    // Distinct prompts of different lengths; greedy and seeded sampling alternate.
-    let cases: Vec<(Vec<u32>, SamplingParams)> = (0..n)
-        .map(|i| {
-            let len = (1 + (i * 37) % 300).min(max_pos.saturating_sub(steps + 1).max(1));
-            let p = if i % 2 == 0 { SamplingParams::greedy() } else { SamplingParams { seed: 7 + i as u64, repetition_penalty: 1.1, ..SamplingParams::default() } };
-            (tensorfold::bench::ids(len, v_eff, 100 + i as u64), p)
-        })
-        .collect();
+    // Prompts of different lengths; greedy and seeded sampling alternate. Some share a prefix
+    // with an earlier one, so the batched run resumes them from the prefix cache (its
+    // snapshots at the end of prompts and every PREFIX_STRIDE positions, in device slots where
+    // the backend has them): an earlier prompt extended, an earlier prompt again, and the first
+    // PREFIX_STRIDE + 1 tokens of an earlier prompt with new ones after. The solo runs keep no
+    // snapshots, so each resumed sequence is compared with a cold run.
+    let room = max_pos.saturating_sub(steps + 1).max(1);
+    let mut cases: Vec<(Vec<u32>, SamplingParams)> = Vec::with_capacity(n);
+    for i in 0..n {
+        let fresh = |len: usize, seed: u64| tensorfold::bench::ids(len.min(room), v_eff, seed);
+        let mut prompt = fresh(1 + (i * 37) % 300, 100 + i as u64);
+        if i >= 4 && i % 8 == 5 {
+            prompt = cases[i - 4].0.clone();
+        } else if i >= 2 && i % 4 == 3 {
+            prompt = cases[i - 2].0.iter().copied().chain(fresh(1 + i % 40, 900 + i as u64)).take(room).collect();
+        } else if i >= 1 && i % 8 == 1 && cases[i - 1].0.len() > PREFIX_STRIDE + 1 {
+            prompt = cases[i - 1].0[..PREFIX_STRIDE + 1].iter().copied().chain(fresh(1 + i % 30, 700 + i as u64)).take(room).collect();
+        }
+        let p = if i % 2 == 0 { SamplingParams::greedy() } else { SamplingParams { seed: 7 + i as u64, repetition_penalty: 1.1, ..SamplingParams::default() } };
+        cases.push((prompt, p));
+    }
     let cancelled = n / 2;
     let request = |(p, sp): &(Vec<u32>, SamplingParams), unbounded: bool| {
         // The request to cancel asks for far more tokens, so it still runs when cancelled.
@@ -275,22 +292,22 @@ fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
         r
     };
     let chunk = a.chunk;
-    let start = |device: super::Device, max_seqs: usize| -> Result<Runtime> {
+    let start = |device: super::Device, max_seqs: usize, snapshots: SnapshotConfig| -> Result<Runtime> {
         let h = host.clone();
-        let cfg = RuntimeConfig { max_seqs, max_waiting: n.max(1), max_batch_tokens: chunk.max(max_seqs), chunk, state_budget: u64::MAX, ..RuntimeConfig::default() };
+        let cfg = RuntimeConfig { max_seqs, max_waiting: n.max(1), max_batch_tokens: chunk.max(max_seqs), chunk, state_budget: u64::MAX, snapshots, ..RuntimeConfig::default() };
         Ok(match device {
             super::Device::Cpu => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, Cpu::new().with_products(products))?, chunk)?) })?,
             super::Device::Cuda(o) => Runtime::start(cfg, None, move || -> Result<_> { Ok(Engine::new(Model::new(&h, super::run::cuda_backend(o, products)?)?, chunk)?) })?,
         })
     };
     let t0 = Instant::now();
-    let solo_rt = start(super::Device::Cpu, 1)?;
+    let solo_rt = start(super::Device::Cpu, 1, SnapshotConfig::disabled())?;
     let solo: Vec<Outcome> = cases.iter().map(|c| Ok(drain(&mut solo_rt.submit(request(c, false))?, None))).collect::<Result<_>>()?;
     drop(solo_rt);
     println!("solo: {n} requests one at a time on the CPU, {steps} tokens each ({:.1} s)", t0.elapsed().as_secs_f64());
 
     let t1 = Instant::now();
-    let rt = start(a.device, n)?;
+    let rt = start(a.device, n, SnapshotConfig { every: PREFIX_STRIDE, budget_bytes: 1 << 30, device_budget_bytes: 1 << 30 })?;
     let backend = rt.info().backend.clone();
     // Half arrive at once; the others one by one as the first sequence generates.
     let first_wave = n.div_ceil(2);
@@ -348,7 +365,15 @@ fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
         }
     }
     let st = rt.stats();
-    println!("batched: {n} requests on {backend} ({:.1} s, {} ticks, {} preemptions)", t1.elapsed().as_secs_f64(), st.ticks, st.preemptions);
+    println!(
+        "batched: {n} requests on {backend} ({:.1} s, {} ticks, {} preemptions, {} of {} prompts resumed from a snapshot, {} tokens reused)",
+        t1.elapsed().as_secs_f64(),
+        st.ticks,
+        st.preemptions,
+        st.prefix.hits,
+        st.prefix.lookups,
+        st.prefix.reused_tokens
+    );
     if bad > 0 {
         bail!("{bad} of {n} sequences differ from their solo runs");
     }

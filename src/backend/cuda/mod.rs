@@ -362,9 +362,20 @@ struct SlotMem {
     table: CudaSlice<u64>,
     host_table: Vec<u64>,
     /// Per attention layer, keys and values: pages of `ATTENTION_TILE · Hkv · Dh` floats.
-    pages: Vec<[Vec<CudaSlice<f32>>; 2]>,
+    /// A page may be shared ([`Page`]).
+    pages: Vec<[Vec<Page>; 2]>,
     position: usize,
+    /// A snapshot ([`Backend::snapshot_slot`]): no step may continue it, since it shares its
+    /// last, partly filled pages with the slot it was taken from, which goes on writing them.
+    read_only: bool,
 }
+
+/// A KV page, shared between slots where that is safe: a sequence writes only its own
+/// positions, at or past its position, so a page whose `ATTENTION_TILE` positions are all
+/// behind every holder's position is never written again, and a partly filled page is shared
+/// only between the one slot that writes it and read-only snapshots of it at or behind its
+/// position ([`SlotMem::read_only`]).
+type Page = std::rc::Rc<CudaSlice<f32>>;
 
 /// Every sequence slot on the device.
 pub struct CudaStates {
@@ -628,6 +639,9 @@ pub struct Cuda {
     /// device, at most `TENSORFOLD_INT_ONE_BLOCKS` (default 2) per multiprocessor: their grid,
     /// so a launch of many rows has no tail wave.
     int_one_blocks: u32,
+    /// The cap for products of at least `int_one_big_rows` rows.
+    int_one_blocks_big: u32,
+    int_one_big_rows: u32,
     /// The arithmetic of affine products ([`Products`]).
     products: Products,
     /// Per mixture-of-experts layer (keyed by its router's weight address), `[3][E]` pairs of
@@ -639,6 +653,29 @@ impl std::fmt::Debug for Cuda {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Cuda({})", self.name)
     }
+}
+
+/// Keeps the memory that stream-ordered frees give back in the device's default pool instead
+/// of returning it to the driver at every synchronization (the pool's default release
+/// threshold is 0), so the slots, KV pages and snapshots a server allocates and frees every
+/// tick do not map fresh memory each time. What the process holds is then its peak, which the
+/// runtime's state and snapshot budgets bound. `TENSORFOLD_POOL_KEEP=0` keeps the driver's
+/// default.
+fn keep_pool_memory(ctx: &CudaContext) -> Result<(), BackendError> {
+    if !ctx.has_async_alloc() || std::env::var("TENSORFOLD_POOL_KEEP").is_ok_and(|v| v == "0") {
+        return Ok(());
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: the device is open; the pool handle and the attribute's u64 are written and
+    // read as the driver's API gives them.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result().map_err(|e| dev_err("the device's memory pool", e))?;
+        sys::cuMemPoolSetAttribute(pool, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, (&mut threshold as *mut u64).cast())
+            .result()
+            .map_err(|e| dev_err("the memory pool's release threshold", e))?;
+    }
+    Ok(())
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -663,6 +700,7 @@ impl Cuda {
         // SAFETY: no allocation or stream exists yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
+        keep_pool_memory(&ctx)?;
         let (maj, min) = ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
         let arch = format!("sm_{maj}{min}");
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
@@ -692,10 +730,15 @@ impl Cuda {
         // At most TENSORFOLD_INT_ONE_BLOCKS blocks per multiprocessor (a scheduling knob: each
         // block quantizes the token once, so fewer, longer-lived blocks repeat less of it).
         let per_sm_cap = std::env::var("TENSORFOLD_INT_ONE_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u32).max(1);
-        let mut int_one_blocks = u32::MAX;
+        // Products of at least TENSORFOLD_INT_ONE_BIG_ROWS rows (the LM head) stream far more
+        // bytes than a block's quantization of the token costs: their own cap,
+        // TENSORFOLD_INT_ONE_BLOCKS_BIG.
+        let big_cap = std::env::var("TENSORFOLD_INT_ONE_BLOCKS_BIG").ok().and_then(|v| v.parse().ok()).unwrap_or(per_sm_cap).max(1);
+        let (mut int_one_blocks, mut int_one_blocks_big) = (u32::MAX, u32::MAX);
         for &entry in compile::SOURCES.iter().flat_map(|s| s.entries.iter()).filter(|e| e.starts_with("matmul_int") && (e.ends_with("_one") || e.ends_with("_one_swiglu"))) {
             let per_sm = funcs[entry].occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| dev_err(&format!("occupancy of {entry}"), e))?;
             int_one_blocks = int_one_blocks.min(per_sm.clamp(1, per_sm_cap) * sms);
+            int_one_blocks_big = int_one_blocks_big.min(per_sm.clamp(1, big_cap) * sms);
         }
         let alloc = |n: usize| -> Result<CudaSlice<u32>, BackendError> { stream.alloc_zeros::<u32>(n).map_err(|e| dev_err("allocating step buffers", e)) };
         let step = Step {
@@ -766,6 +809,8 @@ impl Cuda {
             t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
             sms,
             int_one_blocks,
+            int_one_blocks_big,
+            int_one_big_rows: std::env::var("TENSORFOLD_INT_ONE_BIG_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             int_wide_rows: std::env::var("TENSORFOLD_INT_WIDE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
@@ -1292,7 +1337,8 @@ impl Cuda {
     /// The grid of a one-token integer product of `rows` rows: a block of eight warps per 16
     /// rows, at most the blocks resident at once.
     fn int_one_grid(&self, rows: u32) -> u32 {
-        rows.div_ceil(16).clamp(1, self.int_one_blocks)
+        let cap = if rows >= self.int_one_big_rows { self.int_one_blocks_big } else { self.int_one_blocks };
+        rows.div_ceil(16).clamp(1, cap)
     }
 
     /// `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up` for one token in one integer-product launch
@@ -1626,6 +1672,9 @@ impl Cuda {
             if m.position != s.pos as usize {
                 return Err(BackendError::Slot { slot: s.slot as usize, problem: format!("is at position {}, but the step continues it at {}", m.position, s.pos) });
             }
+            if m.read_only {
+                return Err(BackendError::Slot { slot: s.slot as usize, problem: "holds a snapshot, which no step may continue".into() });
+            }
             let end = (s.pos + s.len) as usize;
             if end > max {
                 return Err(BackendError::ContextFull { position: end - 1, max });
@@ -1638,7 +1687,7 @@ impl Cuda {
                     while pages.len() < need {
                         let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?;
                         m.host_table[(l * 2 + kv) * max_pages + pages.len()] = ptr(&d, &self.stream);
-                        pages.push(d);
+                        pages.push(Page::new(d));
                         dirty = true;
                     }
                 }
@@ -1772,7 +1821,7 @@ impl Cuda {
             for (kv, pages) in layer.iter_mut().enumerate() {
                 let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating the pad slot", e))?;
                 mem.host_table[(l * 2 + kv) * max_pages] = ptr(&d, &self.stream);
-                pages.push(d);
+                pages.push(Page::new(d));
             }
         }
         self.stream.memcpy_htod(&mem.host_table, &mut mem.table).map_err(|e| dev_err("allocating the pad slot", e))?;
@@ -1788,7 +1837,7 @@ impl Cuda {
         let rec = z(n_lin * cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)?;
         let host_table = vec![0u64; (n_full * 2 * max_pages).max(1)];
         let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
-        Ok(SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0 })
+        Ok(SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0, read_only: false })
     }
 
     /// The row count an operation launches over for the model's `rows` ([`Step::eff`]).
@@ -2107,7 +2156,7 @@ impl Backend for Cuda {
                     page[..hi - lo].copy_from_slice(&src[lo..hi]);
                     let d = self.stream.clone_htod(&page).map_err(|e| dev_err("swap in", e))?;
                     m.host_table[(l * 2 + kv) * max_pages + p] = ptr(&d, &self.stream);
-                    layer[kv].push(d);
+                    layer[kv].push(Page::new(d));
                 }
                 for p in n_pages..max_pages {
                     m.host_table[(l * 2 + kv) * max_pages + p] = 0;
@@ -2116,13 +2165,16 @@ impl Backend for Cuda {
         }
         self.stream.memcpy_htod(&m.host_table, &mut m.table).map_err(|e| dev_err("swap in", e))?;
         m.position = state.position;
+        m.read_only = false;
         self.stream.synchronize().map_err(|e| dev_err("synchronize", e))?;
         Ok(())
     }
 
     /// Device to device: the conv windows and recurrent states, and the KV pages up to `src`'s
-    /// position (`dst` keeps as many of its pages as it can, gets new ones for the rest and
-    /// frees the others); only `dst`'s page table goes up from the host.
+    /// position: `dst` shares `src`'s full pages (never written again, [`Page`]) and gets its
+    /// own copy of the partly filled last one, which both go on writing (its own page at that
+    /// index when no other slot holds it, else a new one); only `dst`'s page table goes up from
+    /// the host.
     fn copy_slot(&self, states: &mut CudaStates, src: u32, dst: u32) -> Result<(), BackendError> {
         self.check()?;
         let alloc = |states: &CudaStates, s: u32| states.slots.get(s as usize).is_some_and(Option::is_some);
@@ -2144,16 +2196,31 @@ impl Backend for Cuda {
             self.stream.memcpy_dtod(&s.conv, &mut d.conv).map_err(e)?;
             self.stream.memcpy_dtod(&s.rec, &mut d.rec).map_err(e)?;
             let n_pages = s.position.div_ceil(ATTENTION_TILE);
+            let full = s.position / ATTENTION_TILE;
             for (l, (from, to)) in s.pages.iter().zip(d.pages.iter_mut()).enumerate() {
                 for kv in 0..2 {
-                    // Freed in stream order; the page table that names them is replaced below,
-                    // before any kernel reads it.
+                    // Pages let go are freed in stream order; the page table that names them
+                    // is replaced below, before any kernel reads it.
                     to[kv].truncate(n_pages);
-                    while to[kv].len() < n_pages {
-                        to[kv].push(self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?);
-                    }
-                    for (p, page) in to[kv].iter_mut().enumerate() {
-                        self.stream.memcpy_dtod(&from[kv][p], page).map_err(e)?;
+                    for p in 0..n_pages {
+                        if p < full {
+                            match to[kv].get_mut(p) {
+                                Some(page) => *page = from[kv][p].clone(),
+                                None => to[kv].push(from[kv][p].clone()),
+                            }
+                            continue;
+                        }
+                        if to[kv].get_mut(p).and_then(Page::get_mut).is_none() {
+                            // SAFETY: the whole page is written by the copy below before
+                            // anything reads it.
+                            let page = Page::new(unsafe { self.stream.alloc::<f32>(page_len) }.map_err(|e| dev_err("allocating a KV page", e))?);
+                            match to[kv].get_mut(p) {
+                                Some(old) => *old = page,
+                                None => to[kv].push(page),
+                            }
+                        }
+                        let page = Page::get_mut(&mut to[kv][p]).expect("held by this slot alone");
+                        self.stream.memcpy_dtod(&*from[kv][p], page).map_err(e)?;
                     }
                     for p in 0..max_pages {
                         d.host_table[(l * 2 + kv) * max_pages + p] = to[kv].get(p).map_or(0, |page| ptr(page, &self.stream));
@@ -2162,10 +2229,43 @@ impl Backend for Cuda {
             }
             self.stream.memcpy_htod(&d.host_table, &mut d.table).map_err(e)?;
             d.position = s.position;
+            d.read_only = false;
             Ok(())
         })();
         states.slots[dst as usize] = Some(d);
         copied
+    }
+
+    /// A new read-only slot with `src`'s state: its own copy of the conv windows and recurrent
+    /// states (uninitialized memory, then one device copy each) and every one of `src`'s KV
+    /// pages shared ([`Page`]), so a snapshot at the end of a prompt copies no KV cache.
+    fn snapshot_slot(&self, states: &mut CudaStates, src: u32) -> Result<u32, BackendError> {
+        self.check()?;
+        let s = states.slots.get(src as usize).and_then(Option::as_ref).ok_or(BackendError::Slot { slot: src as usize, problem: "is not allocated".into() })?;
+        let idx = states.slots.iter().position(Option::is_none).unwrap_or(states.slots.len());
+        if idx >= MAX_SLOTS {
+            return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
+        }
+        let e = |e| dev_err("taking a snapshot", e);
+        let copy = |from: &CudaSlice<f32>| -> Result<CudaSlice<f32>, BackendError> {
+            // SAFETY: written whole by the copy before anything reads it.
+            let mut to = unsafe { self.stream.alloc::<f32>(from.len()) }.map_err(e)?;
+            self.stream.memcpy_dtod(from, &mut to).map_err(e)?;
+            Ok(to)
+        };
+        let conv = copy(&s.conv)?;
+        let rec = copy(&s.rec)?;
+        let host_table = s.host_table.clone();
+        let table = self.stream.clone_htod(&host_table).map_err(e)?;
+        let mem = SlotMem { conv, rec, table, host_table, pages: s.pages.clone(), position: s.position, read_only: true };
+        if idx == states.slots.len() {
+            states.slots.push(None);
+        }
+        let mut st = self.step.lock().unwrap();
+        st.host_slot_table[idx] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
+        st.slot_table_dirty = true;
+        states.slots[idx] = Some(mem);
+        Ok(idx as u32)
     }
 
     fn begin_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
