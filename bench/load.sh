@@ -111,7 +111,7 @@ for r in range(1, reps + 1):
 c = max(levels)
 tp, tt = statistics.median(ratios[c][0]), statistics.median(ratios[c][1])
 print(f"bar at {c} streams (median of {reps}): decode tokens/s through the server {tp:.1%} of the bench ({'PASS' if tp >= 0.9 else 'FAIL'}, >= 90%); TTFT {tt:.1%} of the bench ({'PASS' if tt <= 1.1 else 'FAIL'}, within 110%)")
-# Tick logs (TICK_LOGS=1): lines `tick t_us rows decode seqs step_us host_us`; the ticks where all
+# Tick logs (TICK_LOGS=1): lines `tick t_us rows decode seqs step_us host_us [admit_us events_us snapshots_us]`; the ticks where all
 # c sequences decode (one row each), and the interval from the previous tick's end.
 import os
 for r in range(1, reps + 1):
@@ -124,6 +124,14 @@ for r in range(1, reps + 1):
         if full:
             med = lambda i: statistics.median(x[i] for x in full) / 1e3
             print(f"ticks rep {r} {side}: {len(full)} full-batch ticks of {c} rows: interval {med(0):.2f} ms, step {med(1):.2f} ms, host {med(2):.3f} ms (medians)")
+        # Ticks that carry prompt rows, where the time to first token goes: step and host time
+        # summed, and of the host time admission, events and snapshots (newer logs).
+        prompt = [t for t in rows if t[2] > t[3]]
+        if prompt:
+            line = f"ticks rep {r} {side}: {len(prompt)} prompt ticks: step {sum(t[5] for t in prompt) / 1e3:.1f} ms, host {sum(t[6] for t in prompt) / 1e3:.1f} ms"
+            if len(prompt[0]) >= 10:
+                line += f" (admission {sum(t[7] for t in prompt) / 1e3:.1f}, events {sum(t[8] for t in prompt) / 1e3:.1f}, snapshots {sum(t[9] for t in prompt) / 1e3:.1f})"
+            print(line + " in all")
 EOF
 
 [ "${GUIDELLM:-1}" = 0 ] && exit 0

@@ -314,6 +314,11 @@ fn gpu_mixture_of_experts_decoded_together_match_their_solo_runs_and_the_cpu() {
     if gpu().is_none() {
         return;
     }
+    if products() == Products::Int {
+        // The CUDA backend has no integer expert products yet (Model::new refuses them).
+        eprintln!("skipped: integer products on a mixture of experts");
+        return;
+    }
     // Relative to the package root, where cargo runs tests (and the GPU machine runs the binary).
     let dir = "tests/data/moe/mlx-q4";
     let host = HostModel::open(std::path::Path::new(dir)).unwrap();

@@ -262,23 +262,27 @@ fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
     let v_eff = Tokenizer::from_dir(&dir).map(|t| t.vocab_size().min(vocab)).unwrap_or(vocab);
     let steps = a.steps.max(2);
     let max_pos = host.config.max_position_embeddings;
-    // Prompts of different lengths; greedy and seeded sampling alternate. Some share a prefix
-    // with an earlier one, so the batched run resumes them from the prefix cache (its
-    // snapshots at the end of prompts and every PREFIX_STRIDE positions, in device slots where
-    // the backend has them): an earlier prompt extended, an earlier prompt again, and the first
-    // PREFIX_STRIDE + 1 tokens of an earlier prompt with new ones after. The solo runs keep no
-    // snapshots, so each resumed sequence is compared with a cold run.
+    // Prompts of different lengths; greedy and seeded sampling alternate. Of the second half,
+    // which arrives while the first decodes, some share a prefix with a prompt of the first
+    // half, so the batched run resumes them from the prefix cache (its snapshots at the end of
+    // prompts and every PREFIX_STRIDE positions, in device slots where the backend has them):
+    // that prompt extended, that prompt again, and its first PREFIX_STRIDE + 1 tokens with new
+    // ones after. The solo runs keep no snapshots, so each resumed sequence is compared with a
+    // cold run.
+    let first_wave = n.div_ceil(2);
     let room = max_pos.saturating_sub(steps + 1).max(1);
     let mut cases: Vec<(Vec<u32>, SamplingParams)> = Vec::with_capacity(n);
     for i in 0..n {
         let fresh = |len: usize, seed: u64| tensorfold::bench::ids(len.min(room), v_eff, seed);
         let mut prompt = fresh(1 + (i * 37) % 300, 100 + i as u64);
-        if i >= 4 && i % 8 == 5 {
-            prompt = cases[i - 4].0.clone();
-        } else if i >= 2 && i % 4 == 3 {
-            prompt = cases[i - 2].0.iter().copied().chain(fresh(1 + i % 40, 900 + i as u64)).take(room).collect();
-        } else if i >= 1 && i % 8 == 1 && cases[i - 1].0.len() > PREFIX_STRIDE + 1 {
-            prompt = cases[i - 1].0[..PREFIX_STRIDE + 1].iter().copied().chain(fresh(1 + i % 30, 700 + i as u64)).take(room).collect();
+        if i >= first_wave {
+            let earlier = &cases[i - first_wave].0;
+            match i % 4 {
+                1 => prompt = earlier.clone(),
+                2 => prompt = earlier.iter().copied().chain(fresh(1 + i % 40, 900 + i as u64)).take(room).collect(),
+                3 if earlier.len() > PREFIX_STRIDE + 1 => prompt = earlier[..PREFIX_STRIDE + 1].iter().copied().chain(fresh(1 + i % 30, 700 + i as u64)).take(room).collect(),
+                _ => {}
+            }
         }
         let p = if i % 2 == 0 { SamplingParams::greedy() } else { SamplingParams { seed: 7 + i as u64, repetition_penalty: 1.1, ..SamplingParams::default() } };
         cases.push((prompt, p));
@@ -310,7 +314,6 @@ fn concurrent(a: &VerifyArgs, n: usize, products: Products) -> Result<()> {
     let rt = start(a.device, n, SnapshotConfig { every: PREFIX_STRIDE, budget_bytes: 1 << 30, device_budget_bytes: 1 << 30 })?;
     let backend = rt.info().backend.clone();
     // Half arrive at once; the others one by one as the first sequence generates.
-    let first_wave = n.div_ceil(2);
     let mut handles: Vec<Handle> = cases[..first_wave].iter().enumerate().map(|(i, c)| rt.submit(request(c, i == cancelled && n > 1))).collect::<Result<_, _>>()?;
     let mut lead = Outcome { ids: Vec::new(), logits: Vec::new(), reason: None };
     let mut next = first_wave;

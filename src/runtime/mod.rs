@@ -566,6 +566,8 @@ struct Worker<B: Backend> {
     busy_since: Instant,
     /// `TENSORFOLD_TICK_LOG=FILE`: one line per tick, times from the worker's start.
     tick_log: Option<(Instant, std::io::BufWriter<std::fs::File>)>,
+    /// Host time of this tick so far in admission, events and snapshots (for the tick log).
+    phases: [Duration; 3],
     /// The helper threads that prepare grammar masks during steps (started by the first
     /// constrained tick, with [`RuntimeConfig::overlap_masks`]).
     masker: Option<masks::Masker>,
@@ -584,7 +586,7 @@ impl<B: Backend> Worker<B> {
         let tick_log = std::env::var_os("TENSORFOLD_TICK_LOG").and_then(|p| match std::fs::File::create(&p) {
             Ok(f) => {
                 let mut w = std::io::BufWriter::new(f);
-                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us (host: busy time since the previous tick's end less the step)");
+                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us admit_us events_us snapshots_us (host: busy time since the previous tick's end less the step; of it, admission with cancels and preemption, sending events with finishing, snapshots)");
                 Some((Instant::now(), w))
             }
             Err(e) => {
@@ -610,6 +612,7 @@ impl<B: Backend> Worker<B> {
             stopping: false,
             busy_since: Instant::now(),
             tick_log,
+            phases: [Duration::ZERO; 3],
             masker: None,
         }
     }
@@ -810,6 +813,7 @@ impl<B: Backend> Worker<B> {
     }
 
     fn tick(&mut self) {
+        let t_admit = Instant::now();
         // Requests whose client went away.
         let gone: Vec<u64> = self.running.iter().chain(self.waiting.iter()).filter(|s| s.events.is_closed()).map(|s| s.id).collect();
         for id in gone {
@@ -817,6 +821,7 @@ impl<B: Backend> Worker<B> {
         }
         self.admit();
         self.preempt();
+        self.phases[0] += t_admit.elapsed();
         let views: Vec<scheduler::SeqView> = self
             .running
             .iter()
@@ -1024,12 +1029,15 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
+        let t_send = Instant::now();
         for (i, e) in outbox.drain(..) {
             self.running[i].send(e);
         }
+        let t_snap = Instant::now();
         for &i in &snapshot_due {
             let _ = self.engine.snapshot(self.running[i].session());
         }
+        let t_finish = Instant::now();
         snapshot_due.clear();
         self.outbox = outbox;
         self.snapshot_due = snapshot_due;
@@ -1037,6 +1045,8 @@ impl<B: Backend> Worker<B> {
             let s = self.running.remove(i);
             self.finish(s, reason);
         }
+        self.phases[1] += t_snap - t_send + t_finish.elapsed();
+        self.phases[2] += t_finish - t_snap;
     }
 
     /// Counts the tick (its step, and the busy time since the previous tick's count less the
@@ -1049,8 +1059,20 @@ impl<B: Backend> Worker<B> {
         self.stats.step_time += step;
         self.stats.host_time += host;
         if let Some((origin, w)) = self.tick_log.as_mut() {
-            let _ = writeln!(w, "{} {} {} {} {} {} {}", self.stats.ticks, (now - *origin).as_micros(), rows.rows, rows.decode, rows.seqs, step.as_micros(), host.as_micros());
+            let [admit, events, snapshots] = self.phases.map(|d| d.as_micros());
+            let _ = writeln!(
+                w,
+                "{} {} {} {} {} {} {} {admit} {events} {snapshots}",
+                self.stats.ticks,
+                (now - *origin).as_micros(),
+                rows.rows,
+                rows.decode,
+                rows.seqs,
+                step.as_micros(),
+                host.as_micros()
+            );
         }
+        self.phases = [Duration::ZERO; 3];
         self.stats.running = self.running.len();
         self.stats.prefix = self.engine.snapshots().stats();
         self.stats.snapshots = self.engine.snapshots().len();

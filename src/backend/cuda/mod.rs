@@ -639,9 +639,6 @@ pub struct Cuda {
     /// device, at most `TENSORFOLD_INT_ONE_BLOCKS` (default 2) per multiprocessor: their grid,
     /// so a launch of many rows has no tail wave.
     int_one_blocks: u32,
-    /// The cap for products of at least `int_one_big_rows` rows.
-    int_one_blocks_big: u32,
-    int_one_big_rows: u32,
     /// The arithmetic of affine products ([`Products`]).
     products: Products,
     /// Per mixture-of-experts layer (keyed by its router's weight address), `[3][E]` pairs of
@@ -730,15 +727,10 @@ impl Cuda {
         // At most TENSORFOLD_INT_ONE_BLOCKS blocks per multiprocessor (a scheduling knob: each
         // block quantizes the token once, so fewer, longer-lived blocks repeat less of it).
         let per_sm_cap = std::env::var("TENSORFOLD_INT_ONE_BLOCKS").ok().and_then(|v| v.parse().ok()).unwrap_or(2u32).max(1);
-        // Products of at least TENSORFOLD_INT_ONE_BIG_ROWS rows (the LM head) stream far more
-        // bytes than a block's quantization of the token costs: their own cap,
-        // TENSORFOLD_INT_ONE_BLOCKS_BIG.
-        let big_cap = std::env::var("TENSORFOLD_INT_ONE_BLOCKS_BIG").ok().and_then(|v| v.parse().ok()).unwrap_or(per_sm_cap).max(1);
-        let (mut int_one_blocks, mut int_one_blocks_big) = (u32::MAX, u32::MAX);
+        let mut int_one_blocks = u32::MAX;
         for &entry in compile::SOURCES.iter().flat_map(|s| s.entries.iter()).filter(|e| e.starts_with("matmul_int") && (e.ends_with("_one") || e.ends_with("_one_swiglu"))) {
             let per_sm = funcs[entry].occupancy_max_active_blocks_per_multiprocessor(256, 0, None).map_err(|e| dev_err(&format!("occupancy of {entry}"), e))?;
             int_one_blocks = int_one_blocks.min(per_sm.clamp(1, per_sm_cap) * sms);
-            int_one_blocks_big = int_one_blocks_big.min(per_sm.clamp(1, big_cap) * sms);
         }
         let alloc = |n: usize| -> Result<CudaSlice<u32>, BackendError> { stream.alloc_zeros::<u32>(n).map_err(|e| dev_err("allocating step buffers", e)) };
         let step = Step {
@@ -809,8 +801,6 @@ impl Cuda {
             t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
             sms,
             int_one_blocks,
-            int_one_blocks_big,
-            int_one_big_rows: std::env::var("TENSORFOLD_INT_ONE_BIG_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             int_wide_rows: std::env::var("TENSORFOLD_INT_WIDE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
@@ -1337,8 +1327,7 @@ impl Cuda {
     /// The grid of a one-token integer product of `rows` rows: a block of eight warps per 16
     /// rows, at most the blocks resident at once.
     fn int_one_grid(&self, rows: u32) -> u32 {
-        let cap = if rows >= self.int_one_big_rows { self.int_one_blocks_big } else { self.int_one_blocks };
-        rows.div_ceil(16).clamp(1, cap)
+        rows.div_ceil(16).clamp(1, self.int_one_blocks)
     }
 
     /// `gate = W_gate·x`, `up = W_up·x`, `act = silu(gate) ⊙ up` for one token in one integer-product launch
