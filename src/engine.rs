@@ -115,6 +115,15 @@ impl<B: Backend> Engine<B> {
         self.spill(displaced);
     }
 
+    /// Tells the backend how much state memory to set aside ([`Backend::reserve_state_memory`]):
+    /// `max_seqs` states with one KV page each (`ATTENTION_TILE` positions), and the snapshot
+    /// slot tier's budget.
+    pub fn reserve_state_memory(&self, max_seqs: usize) {
+        let per_seq = session::snapshot_bytes(&self.model.config, crate::backend::cpu::kernels::ATTENTION_TILE);
+        let bytes = (max_seqs as u64).saturating_mul(per_seq).saturating_add(self.snapshots.config().device_budget_bytes);
+        self.model.backend.reserve_state_memory(bytes);
+    }
+
     /// Drops every snapshot.
     pub fn clear_snapshots(&mut self) {
         for slot in self.snapshots.clear() {

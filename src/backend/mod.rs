@@ -332,6 +332,13 @@ pub trait Backend {
         let state = self.export_slot(states, src)?;
         self.import_slot(states, dst, &state)
     }
+    /// A hint that about `bytes` of state memory (slots, KV pages, snapshots) will be allocated
+    /// and freed over and over: a device may set that much aside now, so that those
+    /// allocations do not have to map fresh memory later (CUDA: its memory pool keeps it). The
+    /// default does nothing; a device that cannot set it aside allocates as it goes.
+    fn reserve_state_memory(&self, bytes: u64) {
+        let _ = bytes;
+    }
     /// A new slot holding `src`'s state, as [`Backend::alloc_slot`] then [`Backend::copy_slot`]
     /// give, but read-only: no step may continue it until [`Backend::copy_slot`] or
     /// [`Backend::import_slot`] replaces its state (a backend that shares memory refuses such a

@@ -414,6 +414,7 @@ impl Runtime {
                 cfg.max_seqs = cfg.max_seqs.clamp(1, engine.model.backend.max_slots());
                 engine.set_snapshots(cfg.snapshots);
                 engine.set_batch_capacity(cfg.max_seqs);
+                engine.reserve_state_memory(cfg.max_seqs);
                 let mc = engine.model.config.clone();
                 let v_eff = tokenizer.as_ref().map_or(mc.vocab_size, |t| t.vocab_size().min(mc.vocab_size));
                 let info = ModelInfo { config: mc, backend: engine.model.backend.describe(), products: engine.model.backend.products(), v_eff };

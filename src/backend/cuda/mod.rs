@@ -639,6 +639,8 @@ pub struct Cuda {
     /// device, at most `TENSORFOLD_INT_ONE_BLOCKS` (default 2) per multiprocessor: their grid,
     /// so a launch of many rows has no tail wave.
     int_one_blocks: u32,
+    /// The default memory pool keeps freed memory ([`keep_pool_memory`]).
+    pool_kept: bool,
     /// The arithmetic of affine products ([`Products`]).
     products: Products,
     /// Per mixture-of-experts layer (keyed by its router's weight address), `[3][E]` pairs of
@@ -658,9 +660,9 @@ impl std::fmt::Debug for Cuda {
 /// tick do not map fresh memory each time. What the process holds is then its peak, which the
 /// runtime's state and snapshot budgets bound. `TENSORFOLD_POOL_KEEP=0` keeps the driver's
 /// default.
-fn keep_pool_memory(ctx: &CudaContext) -> Result<(), BackendError> {
+fn keep_pool_memory(ctx: &CudaContext) -> Result<bool, BackendError> {
     if !ctx.has_async_alloc() || std::env::var("TENSORFOLD_POOL_KEEP").is_ok_and(|v| v == "0") {
-        return Ok(());
+        return Ok(false);
     }
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     let mut threshold = u64::MAX;
@@ -672,7 +674,7 @@ fn keep_pool_memory(ctx: &CudaContext) -> Result<(), BackendError> {
             .result()
             .map_err(|e| dev_err("the memory pool's release threshold", e))?;
     }
-    Ok(())
+    Ok(true)
 }
 
 fn ptr<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
@@ -697,7 +699,7 @@ impl Cuda {
         // SAFETY: no allocation or stream exists yet.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| dev_err("creating a stream", e))?;
-        keep_pool_memory(&ctx)?;
+        let pool_kept = keep_pool_memory(&ctx)?;
         let (maj, min) = ctx.compute_capability().map_err(|e| dev_err("compute capability", e))?;
         let arch = format!("sm_{maj}{min}");
         let name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
@@ -801,6 +803,7 @@ impl Cuda {
             t1r2_min_rows: std::env::var("TENSORFOLD_T1R2_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(4096),
             sms,
             int_one_blocks,
+            pool_kept,
             t1s_smem,
             t1s_min_rows: std::env::var("TENSORFOLD_T1S_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(65536),
             int_wide_rows: std::env::var("TENSORFOLD_INT_WIDE_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(128),
@@ -2056,6 +2059,23 @@ impl Backend for Cuda {
             st.rope_host = Some(RopeTable::new(cfg.rotary_dim(), cfg.rope_theta));
         }
         Ok(CudaStates { cfg: cfg.clone(), slots: Vec::new(), max_pages: cfg.max_position_embeddings.div_ceil(ATTENTION_TILE) })
+    }
+
+    /// One allocation of `bytes` (at most 80% of the free device memory), freed at once: the
+    /// pool keeps it, and the slots, pages and snapshots allocated later come out of it
+    /// instead of each mapping fresh memory (hundreds of microseconds of host time for a 2B
+    /// model's 20 MB state: bench/results/2026-12-07-h100-snapshots-2b.md).
+    fn reserve_state_memory(&self, bytes: u64) {
+        if !self.pool_kept || bytes == 0 {
+            return;
+        }
+        let free = self._ctx.mem_get_info().map_or(0, |(free, _)| free as u64);
+        let n = bytes.min(free / 10 * 8) as usize;
+        // SAFETY: never read or written; the stream-ordered free gives it to the pool.
+        if let Ok(block) = unsafe { self.stream.alloc::<u8>(n.max(1)) } {
+            drop(block);
+            let _ = self.stream.synchronize();
+        }
     }
 
     fn alloc_slot(&self, states: &mut CudaStates) -> Result<u32, BackendError> {
