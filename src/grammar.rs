@@ -301,10 +301,11 @@ fn string_branch<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<Option<
 
 /// The grammar of a text (string-typed) parameter's value, written raw as the template writes
 /// it: one of its `enum` strings (or its `const`); a string of its `format` where we know the
-/// format ([`StringFormat`]), within `minLength`..`maxLength`; `minLength`..`maxLength`
-/// characters with a `maxLength` (no newline or `<`, so the value's end is never in doubt);
-/// otherwise text of at least `minLength` characters up to the first `\n</parameter>`. Rules
-/// it needs are added to `out` under `rule`'s name.
+/// format ([`StringFormat`]), within `minLength`..`maxLength`, or one of the words the parser
+/// reads as `null` where the schema admits null; `minLength`..`maxLength` characters with a
+/// `maxLength` (no newline or `<`, so the value's end is never in doubt); otherwise text of at
+/// least `minLength` characters up to the first `\n</parameter>`. Rules it needs are added to
+/// `out` under `rule`'s name.
 fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) -> Result<String, SchemaFault> {
     let Some((at, s)) = string_branch(schema, root)? else {
         // The lazy lexeme takes its own end.
@@ -351,6 +352,11 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
             out.push_str(&format!("{lexeme}: /{}/ & /[^<\\n]{{{},{hi}}}/\n", f.regex, lo.unwrap_or(0)));
             lexeme
         };
+        // A nullable parameter may be null: the parser reads these words as JSON null there
+        // (as it did when a formatted value was free text).
+        if ToolSchemas::is_nullable_text_param(schema, root) {
+            return Ok(format!("({value} | /{}/) {END_PARAM}", null_regex()));
+        }
         return Ok(format!("{value} {END_PARAM}"));
     }
     // llguidance's regex parser takes counts up to u32::MAX: a longer `maxLength` is the same
@@ -378,6 +384,13 @@ const MAX_COUNT: u64 = u32::MAX as u64;
 /// a few tokens. Above it a `minLength` is refused and a `maxLength` is not enforced (values of
 /// these formats are far shorter in use: RFC 5321 mailboxes 254, DNS names 253 characters).
 pub const FORMAT_LENGTH_LIMIT: u64 = 2048;
+
+/// A regex of the words the parser reads as `null` ([`crate::server::parse::NULL_WORDS`], any
+/// ASCII case), for a Lark `/.../` literal.
+fn null_regex() -> String {
+    let word = |w: &str| w.chars().map(|c| format!("[{}{}]", c.to_ascii_uppercase(), c.to_ascii_lowercase())).collect::<String>();
+    crate::server::parse::NULL_WORDS.iter().map(|w| word(w)).collect::<Vec<_>>().join("|")
+}
 
 /// A `minLength` and a `maxLength`, where given.
 type Bounds = (Option<u64>, Option<u64>);

@@ -518,3 +518,38 @@ fn formatted_lengths_at_the_limit_give_a_mask_at_every_token() {
     }
     assert!(c.is_complete());
 }
+
+#[test]
+fn a_nullable_formatted_parameter_may_be_null() {
+    let mut t = ToolSchemas::new();
+    t.insert(
+        "f",
+        Some(&json!({"type": "object", "properties": {
+            "any_of": {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "null"}]},
+            "null_first": {"anyOf": [{"type": "null"}, {"type": "string", "format": "uuid"}]},
+            "types": {"type": ["string", "null"], "format": "date-time"},
+            "bounded": {"type": ["string", "null"], "format": "date-time", "maxLength": 25},
+            "host": {"type": ["string", "null"], "format": "hostname"},
+            "plain": {"type": "string", "format": "date-time"}
+        }})),
+    );
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    let one = |key: &str, v: &str| accepts_whole(&c, &call_of("f", &[(key, v)]));
+    for key in ["any_of", "null_first", "types", "bounded", "host"] {
+        for v in ["null", "None", "NULL", "none"] {
+            assert!(one(key, v), "{key}: {v:?} should be accepted");
+        }
+        for v in ["null!", "null null", "(none)"] {
+            assert!(!one(key, v), "{key}: {v:?} should be refused");
+        }
+    }
+    assert!(one("any_of", "2026-12-03T17:05:00Z") && one("bounded", "2026-12-03T17:05:00Z") && one("null_first", "123e4567-e89b-12d3-a456-426614174000"));
+    assert!(!one("bounded", "2026-12-03T17:05:00.123456Z"), "the string's maxLength still holds");
+    // Not nullable: `null` is no date-time (the parser would read it as the string "null").
+    assert!(!one("plain", "null") && !one("plain", "None"));
+    // What the grammar accepts as null, the parser reads back as null.
+    let text = call_of("f", &[("any_of", "None"), ("null_first", "null"), ("types", "NULL"), ("host", "null"), ("plain", "2026-12-03T17:05:00Z")]);
+    assert!(accepts_whole(&c, &text));
+    let parsed = OutputParser::parse(&text, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() }, false);
+    assert_eq!(parsed.tool_calls[0].input(), json!({"any_of": null, "null_first": null, "types": null, "host": null, "plain": "2026-12-03T17:05:00Z"}));
+}
