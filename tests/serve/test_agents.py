@@ -82,6 +82,7 @@ class Chat(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(reasoning_effort="extreme", **kw)
         self.assertEqual((e.exception.body["param"], e.exception.body["code"]), ("reasoning_effort", "invalid_value"))
+        self.assertIn('"max"', e.exception.body["message"])
 
     def test_tools_and_tool_history_render_and_count_alike(self):
         history = USER + [
