@@ -169,6 +169,19 @@ pub struct Constraint {
     /// The allowed ids at the current state, computed ahead ([`Constraint::prepare`]); taken
     /// by [`Constraint::mask`], dropped by [`Constraint::advance`].
     ready: Option<Result<SimpleVob, GrammarError>>,
+    /// A fault a test injects into the code that computes masks.
+    #[cfg(test)]
+    fault: Option<TestFault>,
+}
+
+/// A fault a test injects into the computation of a constraint's masks.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TestFault {
+    /// [`Constraint::prepare`] panics when it computes a mask.
+    PanicInPrepare,
+    /// The runtime's mask helper panics outside its catch, its thread dying, after preparing.
+    KillHelper,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -616,7 +629,48 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into(), ready: Some(Ok(first)) }))
+        Ok(Some(Self {
+            matcher,
+            size: vocab.size,
+            eos_ids: vocab.eos_ids.clone().into(),
+            ready: Some(Ok(first)),
+            #[cfg(test)]
+            fault: None,
+        }))
+    }
+
+    /// A constraint that has failed with `message`: its mask, and every call after it, is
+    /// [`GrammarError::Runtime`]. For a sequence whose constraint was lost where it was computed.
+    pub(crate) fn failed(message: String) -> Self {
+        Self {
+            matcher: Matcher::new(Err(anyhow::anyhow!(message.clone()))),
+            size: 0,
+            eos_ids: Arc::from([]),
+            ready: Some(Err(GrammarError::Runtime(message))),
+            #[cfg(test)]
+            fault: None,
+        }
+    }
+
+    /// Fails the constraint with `message`: the next [`Constraint::mask`] returns
+    /// [`GrammarError::Runtime`] with it, and the grammar state is dropped so that every later
+    /// call fails too. For a mask computation that panicked, which may have left the state
+    /// half-updated.
+    pub(crate) fn fail(&mut self, message: String) {
+        self.matcher = Matcher::new(Err(anyhow::anyhow!(message.clone())));
+        self.ready = Some(Err(GrammarError::Runtime(message)));
+    }
+
+    /// Injects `fault` into the computation of this constraint's masks.
+    #[cfg(test)]
+    pub(crate) fn inject(&mut self, fault: TestFault) {
+        self.fault = Some(fault);
+    }
+
+    /// The fault injected by [`Constraint::inject`].
+    #[cfg(test)]
+    pub(crate) fn injected(&self) -> Option<TestFault> {
+        self.fault
     }
 
     /// The allowed ids at the current state, llguidance's way.
@@ -630,6 +684,10 @@ impl Constraint {
     /// the row runs. Does nothing when it is computed already.
     pub fn prepare(&mut self) {
         if self.ready.is_none() {
+            #[cfg(test)]
+            if self.fault == Some(TestFault::PanicInPrepare) {
+                panic!("a fault injected in prepare");
+            }
             self.ready = Some(self.allowed());
         }
     }
