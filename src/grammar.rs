@@ -169,6 +169,19 @@ pub struct Constraint {
     /// The allowed ids at the current state, computed ahead ([`Constraint::prepare`]); taken
     /// by [`Constraint::mask`], dropped by [`Constraint::advance`].
     ready: Option<Result<SimpleVob, GrammarError>>,
+    /// A fault a test injects into the code that computes masks.
+    #[cfg(test)]
+    fault: Option<TestFault>,
+}
+
+/// A fault a test injects into the computation of a constraint's masks.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TestFault {
+    /// [`Constraint::prepare`] panics when it computes a mask.
+    PanicInPrepare,
+    /// The runtime's mask helper panics outside its catch, its thread dying, after preparing.
+    KillHelper,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -301,10 +314,11 @@ fn string_branch<'a>(schema: &'a Json, root: Option<&'a Json>) -> Result<Option<
 
 /// The grammar of a text (string-typed) parameter's value, written raw as the template writes
 /// it: one of its `enum` strings (or its `const`); a string of its `format` where we know the
-/// format ([`format_regex`]), within `minLength`..`maxLength`; `minLength`..`maxLength`
-/// characters with a `maxLength` (no newline or `<`, so the value's end is never in doubt);
-/// otherwise text of at least `minLength` characters up to the first `\n</parameter>`. Rules
-/// it needs are added to `out` under `rule`'s name.
+/// format ([`StringFormat`]), within `minLength`..`maxLength`, or one of the words the parser
+/// reads as `null` where the schema admits null; `minLength`..`maxLength` characters with a
+/// `maxLength` (no newline or `<`, so the value's end is never in doubt); otherwise text of at
+/// least `minLength` characters up to the first `\n</parameter>`. Rules it needs are added to
+/// `out` under `rule`'s name.
 fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) -> Result<String, SchemaFault> {
     let Some((at, s)) = string_branch(schema, root)? else {
         // The lazy lexeme takes its own end.
@@ -337,20 +351,33 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
         None => None,
         // A format we have no regex for stays free text, as JSON Schema makes formats optional
         // to check.
-        Some(Json::String(f)) => format_regex(f),
+        Some(Json::String(f)) => StringFormat::of(f),
         Some(v) => return Err(fault("format", format!("`format` must be a string, got {v}"))),
     };
-    if let Some(rx) = format {
+    if let Some(f) = format {
+        let (lo, hi) = f.bounds(min, max).map_err(|(p, m)| fault(p, m))?;
         // No format's text holds `<` or a newline, so the value's end is never in doubt.
-        if min.is_none() && max.is_none() {
-            return Ok(format!("/{rx}/ {END_PARAM}"));
+        let value = if lo.is_none() && hi.is_none() {
+            format!("/{}/", f.regex)
+        } else {
+            let lexeme = format!("{}_FORMAT", rule.to_uppercase());
+            let hi = hi.map(|h| h.to_string()).unwrap_or_default();
+            out.push_str(&format!("{lexeme}: /{}/ & /[^<\\n]{{{},{hi}}}/\n", f.regex, lo.unwrap_or(0)));
+            lexeme
+        };
+        // A nullable parameter may be null: the parser reads these words as JSON null there
+        // (as it did when a formatted value was free text).
+        if ToolSchemas::is_nullable_text_param(schema, root) {
+            return Ok(format!("({value} | /{}/) {END_PARAM}", null_regex()));
         }
-        let lexeme = format!("{}_FORMAT", rule.to_uppercase());
-        let hi = max.map(|h| h.to_string()).unwrap_or_default();
-        out.push_str(&format!("{lexeme}: /{rx}/ & /[^<\\n]{{{},{hi}}}/\n", min.unwrap_or(0)));
-        return Ok(format!("{lexeme} {END_PARAM}"));
+        return Ok(format!("{value} {END_PARAM}"));
     }
-    match (min, max) {
+    // llguidance's regex parser takes counts up to u32::MAX: a longer `maxLength` is the same
+    // bound for any output (none comes near 4 GiB), a longer `minLength` can never be met.
+    if let Some(lo) = min.filter(|&lo| lo > MAX_COUNT) {
+        return Err(fault("minLength", format!("`minLength` {lo} is more than any output can hold (at most {MAX_COUNT})")));
+    }
+    match (min, max.map(|h| h.min(MAX_COUNT))) {
         (lo, Some(hi)) => Ok(format!("/[^<\\n]{{{},{hi}}}/ {END_PARAM}", lo.unwrap_or(0))),
         (Some(lo), None) if lo > 0 => {
             let lexeme = format!("{rule}_text");
@@ -361,29 +388,110 @@ fn text_value(rule: &str, schema: &Json, root: Option<&Json>, out: &mut String) 
     }
 }
 
-/// The regex (in a Lark `/.../` literal) of the strings of a JSON-schema string `format`, for the
-/// formats clients put on tool parameters; `None` for others. Written from the RFCs the JSON
-/// Schema validation spec names (3339 dates and times, 4122 UUIDs, 5321 mailboxes in their
-/// dot-atom form, 1123 host names, 3986 URIs as a scheme and URI characters), as plain text
-/// without `<` or newlines.
-fn format_regex(format: &str) -> Option<String> {
-    const DATE: &str = "[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-9]))";
-    const TIME: &str = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
-    const LABEL: &str = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
-    const ATOM: &str = "[A-Za-z0-9!#$%&'*+=?^_`{|}~\\/-]+";
-    const OCTET: &str = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
-    let hex = |n: u32| format!("[0-9A-Fa-f]{{{n}}}");
-    Some(match format {
-        "date" => DATE.to_string(),
-        "time" => TIME.to_string(),
-        "date-time" => format!("{DATE}[Tt]{TIME}"),
-        "uuid" => format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12)),
-        "hostname" => format!("{LABEL}(?:\\.{LABEL})*"),
-        "email" => format!("{ATOM}(?:\\.{ATOM})*@{LABEL}(?:\\.{LABEL})*"),
-        "ipv4" => format!("{OCTET}(?:\\.{OCTET}){{3}}"),
-        "uri" => "[A-Za-z][A-Za-z0-9+.-]*:(?:[A-Za-z0-9._~:\\/?#\\[\\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*".to_string(),
-        _ => return None,
-    })
+/// The largest repetition count llguidance's regex parser takes.
+const MAX_COUNT: u64 = u32::MAX as u64;
+
+/// The most characters a `minLength` or `maxLength` of a formatted value may count and be
+/// enforced. The bound is intersected with the format's regex, and llguidance's lexer states
+/// for that grow with the count: at 5000 an `email` or `hostname` runs out of lexer fuel within
+/// a few tokens. Above it a `minLength` is refused and a `maxLength` is not enforced (values of
+/// these formats are far shorter in use: RFC 5321 mailboxes 254, DNS names 253 characters).
+pub const FORMAT_LENGTH_LIMIT: u64 = 2048;
+
+/// A regex of the words the parser reads as `null` ([`crate::server::parse::NULL_WORDS`], any
+/// ASCII case), for a Lark `/.../` literal.
+fn null_regex() -> String {
+    let word = |w: &str| w.chars().map(|c| format!("[{}{}]", c.to_ascii_uppercase(), c.to_ascii_lowercase())).collect::<String>();
+    crate::server::parse::NULL_WORDS.iter().map(|w| word(w)).collect::<Vec<_>>().join("|")
+}
+
+/// A `minLength` and a `maxLength`, where given.
+type Bounds = (Option<u64>, Option<u64>);
+
+/// Lengths in characters, as ascending spans `lo..=hi` (`None`: unbounded).
+type Lengths = &'static [(u64, Option<u64>)];
+
+/// A JSON-schema string `format` we enforce: the regex of its strings and the lengths (in
+/// characters) those strings can have.
+struct StringFormat {
+    name: &'static str,
+    /// For a Lark `/.../` literal.
+    regex: String,
+    /// The lengths of the regex's strings.
+    lengths: Lengths,
+}
+
+impl StringFormat {
+    /// The format `format`, for the formats clients put on tool parameters; `None` for others.
+    /// The regexes are written from the RFCs the JSON Schema validation spec names (3339 dates
+    /// and times, 4122 UUIDs, 5321 mailboxes in their dot-atom form, 1123 host names, 3986
+    /// URIs as a scheme and URI characters), as plain text without `<` or newlines.
+    fn of(format: &str) -> Option<Self> {
+        const DATE: &str = "[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-9]))";
+        const TIME: &str = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])";
+        const LABEL: &str = "[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?";
+        const ATOM: &str = "[A-Za-z0-9!#$%&'*+=?^_`{|}~\\/-]+";
+        const OCTET: &str = "(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])";
+        let hex = |n: u32| format!("[0-9A-Fa-f]{{{n}}}");
+        // Lengths from the regexes: a time is HH:MM:SS then `Z` (9) or `.` and digits and `Z`
+        // (11 on) or an offset (14 on), so never 10; a date-time is a date, `T` and a time.
+        let (name, regex, lengths): (&'static str, String, Lengths) = match format {
+            "date" => ("date", DATE.to_string(), &[(10, Some(10))]),
+            "time" => ("time", TIME.to_string(), &[(9, Some(9)), (11, None)]),
+            "date-time" => ("date-time", format!("{DATE}[Tt]{TIME}"), &[(20, Some(20)), (22, None)]),
+            "uuid" => ("uuid", format!("{}-{}-{}-{}-{}", hex(8), hex(4), hex(4), hex(4), hex(12)), &[(36, Some(36))]),
+            // Labels of up to 63 characters, as many as the text holds: RFC 1123's 253 in all
+            // is not in the regex, so not in its lengths either.
+            "hostname" => ("hostname", format!("{LABEL}(?:\\.{LABEL})*"), &[(1, None)]),
+            "email" => ("email", format!("{ATOM}(?:\\.{ATOM})*@{LABEL}(?:\\.{LABEL})*"), &[(3, None)]),
+            "ipv4" => ("ipv4", format!("{OCTET}(?:\\.{OCTET}){{3}}"), &[(7, Some(15))]),
+            "uri" => ("uri", "[A-Za-z][A-Za-z0-9+.-]*:(?:[A-Za-z0-9._~:\\/?#\\[\\]@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})*".to_string(), &[(2, None)]),
+            _ => return None,
+        };
+        Some(Self { name, regex, lengths })
+    }
+
+    /// The lengths, in words (`36 characters`, `9 characters, or at least 11 characters`).
+    fn describe(&self) -> String {
+        let unit = |n: u64| if n == 1 { "character" } else { "characters" };
+        let span = |&(lo, hi): &(u64, Option<u64>)| match hi {
+            Some(hi) if hi == lo => format!("{lo} {}", unit(lo)),
+            Some(hi) => format!("{lo} to {hi} {}", unit(hi)),
+            None => format!("at least {lo} {}", unit(lo)),
+        };
+        self.lengths.iter().map(span).collect::<Vec<_>>().join(", or ")
+    }
+
+    /// The `minLength` / `maxLength` (`min`, `max`) to intersect with the regex: each only
+    /// where it narrows the format's own lengths, a `maxLength` over [`FORMAT_LENGTH_LIMIT`]
+    /// not at all.
+    ///
+    /// # Errors
+    /// The keyword at fault and why: bounds no length of the format meets (the value could
+    /// never be finished), or a `minLength` over the limit.
+    fn bounds(&self, min: Option<u64>, max: Option<u64>) -> Result<Bounds, (&'static str, String)> {
+        let lo = min.unwrap_or(0);
+        let meets = |&(a, b): &(u64, Option<u64>)| [b, max].into_iter().flatten().min().is_none_or(|to| a.max(lo) <= to);
+        if !self.lengths.iter().any(meets) {
+            let article = if matches!(self.name, "email" | "ipv4") { "an" } else { "a" };
+            let is = format!("{article} `{}` is {}", self.name, self.describe());
+            let shortest = self.lengths[0].0;
+            return Err(match (min, max) {
+                (_, Some(h)) if h < shortest => ("maxLength", format!("{is}; `maxLength` {h} leaves none")),
+                (Some(l), Some(h)) if self.lengths.iter().any(|&(_, b)| b.is_none_or(|b| b >= l)) => ("minLength", format!("{is}; `minLength` {l} and `maxLength` {h} leave none")),
+                (Some(l), _) => ("minLength", format!("{is}; `minLength` {l} leaves none")),
+                // Unreachable: without bounds every length of the format is met.
+                _ => ("minLength", is),
+            });
+        }
+        let (own_min, own_max) = (self.lengths[0].0, self.lengths[self.lengths.len() - 1].1);
+        let min = min.filter(|&m| m > own_min);
+        if let Some(m) = min.filter(|&m| m > FORMAT_LENGTH_LIMIT) {
+            return Err(("minLength", format!("`minLength` {m} cannot be enforced with a `format`: at most {FORMAT_LENGTH_LIMIT} characters")));
+        }
+        let max = max.filter(|&m| own_max.is_none_or(|o| m < o) && m <= FORMAT_LENGTH_LIMIT);
+        Ok((min, max))
+    }
 }
 
 /// The end of a parameter, as the template writes it.
@@ -521,7 +629,48 @@ impl Constraint {
                 GrammarError::Schema(message)
             }
         })?;
-        Ok(Some(Self { matcher, size: vocab.size, eos_ids: vocab.eos_ids.clone().into(), ready: Some(Ok(first)) }))
+        Ok(Some(Self {
+            matcher,
+            size: vocab.size,
+            eos_ids: vocab.eos_ids.clone().into(),
+            ready: Some(Ok(first)),
+            #[cfg(test)]
+            fault: None,
+        }))
+    }
+
+    /// A constraint that has failed with `message`: its mask, and every call after it, is
+    /// [`GrammarError::Runtime`]. For a sequence whose constraint was lost where it was computed.
+    pub(crate) fn failed(message: String) -> Self {
+        Self {
+            matcher: Matcher::new(Err(anyhow::anyhow!(message.clone()))),
+            size: 0,
+            eos_ids: Arc::from([]),
+            ready: Some(Err(GrammarError::Runtime(message))),
+            #[cfg(test)]
+            fault: None,
+        }
+    }
+
+    /// Fails the constraint with `message`: the next [`Constraint::mask`] returns
+    /// [`GrammarError::Runtime`] with it, and the grammar state is dropped so that every later
+    /// call fails too. For a mask computation that panicked, which may have left the state
+    /// half-updated.
+    pub(crate) fn fail(&mut self, message: String) {
+        self.matcher = Matcher::new(Err(anyhow::anyhow!(message.clone())));
+        self.ready = Some(Err(GrammarError::Runtime(message)));
+    }
+
+    /// Injects `fault` into the computation of this constraint's masks.
+    #[cfg(test)]
+    pub(crate) fn inject(&mut self, fault: TestFault) {
+        self.fault = Some(fault);
+    }
+
+    /// The fault injected by [`Constraint::inject`].
+    #[cfg(test)]
+    pub(crate) fn injected(&self) -> Option<TestFault> {
+        self.fault
     }
 
     /// The allowed ids at the current state, llguidance's way.
@@ -535,6 +684,10 @@ impl Constraint {
     /// the row runs. Does nothing when it is computed already.
     pub fn prepare(&mut self) {
         if self.ready.is_none() {
+            #[cfg(test)]
+            if self.fault == Some(TestFault::PanicInPrepare) {
+                panic!("a fault injected in prepare");
+            }
             self.ready = Some(self.allowed());
         }
     }

@@ -433,3 +433,123 @@ fn a_text_parameter_with_a_known_format_takes_only_strings_of_it() {
         other => panic!("{other:?}"),
     }
 }
+
+/// The fault of a forced call of `f` with the single property `s` of schema `schema`.
+fn fault_of_param(schema: Json) -> (String, String) {
+    let mut t = ToolSchemas::new();
+    t.insert("f", Some(&json!({"type": "object", "properties": {"s": schema}})));
+    match Constraint::build(vocab(), &spec(&OutputFormat::Text, &t, &ToolChoice::Required, false)) {
+        Err(GrammarError::Tool { path, message, .. }) => (path, message),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The constraint of a forced call of `f` with the single property `s` of schema `schema`.
+fn one_param(schema: Json) -> Constraint {
+    let mut t = ToolSchemas::new();
+    t.insert("f", Some(&json!({"type": "object", "properties": {"s": schema}, "required": ["s"]})));
+    build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false))
+}
+
+#[test]
+fn format_lengths_no_value_meets_are_refused_naming_the_bound() {
+    let string = |format: &str, bounds: Json| {
+        let mut s = json!({"type": "string", "format": format});
+        s.as_object_mut().unwrap().extend(bounds.as_object().unwrap().clone());
+        s
+    };
+    let cases: &[(&str, Json, &str, &str)] = &[
+        ("uuid", json!({"maxLength": 10}), "maxLength", "a `uuid` is 36 characters; `maxLength` 10 leaves none"),
+        ("uuid", json!({"minLength": 37}), "minLength", "a `uuid` is 36 characters; `minLength` 37 leaves none"),
+        ("date", json!({"minLength": 11}), "minLength", "a `date` is 10 characters; `minLength` 11 leaves none"),
+        ("date-time", json!({"maxLength": 19}), "maxLength", "a `date-time` is 20 characters, or at least 22 characters; `maxLength` 19 leaves none"),
+        // Between the lengths a format has: HH:MM:SSZ is 9, with a fraction 11 on.
+        ("time", json!({"minLength": 10, "maxLength": 10}), "minLength", "a `time` is 9 characters, or at least 11 characters; `minLength` 10 and `maxLength` 10 leave none"),
+        ("ipv4", json!({"minLength": 16}), "minLength", "an `ipv4` is 7 to 15 characters; `minLength` 16 leaves none"),
+        ("ipv4", json!({"maxLength": 6}), "maxLength", "an `ipv4` is 7 to 15 characters; `maxLength` 6 leaves none"),
+        ("email", json!({"maxLength": 2}), "maxLength", "an `email` is at least 3 characters; `maxLength` 2 leaves none"),
+        ("uri", json!({"maxLength": 1}), "maxLength", "a `uri` is at least 2 characters; `maxLength` 1 leaves none"),
+        ("hostname", json!({"maxLength": 0}), "maxLength", "a `hostname` is at least 1 character; `maxLength` 0 leaves none"),
+        // More than llguidance can intersect with a format (it would fail mid-generation).
+        ("uri", json!({"minLength": 100000}), "minLength", "`minLength` 100000 cannot be enforced with a `format`: at most 2048 characters"),
+        ("date", json!({"minLength": 5_000_000_000u64}), "minLength", "a `date` is 10 characters; `minLength` 5000000000 leaves none"),
+    ];
+    for (format, bounds, key, message) in cases {
+        let (path, got) = fault_of_param(string(format, bounds.clone()));
+        assert_eq!((path.as_str(), got.as_str()), (format!("properties.s.{key}").as_str(), *message), "{format} {bounds}");
+    }
+    // In an alternative, the path goes through it.
+    let (path, _) = fault_of_param(json!({"anyOf": [{"type": "null"}, {"type": "string", "format": "uuid", "maxLength": 10}]}));
+    assert_eq!(path, "properties.s.anyOf[1].maxLength");
+    // A plain string's `minLength` past what llguidance counts is refused by name too.
+    let (path, message) = fault_of_param(json!({"type": "string", "minLength": 5_000_000_000u64}));
+    assert_eq!((path.as_str(), message.as_str()), ("properties.s.minLength", "`minLength` 5000000000 is more than any output can hold (at most 4294967295)"));
+
+    // Bounds some value meets build, and hold.
+    let value = |c: &Constraint, v: &str| accepts_whole(c, &call_of("f", &[("s", v)]));
+    let c = one_param(string("time", json!({"minLength": 9, "maxLength": 9})));
+    assert!(value(&c, "17:05:00Z") && !value(&c, "17:05:00.5Z"));
+    let c = one_param(string("ipv4", json!({"maxLength": 9})));
+    assert!(value(&c, "1.2.3.4") && value(&c, "10.20.3.4") && !value(&c, "10.20.30.4"));
+    let c = one_param(string("uuid", json!({"minLength": 36, "maxLength": 5_000_000_000u64})));
+    assert!(value(&c, "123e4567-e89b-12d3-a456-426614174000"));
+    // A `maxLength` past the limit is left to the format.
+    let c = one_param(string("uri", json!({"maxLength": 100000})));
+    assert!(value(&c, "https://example.com/a") && !value(&c, "example.com"));
+    // A plain `maxLength` past u32::MAX is u32::MAX: the same for any output.
+    let c = one_param(json!({"type": "string", "maxLength": 5_000_000_000u64}));
+    assert!(value(&c, "any text at all") && !value(&c, "two\nlines"));
+}
+
+#[test]
+fn formatted_lengths_at_the_limit_give_a_mask_at_every_token() {
+    // The limit is where llguidance's intersection of a format and a length still computes
+    // every mask: past it (5000) an email runs out of lexer fuel a few tokens in.
+    let limit = FORMAT_LENGTH_LIMIT as usize;
+    let local = "ab.c".repeat(limit);
+    let email = format!("{}@example.com", &local[..limit - 12]);
+    let mut c = one_param(json!({"type": "string", "format": "email", "minLength": FORMAT_LENGTH_LIMIT, "maxLength": FORMAT_LENGTH_LIMIT}));
+    let mut row = vec![0.0f32; vocab().len()];
+    for (k, id) in ids(&call_of("f", &[("s", &email)])).into_iter().enumerate() {
+        row.fill(0.0);
+        c.mask(&mut row).unwrap_or_else(|e| panic!("token {k}: {e}"));
+        assert!(row[id as usize].is_finite(), "token {k} is masked");
+        c.advance(id).unwrap_or_else(|e| panic!("token {k}: {e}"));
+    }
+    assert!(c.is_complete());
+}
+
+#[test]
+fn a_nullable_formatted_parameter_may_be_null() {
+    let mut t = ToolSchemas::new();
+    t.insert(
+        "f",
+        Some(&json!({"type": "object", "properties": {
+            "any_of": {"anyOf": [{"type": "string", "format": "date-time"}, {"type": "null"}]},
+            "null_first": {"anyOf": [{"type": "null"}, {"type": "string", "format": "uuid"}]},
+            "types": {"type": ["string", "null"], "format": "date-time"},
+            "bounded": {"type": ["string", "null"], "format": "date-time", "maxLength": 25},
+            "host": {"type": ["string", "null"], "format": "hostname"},
+            "plain": {"type": "string", "format": "date-time"}
+        }})),
+    );
+    let c = build(&spec(&OutputFormat::Text, &t, &ToolChoice::Required, false));
+    let one = |key: &str, v: &str| accepts_whole(&c, &call_of("f", &[(key, v)]));
+    for key in ["any_of", "null_first", "types", "bounded", "host"] {
+        for v in ["null", "None", "NULL", "none"] {
+            assert!(one(key, v), "{key}: {v:?} should be accepted");
+        }
+        for v in ["null!", "null null", "(none)"] {
+            assert!(!one(key, v), "{key}: {v:?} should be refused");
+        }
+    }
+    assert!(one("any_of", "2026-12-03T17:05:00Z") && one("bounded", "2026-12-03T17:05:00Z") && one("null_first", "123e4567-e89b-12d3-a456-426614174000"));
+    assert!(!one("bounded", "2026-12-03T17:05:00.123456Z"), "the string's maxLength still holds");
+    // Not nullable: `null` is no date-time (the parser would read it as the string "null").
+    assert!(!one("plain", "null") && !one("plain", "None"));
+    // What the grammar accepts as null, the parser reads back as null.
+    let text = call_of("f", &[("any_of", "None"), ("null_first", "null"), ("types", "NULL"), ("host", "null"), ("plain", "2026-12-03T17:05:00Z")]);
+    assert!(accepts_whole(&c, &text));
+    let parsed = OutputParser::parse(&text, ParserOptions { starts_in_reasoning: false, tools: Some(t.clone()), call_id_prefix: "c".into() }, false);
+    assert_eq!(parsed.tool_calls[0].input(), json!({"any_of": null, "null_first": null, "types": null, "host": null, "plain": "2026-12-03T17:05:00Z"}));
+}

@@ -423,3 +423,84 @@ fn masks_overlapped_with_the_step_give_the_serial_run_bits() {
         serde_json::from_str::<serde_json::Value>(&a.text).unwrap_or_else(|e| panic!("{:?} is not JSON: {e}", a.text));
     }
 }
+
+#[test]
+fn a_panicking_mask_ends_its_request_with_an_error_and_the_others_go_on() {
+    // A constrained sequence whose mask computation panics on the helper thread ends with an
+    // error (its grammar state may be half-updated); a constrained and an unconstrained
+    // sequence beside it run as they would alone, and the helpers serve the next request.
+    let tokenizer = Arc::new(Tokenizer::from_dir(&shared(TINY)).expect("the fixture's tokenizer"));
+    let mut e = engine(TINY);
+    let v = e.vocab_size();
+    let constraint = json_constraint(&tokenizer);
+    let constrained = |seed: u64, c: Constraint| {
+        let mut r = request(prompt(6, 90 + seed, v), SamplingParams { seed, ..SamplingParams::default() }, 40);
+        r.stop.eos_ids = tokenizer.eos_ids().to_vec();
+        r.constraint = Some(c);
+        r
+    };
+    let plain = (prompt(9, 31, v), SamplingParams::greedy(), 12);
+    let want = solo(&mut e, &plain.0, plain.1, plain.2);
+    let rt = start(TINY, RuntimeConfig { max_seqs: 4, max_batch_tokens: 24, chunk: 8, overlap_masks: true, ..RuntimeConfig::default() }, Some(tokenizer.clone()));
+    let alone = collect(&mut rt.submit(constrained(3, constraint.clone())).unwrap());
+    let mut faulty = constraint.clone();
+    faulty.inject(crate::grammar::TestFault::PanicInPrepare);
+    let mut bad = rt.submit(constrained(2, faulty)).unwrap();
+    let mut good = rt.submit(constrained(3, constraint.clone())).unwrap();
+    let mut other = rt.submit(request(plain.0.clone(), plain.1, plain.2)).unwrap();
+    let got = collect(&mut bad);
+    match &got.finished.as_ref().expect("finishes").reason {
+        FinishReason::Error(m) => assert!(m.contains("computing the grammar mask panicked: a fault injected in prepare"), "{m}"),
+        r => panic!("the faulty sequence ended with {r:?} after {:?}", got.text),
+    }
+    let got = collect(&mut good);
+    assert_eq!((got.ids, got.logits), (alone.ids.clone(), alone.logits.clone()), "the other constrained sequence");
+    let got = collect(&mut other);
+    assert!(got.ids == want.ids && got.logits == want.logits, "the unconstrained sequence");
+    // The helpers live on.
+    let again = collect(&mut rt.submit(constrained(3, constraint)).unwrap());
+    assert_eq!(again.ids, alone.ids);
+    assert!(matches!(again.finished.unwrap().reason, FinishReason::Eos(_) | FinishReason::Length));
+}
+
+#[test]
+fn a_dead_mask_helper_fails_its_job_and_collect_does_not_wait_for_it() {
+    let tokenizer = Tokenizer::from_dir(&shared(TINY)).expect("the fixture's tokenizer");
+    // One step into the object: the next mask is not computed yet.
+    let mut c = json_constraint(&tokenizer);
+    c.advance(tokenizer.encode_with("{", false).unwrap()[0]).expect("`{` opens the object");
+    assert!(!c.is_prepared());
+    let mut dying = c.clone();
+    dying.inject(crate::grammar::TestFault::KillHelper);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let c2 = c.clone();
+    // On a thread of its own, so that a collect that waits for ever fails the test instead.
+    std::thread::spawn(move || {
+        let mut m = masks::Masker::with_helpers(1);
+        let mut slots = [Some(dying), Some(c2.clone())];
+        for (i, slot) in slots.iter_mut().enumerate() {
+            m.send(i, slot);
+        }
+        let mut back = m.collect();
+        // The helper's thread is gone (or going): a constraint sent now stays with the runtime,
+        // or comes back unprepared from the queue no helper reads.
+        let mut late = Some(c2);
+        m.send(2, &mut late);
+        back.extend(m.collect());
+        let _ = tx.send((back, [slots[0].take(), slots[1].take(), late], m.busy()));
+    });
+    let (back, slots, busy) = rx.recv_timeout(std::time::Duration::from_secs(60)).expect("collect returns though its helper died");
+    assert!(!busy);
+    let mut row = vec![0.0f32; tokenizer.vocab_size()];
+    let mut seen = [false; 3];
+    for (i, mut c) in back.into_iter().chain(slots.into_iter().enumerate().filter_map(|(i, s)| s.map(|c| (i, c)))) {
+        assert!(!seen[i], "sequence {i} came back twice");
+        seen[i] = true;
+        match (i, c.mask(&mut row)) {
+            (0, Err(e)) => assert!(e.to_string().contains("the thread computing the grammar mask died"), "{e}"),
+            (1 | 2, Ok(())) => {}
+            (i, r) => panic!("sequence {i}: {r:?}"),
+        }
+    }
+    assert_eq!(seen, [true; 3], "every constraint is back");
+}

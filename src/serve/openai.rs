@@ -706,6 +706,14 @@ mod tests {
         assert_eq!(forced("two words", json!({"type": "object"})), ("tools[1].function.name".to_string(), "invalid_value"));
         let bounds = json!({"type": "object", "properties": {"s": {"type": "string", "minLength": 3, "maxLength": 1}}});
         assert_eq!(forced("f", bounds), ("tools[1].function.parameters.properties.s.minLength".to_string(), "invalid_function_parameters"));
+        // Bounds no value of the format meets: refused before generating, naming the bound.
+        let mut tools = crate::server::parse::ToolSchemas::new();
+        let uuid = json!({"type": "object", "properties": {"id": {"type": "string", "format": "uuid", "maxLength": 10}}});
+        tools.insert_from("f", Some(&uuid), "tools[1].function", "parameters");
+        let prompt = ChatPrompt { tools, tool_choice: ToolChoice::Required, ..ChatPrompt::default() };
+        let e = rt.block_on(constraint(&st, &OutputFormat::Text, &prompt, "", "response_format.json_schema.schema")).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.param.as_deref(), e.code), (400, Some("tools[1].function.parameters.properties.id.maxLength"), Some("invalid_function_parameters")));
+        assert!(e.message.ends_with("a `uuid` is 36 characters; `maxLength` 10 leaves none"), "{}", e.message);
     }
 
     fn parse<T: serde::de::DeserializeOwned>(s: &str) -> Result<T, ApiError> {

@@ -262,7 +262,7 @@ fn thinking_of_effort(field: &str, effort: Option<&str>) -> Result<Option<bool>,
         None => Ok(None),
         Some("none" | "minimal") => Ok(Some(false)),
         Some("low" | "medium" | "high" | "xhigh" | "max") => Ok(Some(true)),
-        Some(other) => Err(RequestError::invalid(field, format!("must be one of \"none\", \"minimal\", \"low\", \"medium\", \"high\", \"xhigh\", got {other:?}"))),
+        Some(other) => Err(RequestError::invalid(field, format!("must be one of \"none\", \"minimal\", \"low\", \"medium\", \"high\", \"xhigh\", \"max\", got {other:?}"))),
     }
 }
 
@@ -442,7 +442,7 @@ pub struct ChatCompletionRequest {
     pub chat_template_kwargs: Option<Map<String, Json>>,
     /// End the prompt with the assistant's opening (vLLM's extension; default true).
     pub add_generation_prompt: Option<bool>,
-    /// Reasoning effort: `none` / `minimal` turn thinking off, `low` to `xhigh` on
+    /// Reasoning effort: `none` / `minimal` turn thinking off, `low` to `xhigh` and `max` on
     /// (`thinking_of_effort`).
     pub reasoning_effort: Option<String>,
     /// Output format.
@@ -1164,7 +1164,7 @@ pub struct ResponsesTool {
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct ReasoningParam {
-    /// `none`, `minimal`, `low`, `medium`, `high`.
+    /// `none` / `minimal` (thinking off), `low`, `medium`, `high`, `xhigh`, `max` (on).
     pub effort: Option<String>,
     /// Summary style (no summaries are produced; the reasoning text is returned).
     pub summary: Option<String>,
@@ -1923,7 +1923,7 @@ mod tests {
             body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
             chat(body).unwrap().prompt.kwargs.get("enable_thinking").cloned()
         };
-        for (effort, on) in [("none", false), ("minimal", false), ("low", true), ("medium", true), ("high", true), ("xhigh", true)] {
+        for (effort, on) in [("none", false), ("minimal", false), ("low", true), ("medium", true), ("high", true), ("xhigh", true), ("max", true)] {
             assert_eq!(thinking(json!({"reasoning_effort": effort})), Some(json!(on)), "{effort}");
             let responses = from_json::<ResponsesRequest>(json!({"input": "hi", "reasoning": {"effort": effort}}).to_string().as_bytes()).unwrap().validate().unwrap();
             assert_eq!(responses.prompt.kwargs.get("enable_thinking"), Some(&json!(on)), "reasoning.effort {effort}");
@@ -1936,8 +1936,12 @@ mod tests {
         let e = chat(json!({"messages": user, "reasoning_effort": "extreme"})).unwrap_err();
         assert_eq!((e.field(), e.code()), (Some("reasoning_effort"), "invalid_value"));
         assert!(e.to_string().contains("\"extreme\""), "{e}");
+        // The refusal lists every accepted value.
+        let listed = |e: &RequestError| ["none", "minimal", "low", "medium", "high", "xhigh", "max"].iter().all(|v| e.to_string().contains(&format!("\"{v}\"")));
+        assert!(listed(&e), "{e}");
         let e = from_json::<ResponsesRequest>(br#"{"input": "hi", "reasoning": {"effort": "HIGH"}}"#).unwrap().validate().unwrap_err();
         assert_eq!(e.field(), Some("reasoning.effort"));
+        assert!(listed(&e), "{e}");
     }
 
     #[test]

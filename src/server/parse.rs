@@ -188,6 +188,14 @@ impl ToolSchemas {
         ParamType::of(schema, root).kind == Kind::String
     }
 
+    /// Whether the parser reads one of the [`NULL_WORDS`] as JSON `null` for a text parameter
+    /// (see [`ToolSchemas::is_text_param`]) of the property schema `schema`: its schema admits
+    /// `null` beside the string (`"type": ["string", "null"]`, an `anyOf` with a null type).
+    pub fn is_nullable_text_param(schema: &Json, root: Option<&Json>) -> bool {
+        let t = ParamType::of(schema, root);
+        t.kind == Kind::String && t.nullable
+    }
+
     /// Number of functions.
     pub fn len(&self) -> usize {
         self.functions.len()
@@ -202,6 +210,11 @@ impl ToolSchemas {
         self.functions.get(function).and_then(|f| f.get(param)).copied().unwrap_or(ParamType::STRING)
     }
 }
+
+/// The values the parser reads as JSON `null` where a parameter's schema admits null (or its
+/// type is not a string), compared without regard to ASCII case after trimming whitespace:
+/// JSON's `null`, and the `None` the template writes for Python's None (`| string`).
+pub const NULL_WORDS: [&str; 2] = ["null", "none"];
 
 /// Most `$ref` hops followed from one schema (a cycle of references ends there).
 const MAX_REF_HOPS: usize = 32;
@@ -309,7 +322,7 @@ impl ParamType {
             Json::String(raw.to_string())
         };
         let trimmed = raw.trim();
-        let is_null = trimmed.eq_ignore_ascii_case("null") || trimmed.eq_ignore_ascii_case("none");
+        let is_null = NULL_WORDS.iter().any(|w| trimmed.eq_ignore_ascii_case(w));
         // The template writes a None argument as `None` (`| string`), JSON writes `null`.
         if is_null && (self.nullable || self.kind != Kind::String) {
             return Json::Null;

@@ -82,6 +82,7 @@ class Chat(unittest.TestCase):
         with self.assertRaises(openai.BadRequestError) as e:
             oai().chat.completions.create(reasoning_effort="extreme", **kw)
         self.assertEqual((e.exception.body["param"], e.exception.body["code"]), ("reasoning_effort", "invalid_value"))
+        self.assertIn('"max"', e.exception.body["message"])
 
     def test_tools_and_tool_history_render_and_count_alike(self):
         history = USER + [
@@ -198,6 +199,12 @@ class Constrained(unittest.TestCase):
         self.assertEqual(e.exception.body["param"], "tools[0].function.parameters.properties.code.minLength")
         self.assertEqual(e.exception.body["code"], "invalid_function_parameters")
         self.assertIn("greater than `maxLength` 2", e.exception.body["message"])
+        # So are bounds no value of the parameter's format meets (a uuid is 36 characters).
+        uuid = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"id": {"type": "string", "format": "uuid", "maxLength": 10}}}}}]
+        with self.assertRaises(openai.BadRequestError) as e:
+            oai().chat.completions.create(model=MODEL, messages=USER, tools=uuid, tool_choice="required", max_tokens=2)
+        self.assertEqual(e.exception.body["param"], "tools[0].function.parameters.properties.id.maxLength")
+        self.assertIn("a `uuid` is 36 characters; `maxLength` 10 leaves none", e.exception.body["message"])
 
     def test_a_cut_parallel_call_reads_alike_on_chat_and_responses(self):
         # This seed writes two calls; max_tokens cuts them around the end of the first, inside
