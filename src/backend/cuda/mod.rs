@@ -384,6 +384,27 @@ pub struct CudaStates {
     max_pages: usize,
 }
 
+impl CudaStates {
+    /// The slot a new state takes: the first free one, else one past the last.
+    ///
+    /// # Errors
+    /// All [`MAX_SLOTS`] are taken.
+    fn next_slot(&self) -> Result<usize, BackendError> {
+        let idx = self.slots.iter().position(Option::is_none).unwrap_or(self.slots.len());
+        if idx >= MAX_SLOTS {
+            return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
+        }
+        Ok(idx)
+    }
+}
+
+impl SlotMem {
+    /// Its entry in the device's slot table.
+    fn desc(&self, stream: &CudaStream) -> SlotDesc {
+        SlotDesc { conv: ptr(&self.conv, stream), rec: ptr(&self.rec, stream), pages: ptr(&self.table, stream) }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Mode {
     Eager,
@@ -1712,7 +1733,7 @@ impl Cuda {
         let mut st = self.step.lock().unwrap();
         if pad.is_some() && st.pad_slot.is_none() {
             let mem = self.pad_slot_mem(&cfg, max_pages)?;
-            st.host_slot_table[PAD_SLOT as usize] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
+            st.host_slot_table[PAD_SLOT as usize] = mem.desc(&self.stream);
             st.slot_table_dirty = true;
             st.pad_slot = Some(mem);
         }
@@ -1818,6 +1839,19 @@ impl Cuda {
         }
         self.stream.memcpy_htod(&mem.host_table, &mut mem.table).map_err(|e| dev_err("allocating the pad slot", e))?;
         Ok(mem)
+    }
+
+    /// Puts `mem` in slot `idx` ([`CudaStates::next_slot`]) and names it in the device's slot
+    /// table (uploaded by the next step).
+    fn install_slot(&self, states: &mut CudaStates, idx: usize, mem: SlotMem) -> u32 {
+        let mut st = self.step.lock().unwrap();
+        st.host_slot_table[idx] = mem.desc(&self.stream);
+        st.slot_table_dirty = true;
+        if idx == states.slots.len() {
+            states.slots.push(None);
+        }
+        states.slots[idx] = Some(mem);
+        idx as u32
     }
 
     /// A zero state at position 0 with no KV pages.
@@ -2079,19 +2113,9 @@ impl Backend for Cuda {
     }
 
     fn alloc_slot(&self, states: &mut CudaStates) -> Result<u32, BackendError> {
-        let idx = states.slots.iter().position(Option::is_none).unwrap_or(states.slots.len());
-        if idx >= MAX_SLOTS {
-            return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
-        }
+        let idx = states.next_slot()?;
         let mem = self.slot_mem(&states.cfg, states.max_pages)?;
-        if idx == states.slots.len() {
-            states.slots.push(None);
-        }
-        let mut st = self.step.lock().unwrap();
-        st.host_slot_table[idx] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
-        st.slot_table_dirty = true;
-        states.slots[idx] = Some(mem);
-        Ok(idx as u32)
+        Ok(self.install_slot(states, idx, mem))
     }
 
     fn free_slot(&self, states: &mut CudaStates, slot: u32) -> Result<(), BackendError> {
@@ -2251,10 +2275,7 @@ impl Backend for Cuda {
     fn snapshot_slot(&self, states: &mut CudaStates, src: u32) -> Result<u32, BackendError> {
         self.check()?;
         let s = states.slots.get(src as usize).and_then(Option::as_ref).ok_or(BackendError::Slot { slot: src as usize, problem: "is not allocated".into() })?;
-        let idx = states.slots.iter().position(Option::is_none).unwrap_or(states.slots.len());
-        if idx >= MAX_SLOTS {
-            return Err(BackendError::Slot { slot: idx, problem: format!("exceeds the {MAX_SLOTS} slots of the CUDA backend") });
-        }
+        let idx = states.next_slot()?;
         let e = |e| dev_err("taking a snapshot", e);
         let copy = |from: &CudaSlice<f32>| -> Result<CudaSlice<f32>, BackendError> {
             // SAFETY: written whole by the copy before anything reads it.
@@ -2267,14 +2288,7 @@ impl Backend for Cuda {
         let host_table = s.host_table.clone();
         let table = self.stream.clone_htod(&host_table).map_err(e)?;
         let mem = SlotMem { conv, rec, table, host_table, pages: s.pages.clone(), position: s.position, read_only: true };
-        if idx == states.slots.len() {
-            states.slots.push(None);
-        }
-        let mut st = self.step.lock().unwrap();
-        st.host_slot_table[idx] = SlotDesc { conv: ptr(&mem.conv, &self.stream), rec: ptr(&mem.rec, &self.stream), pages: ptr(&mem.table, &self.stream) };
-        st.slot_table_dirty = true;
-        states.slots[idx] = Some(mem);
-        Ok(idx as u32)
+        Ok(self.install_slot(states, idx, mem))
     }
 
     fn begin_step(&self, states: &mut CudaStates, batch: &Batch) -> Result<(), BackendError> {
