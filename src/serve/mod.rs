@@ -335,6 +335,14 @@ pub async fn run(listener: tokio::net::TcpListener, state: Arc<AppState>, drain:
         tracing::info!(target: "tensorfold::serve", running = s.running, waiting = s.waiting, "shutting down: draining running requests for up to {} s", drain.as_secs_f64());
         let _ = tx.send(true);
     };
+    // TCP_NODELAY: a stream's events are small writes, and with Nagle's algorithm each one after
+    // the first waits for the client's ACK of the last, which a client on a kept-alive
+    // connection delays (40 ms on Linux): every token would come late.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!(target: "tensorfold::serve", "could not set TCP_NODELAY on a connection: {e}");
+        }
+    });
     let server = axum::serve(listener, router(state.clone())).with_graceful_shutdown(signal);
     let deadline = async move {
         while !*rx.borrow() {
