@@ -9,11 +9,13 @@ The figures are the bench's (src/bench.rs `concurrent`), counted in tokens (a ch
 ends inside a UTF-8 character carries no text and comes with the next token):
   decode t/s: tokens that arrived after the last stream's first token, over the time from then
               to the last token (every stream decoding, no prompt in the window);
-  TTFT:       from sending to a stream's first token (median, p99);
+  TTFT:       from the first request's sending to a stream's first token (median, p99), as the
+              bench counts from one submission of all its sequences;
   ITL:        gaps between consecutive tokens of one stream (median, p99).
-The client is one asyncio loop over plain HTTP/1.1 connections (standard library only) that
-stamps each chunk and parses only the last: on a 2-core machine it shares the cores with the
-server, so its own cost must stay small. Prints a table and, with --json, writes the figures.
+The client is one asyncio loop over plain HTTP/1.1 connections (standard library only), opened
+and warmed before the clock starts and kept alive, that writes the C requests back to back
+(the send spread is reported), stamps each chunk and parses only the last: on a 2-core machine
+it shares the cores with the server, so its own cost must stay small. Prints a table and, with --json, writes the figures.
 
   python3 bench/serve_bar.py --url http://127.0.0.1:8080 --concurrency 1,8 --prompt 128 --gen 64
 """
@@ -36,74 +38,82 @@ def quantile(xs, q):
     return s[min(len(s) - 1, round(q * (len(s) - 1)))]
 
 
-async def one(host, port, model, ids, gen, t0, out, i):
-    """One streamed request over a plain HTTP/1.1 connection (the response is chunked SSE).
-    Kept lean on purpose: the client shares the machine's cores with the server, so a chunk is
-    only stamped and classified by a substring; only the last data chunk (usage) is parsed."""
+def request(host, port, model, ids, gen):
+    """The bytes of one streamed /v1/completions request on a kept-alive connection."""
     body = json.dumps({"model": model, "prompt": ids, "max_tokens": gen, "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
-    reader, writer = await asyncio.open_connection(host, port)
-    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-    await writer.drain()
+    return f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+
+
+async def response(reader, t0):
+    """Reads one response off a kept-alive connection (the SSE stream comes chunked). Kept lean on
+    purpose: the client shares the machine's cores with the server, so a chunk is only stamped
+    and classified by a substring; only the last data chunk (usage) is parsed."""
     status = await reader.readline()
     headers = {}
     while (line := await reader.readline()) not in (b"\r\n", b""):
         k, _, v = line.decode().partition(":")
         headers[k.strip().lower()] = v.strip()
     if b" 200 " not in status:
-        out[i] = {"error": f"{status.decode().strip()}: {(await reader.read(300))!r}"}
-        writer.close()
-        return
-    chunked = headers.get("transfer-encoding", "").lower() == "chunked"
+        return {"error": f"{status.decode().strip()}: {(await reader.read(300))!r}"}
+    if headers.get("transfer-encoding", "").lower() != "chunked":
+        return {"error": f"a streamed response without chunked transfer encoding: {headers}"}
     times, last, finish, buf = [], None, None, b""
-    done = False
-    while not done:
-        if chunked:
-            size = int((await reader.readline()).split(b";")[0], 16)
-            if size == 0:
-                break
-            data = await reader.readexactly(size + 2)
-            buf += data[:-2]
-        else:
-            data = await reader.read(65536)
-            if not data:
-                break
-            buf += data
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        if size == 0:
+            await reader.readline()  # the CRLF that ends the body (no trailers)
+            break
+        data = await reader.readexactly(size + 2)
+        buf += data[:-2]
         now = time.perf_counter() - t0
         while b"\n\n" in buf:
             event, buf = buf.split(b"\n\n", 1)
-            if not event.startswith(b"data: "):
-                continue  # a keep-alive comment
-            if event == b"data: [DONE]":
-                done = True
-                break
+            if not event.startswith(b"data: ") or event == b"data: [DONE]":
+                continue  # a keep-alive comment, or the end (the body's last chunk follows)
             if b'"finish_reason":null' in event:
                 times.append(now)
             elif b'"usage":{' in event:
                 last = event
             else:
                 finish = event
-    writer.close()
     usage = json.loads(last[6:])["usage"] if last else None
     fin = json.loads(finish[6:])["choices"][0] if finish else {}
     if fin.get("text"):
         times.append(now)
-    out[i] = {"times": times, "usage": usage, "finish": fin.get("finish_reason")}
+    return {"times": times, "usage": usage, "finish": fin.get("finish_reason")}
+
+
+async def wave(conns, reqs):
+    """Writes every request, one per connection, back to back (as the bench submits its
+    sequences all at once), then reads the responses. Returns them, the seconds from the first
+    write to the last response, and the seconds the writes took (the send spread)."""
+    t0 = time.perf_counter()
+    for (_, writer), r in zip(conns, reqs):
+        writer.write(r)
+    spread = time.perf_counter() - t0
+    await asyncio.gather(*(w.drain() for _, w in conns))
+    out = await asyncio.gather(*(response(rd, t0) for rd, _ in conns))
+    return out, time.perf_counter() - t0, spread
 
 
 async def level_async(host, port, model, c, prompt, gen, vocab, rng):
     prompts = [[rng.randrange(vocab) for _ in range(prompt)] for _ in range(c)]
-    # Warm-up: the runtime at this batch size once.
-    warm = [None] * c
-    await asyncio.gather(*(one(host, port, model, [rng.randrange(vocab) for _ in range(16)], 4, time.perf_counter(), warm, i) for i in range(c)))
-    out = [None] * c
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(host, port, model, prompts[i], gen, t0, out, i) for i in range(c)))
-    return out, time.perf_counter() - t0
+    # Connections opened before the clock starts and kept alive, as clients' pools keep them.
+    conns = [await asyncio.open_connection(host, port) for _ in range(c)]
+    # Warm-up on the same connections: the runtime at this batch size once.
+    warm, _, _ = await wave(conns, [request(host, port, model, [rng.randrange(vocab) for _ in range(16)], 4) for _ in range(c)])
+    errors = [o["error"] for o in warm if "error" in o]
+    if errors:
+        raise SystemExit(f"level {c} warm-up: {errors[0]}")
+    out, seconds, spread = await wave(conns, [request(host, port, model, ids, gen) for ids in prompts])
+    for _, w in conns:
+        w.close()
+    return out, seconds, spread
 
 
 def level(url, model, c, prompt, gen, vocab, rng):
     u = urllib.parse.urlsplit(url)
-    out, seconds = asyncio.run(level_async(u.hostname, u.port or 80, model, c, prompt, gen, vocab, rng))
+    out, seconds, spread = asyncio.run(level_async(u.hostname, u.port or 80, model, c, prompt, gen, vocab, rng))
     errors = [o["error"] for o in out if "error" in o]
     if errors:
         raise SystemExit(f"level {c}: {errors[0]}")
@@ -131,6 +141,7 @@ def level(url, model, c, prompt, gen, vocab, rng):
         "itl_median": quantile(itl, 0.5),
         "itl_p99": quantile(itl, 0.99),
         "seconds": seconds,
+        "send_spread_seconds": spread,
         "chunks_per_token": sum(len(t) for t in times) / (gen * c),
     }
 
@@ -150,12 +161,12 @@ def main():
     rng = random.Random(a.seed)
     rows = []
     print(f"server {a.url} model {model}")
-    print(f"{'conc':>5} {'prompt':>7} {'gen':>5} {'decode t/s':>12} {'total t/s':>12} {'ttft med':>10} {'ttft p99':>10} {'itl med':>10} {'itl p99':>10}")
+    print(f"{'conc':>5} {'prompt':>7} {'gen':>5} {'decode t/s':>12} {'total t/s':>12} {'ttft med':>10} {'ttft p99':>10} {'itl med':>10} {'itl p99':>10} {'sent in':>9}")
     for c in [int(x) for x in a.concurrency.split(",")]:
         r = level(a.url, model, c, a.prompt, a.gen, a.vocab, rng)
         rows.append(r)
         print(
-            f"{c:>5} {a.prompt:>7} {a.gen:>5} {r['decode_tokens_per_second']:>12.1f} {r['total_tokens_per_second']:>12.1f} {r['ttft_median']*1e3:>8.1f}ms {r['ttft_p99']*1e3:>8.1f}ms {r['itl_median']*1e3:>8.2f}ms {r['itl_p99']*1e3:>8.2f}ms",
+            f"{c:>5} {a.prompt:>7} {a.gen:>5} {r['decode_tokens_per_second']:>12.1f} {r['total_tokens_per_second']:>12.1f} {r['ttft_median']*1e3:>8.1f}ms {r['ttft_p99']*1e3:>8.1f}ms {r['itl_median']*1e3:>8.2f}ms {r['itl_p99']*1e3:>8.2f}ms {r['send_spread_seconds']*1e3:>7.2f}ms",
             flush=True,
         )
     if a.json:
