@@ -358,7 +358,8 @@ pub struct CudaTensor {
 struct SlotMem {
     conv: CudaSlice<f32>,
     rec: CudaSlice<f32>,
-    /// `[L_attn][2][max_pages]` device pointers to KV pages (0 where not allocated).
+    /// `[L_attn][2][max_pages]` device pointers to KV pages (0 where not allocated), a copy of
+    /// `host_table`; a read-only slot's stays zero (no step reads it).
     table: CudaSlice<u64>,
     host_table: Vec<u64>,
     /// Per attention layer, keys and values: pages of `ATTENTION_TILE · Hkv · Dh` floats.
@@ -1694,19 +1695,18 @@ impl Cuda {
             }
             // KV pages for positions < end (allocated outside any graph; the page table is data).
             let need = end.div_ceil(ATTENTION_TILE);
-            let mut dirty = false;
-            for (l, layer) in m.pages.iter_mut().enumerate() {
-                for (kv, pages) in layer.iter_mut().enumerate() {
-                    while pages.len() < need {
-                        let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?;
-                        m.host_table[(l * 2 + kv) * max_pages + pages.len()] = ptr(&d, &self.stream);
-                        pages.push(Page::new(d));
-                        dirty = true;
+            let have = m.pages.first().map_or(need, |layer| layer[0].len());
+            if have < need {
+                for (l, layer) in m.pages.iter_mut().enumerate() {
+                    for (kv, pages) in layer.iter_mut().enumerate() {
+                        while pages.len() < need {
+                            let d = self.stream.alloc_zeros::<f32>(page_len).map_err(|e| dev_err("allocating a KV page", e))?;
+                            m.host_table[(l * 2 + kv) * max_pages + pages.len()] = ptr(&d, &self.stream);
+                            pages.push(Page::new(d));
+                        }
                     }
                 }
-            }
-            if dirty {
-                self.stream.memcpy_htod(&m.host_table, &mut m.table).map_err(|e| dev_err("page table", e))?;
+                self.upload_page_table(m, max_pages, have..need)?;
             }
             seqs.push(SeqDesc { slot: s.slot, first_row: s.first_row, len: s.len, pos: s.pos });
             for t in 0..s.len {
@@ -1841,6 +1841,21 @@ impl Cuda {
         Ok(mem)
     }
 
+    /// Uploads the entries of pages `range` of every layer's keys and values from the slot's host
+    /// page table: one small copy per table row, where a copy of the whole table (98 KB for a
+    /// 262,144-position context) from pageable memory would wait for the stream.
+    fn upload_page_table(&self, m: &mut SlotMem, max_pages: usize, range: std::ops::Range<usize>) -> Result<(), BackendError> {
+        if range.is_empty() {
+            return Ok(());
+        }
+        for row in 0..m.pages.len() * 2 {
+            let (lo, hi) = (row * max_pages + range.start, row * max_pages + range.end);
+            let mut view = m.table.slice_mut(lo..hi);
+            self.stream.memcpy_htod(&m.host_table[lo..hi], &mut view).map_err(|e| dev_err("page table", e))?;
+        }
+        Ok(())
+    }
+
     /// Puts `mem` in slot `idx` ([`CudaStates::next_slot`]) and names it in the device's slot
     /// table (uploaded by the next step).
     fn install_slot(&self, states: &mut CudaStates, idx: usize, mem: SlotMem) -> u32 {
@@ -1862,7 +1877,8 @@ impl Cuda {
         let conv = z(n_lin * (cfg.linear_conv_kernel_dim - 1) * cfg.conv_dim())?;
         let rec = z(n_lin * cfg.linear_num_value_heads * cfg.linear_value_head_dim * cfg.linear_key_head_dim)?;
         let host_table = vec![0u64; (n_full * 2 * max_pages).max(1)];
-        let table = self.stream.clone_htod(&host_table).map_err(|e| dev_err("allocating a page table", e))?;
+        // Zeroed on the device (a memset in stream order, where an upload would wait for it).
+        let table = self.stream.alloc_zeros::<u64>(host_table.len()).map_err(|e| dev_err("allocating a page table", e))?;
         Ok(SlotMem { conv, rec, table, host_table, pages: (0..n_full).map(|_| [Vec::new(), Vec::new()]).collect(), position: 0, read_only: false })
     }
 
@@ -2230,6 +2246,8 @@ impl Backend for Cuda {
             self.stream.memcpy_dtod(&s.rec, &mut d.rec).map_err(e)?;
             let n_pages = s.position.div_ceil(ATTENTION_TILE);
             let full = s.position / ATTENTION_TILE;
+            // Entries past both the old and the new page count are 0 already.
+            let changed = n_pages.max(d.pages.first().map_or(0, |layer| layer[0].len()));
             for (l, (from, to)) in s.pages.iter().zip(d.pages.iter_mut()).enumerate() {
                 for kv in 0..2 {
                     // Pages let go are freed in stream order; the page table that names them
@@ -2255,12 +2273,17 @@ impl Backend for Cuda {
                         let page = Page::get_mut(&mut to[kv][p]).expect("held by this slot alone");
                         self.stream.memcpy_dtod(&*from[kv][p], page).map_err(e)?;
                     }
-                    for p in 0..max_pages {
+                    for p in 0..changed {
                         d.host_table[(l * 2 + kv) * max_pages + p] = to[kv].get(p).map_or(0, |page| ptr(page, &self.stream));
                     }
                 }
             }
-            self.stream.memcpy_htod(&d.host_table, &mut d.table).map_err(e)?;
+            if d.read_only {
+                // A snapshot's device table was never uploaded.
+                self.stream.memcpy_htod(&d.host_table, &mut d.table).map_err(e)?;
+            } else {
+                self.upload_page_table(&mut d, max_pages, 0..changed)?;
+            }
             d.position = s.position;
             d.read_only = false;
             Ok(())
@@ -2286,7 +2309,9 @@ impl Backend for Cuda {
         let conv = copy(&s.conv)?;
         let rec = copy(&s.rec)?;
         let host_table = s.host_table.clone();
-        let table = self.stream.clone_htod(&host_table).map_err(e)?;
+        // Never read on the device: no step continues a snapshot, and a slot that stops being
+        // one (copy_slot, import_slot into it) uploads its table anew.
+        let table = self.stream.alloc_zeros::<u64>(host_table.len()).map_err(e)?;
         let mem = SlotMem { conv, rec, table, host_table, pages: s.pages.clone(), position: s.position, read_only: true };
         Ok(self.install_slot(states, idx, mem))
     }
