@@ -36,6 +36,12 @@ use crate::tokenizer::Tokenizer;
 
 pub use stop::{FinishReason, StopRules};
 
+/// How long the runtime waits idle before it moves snapshots out of the slot tier. Copying one
+/// state to host memory takes milliseconds and a request that arrives meanwhile waits for it;
+/// clients often send the next request at once (a load test's next wave, an agent's next turn),
+/// so the copies wait for a quiet spell instead.
+pub const SPILL_AFTER_IDLE: Duration = Duration::from_millis(200);
+
 /// Limits and settings of a runtime.
 #[derive(Clone, Debug)]
 pub struct RuntimeConfig {
@@ -632,13 +638,17 @@ impl<B: Backend> Worker<B> {
         while !self.stopping {
             if self.running.is_empty() && self.waiting.is_empty() {
                 self.pause();
-                // Idle: snapshots move out of the slot tier one at a time until a command comes.
-                let c = loop {
-                    match self.rx.try_recv() {
-                        Err(mpsc::TryRecvError::Empty) if self.engine.spill_idle() => continue,
-                        Err(mpsc::TryRecvError::Empty) => break self.rx.recv(),
-                        r => break r.map_err(|_| mpsc::RecvError),
-                    }
+                // Idle: after SPILL_AFTER_IDLE without a command, snapshots move out of the slot
+                // tier one at a time until a command comes.
+                let c = match self.rx.recv_timeout(SPILL_AFTER_IDLE) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => loop {
+                        match self.rx.try_recv() {
+                            Err(mpsc::TryRecvError::Empty) if self.engine.spill_idle() => continue,
+                            Err(mpsc::TryRecvError::Empty) => break self.rx.recv(),
+                            r => break r.map_err(|_| mpsc::RecvError),
+                        }
+                    },
+                    r => r.map_err(|_| mpsc::RecvError),
                 };
                 self.resume();
                 match c {
