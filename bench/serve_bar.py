@@ -15,7 +15,8 @@ ends inside a UTF-8 character carries no text and comes with the next token):
 The client is one asyncio loop over plain HTTP/1.1 connections (standard library only), opened
 and warmed before the clock starts and kept alive, that writes the C requests back to back
 (the send spread is reported), stamps each chunk and parses only the last: on a 2-core machine
-it shares the cores with the server, so its own cost must stay small. Prints a table and, with --json, writes the figures.
+it shares the cores with the server, so its own cost must stay small. Prints a table and, with
+--json, writes the figures.
 
   python3 bench/serve_bar.py --url http://127.0.0.1:8080 --concurrency 1,8 --prompt 128 --gen 64
 """
