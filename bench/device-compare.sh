@@ -8,7 +8,8 @@
 # SERVE=1 adds the servers: tensorfold serve (bench/load.sh: the bar against its own bench, then
 # guidellm) while llama.cpp builds, then llama.cpp's llama-server on the same GGUF under the same
 # guidellm scenario. PRODUCTS (default "int f32") lists the product forms tensorfold's figures
-# are taken in; the first one serves.
+# are taken in; the first one serves. WHILE_BUILDING: a command run on the GPU after tensorfold's
+# figures, while llama.cpp is still building.
 #
 # Carried folder $D (default .device): tensorfold.xz (release build), shared.tar.xz (the
 # tokenizer at least), llama.tar.xz (llama.cpp's source: the tree vendored in the
@@ -96,6 +97,11 @@ if [ "$SERVE" = 1 ]; then
   grep -vE "^commit|^model| up " "$OUT/load-tensorfold.txt" | tail -16 | tee -a "$S"
 fi
 
+# WHILE_BUILDING: more GPU work for the minutes llama.cpp still compiles (it uses only the CPUs).
+if [ -n "${WHILE_BUILDING:-}" ]; then
+  log "while llama.cpp builds: $WHILE_BUILDING"
+  bash -c "$WHILE_BUILDING" > "$OUT/while-building.txt" 2>&1
+fi
 log "waiting for llama.cpp's build"
 wait $BUILD
 tail -2 "$OUT/llama-build.log" | tee -a "$S"
