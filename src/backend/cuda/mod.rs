@@ -400,6 +400,12 @@ impl CudaStates {
 }
 
 impl SlotMem {
+    /// KV pages held per attention layer, for keys and for values alike (they grow, are
+    /// shared and are dropped together); host table entries past it are 0.
+    fn pages_held(&self) -> usize {
+        self.pages.first().map_or(0, |layer| layer[0].len())
+    }
+
     /// Its entry in the device's slot table.
     fn desc(&self, stream: &CudaStream) -> SlotDesc {
         SlotDesc { conv: ptr(&self.conv, stream), rec: ptr(&self.rec, stream), pages: ptr(&self.table, stream) }
@@ -1695,7 +1701,7 @@ impl Cuda {
             }
             // KV pages for positions < end (allocated outside any graph; the page table is data).
             let need = end.div_ceil(ATTENTION_TILE);
-            let have = m.pages.first().map_or(need, |layer| layer[0].len());
+            let have = m.pages_held();
             if have < need {
                 for (l, layer) in m.pages.iter_mut().enumerate() {
                     for (kv, pages) in layer.iter_mut().enumerate() {
@@ -2247,7 +2253,7 @@ impl Backend for Cuda {
             let n_pages = s.position.div_ceil(ATTENTION_TILE);
             let full = s.position / ATTENTION_TILE;
             // Entries past both the old and the new page count are 0 already.
-            let changed = n_pages.max(d.pages.first().map_or(0, |layer| layer[0].len()));
+            let changed = n_pages.max(d.pages_held());
             for (l, (from, to)) in s.pages.iter().zip(d.pages.iter_mut()).enumerate() {
                 for kv in 0..2 {
                     // Pages let go are freed in stream order; the page table that names them
@@ -2278,12 +2284,9 @@ impl Backend for Cuda {
                     }
                 }
             }
-            if d.read_only {
-                // A snapshot's device table was never uploaded.
-                self.stream.memcpy_htod(&d.host_table, &mut d.table).map_err(e)?;
-            } else {
-                self.upload_page_table(&mut d, max_pages, 0..changed)?;
-            }
+            // Also right when `dst` was a snapshot: its device table is zero, as are its host
+            // entries past `changed`.
+            self.upload_page_table(&mut d, max_pages, 0..changed)?;
             d.position = s.position;
             d.read_only = false;
             Ok(())
