@@ -407,7 +407,7 @@ pub fn direct<B: Backend>(
     let mut periods = Vec::with_capacity(steps);
     let mut prev = t0;
     for _ in 0..steps {
-        let mut rows: Vec<StepRows<'_>> = sessions.iter_mut().map(|s| StepRows { session: s, take: 1, logits: true, all_logits: false }).collect();
+        let mut rows: Vec<StepRows<'_>> = sessions.iter_mut().map(|s| StepRows { session: s, take: 1, logits: true, all_logits: false, snapshot: false }).collect();
         let Chosen::Ids(next) = engine.step_sessions(&mut rows, Choose::Greedy { v_eff: vocab })? else { unreachable!("greedy steps return ids") };
         for (s, id) in sessions.iter_mut().zip(next) {
             s.push(id);

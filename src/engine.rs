@@ -9,6 +9,7 @@
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use crate::backend::{Backend, BackendError, Batch, SeqRows, SequenceState};
 use crate::model::{Model, Scratch};
@@ -35,6 +36,7 @@ pub struct Engine<B: Backend> {
     /// each step.
     spare_logits: Vec<f32>,
     snapshots: PrefixCache,
+    snapshot_time: Duration,
     /// Where the model's files are, for its identity in session files.
     model_dir: Option<PathBuf>,
     identity: OnceLock<ModelIdentity>,
@@ -58,6 +60,7 @@ impl<B: Backend> Engine<B> {
             logits: Vec::new(),
             spare_logits: Vec::new(),
             snapshots: PrefixCache::new(SnapshotConfig::disabled()),
+            snapshot_time: Duration::ZERO,
             model_dir: None,
             identity: OnceLock::new(),
         })
@@ -351,34 +354,54 @@ impl<B: Backend> Engine<B> {
             return Err(BackendError::Batch("an empty step".into()));
         }
         let decode_shaped = n == batch.seqs.len();
-        let scratch = if n == 1 {
-            &mut self.decode
+        let buffers = if n == 1 {
+            StepBuffers::Decode
         } else if decode_shaped && n <= self.batch_capacity {
             if self.batch_decode.is_none() {
                 self.batch_decode = Some(self.model.scratch(self.batch_capacity, self.batch_capacity)?);
             }
-            self.batch_decode.as_mut().expect("allocated above")
+            StepBuffers::Batch
         } else {
-            prefill_scratch(&self.model, &mut self.prefill, self.chunk.max(n), n, k)?
+            prefill_scratch(&self.model, &mut self.prefill, self.chunk.max(n), n, k)?;
+            StepBuffers::Prefill
         };
-        let chosen = match choose {
-            _ if k == 0 => {
-                self.model.step(&batch, &mut self.states, scratch)?;
-                Chosen::Logits(Vec::new())
+        {
+            let scratch = buffers.of(&mut self.decode, &mut self.batch_decode, &mut self.prefill);
+            match choose {
+                Choose::Greedy { v_eff } if k > 0 => self.model.launch_greedy(&batch, &mut self.states, scratch, v_eff)?,
+                Choose::Sample { v_eff } if k > 0 => self.model.launch_sample(&batch, &mut self.states, scratch, v_eff)?,
+                _ => self.model.step(&batch, &mut self.states, scratch)?,
             }
+        }
+        for r in rows.iter_mut() {
+            r.session.position += r.take;
+        }
+        // Snapshots are enqueued after the step (so they hold its result) and their host work
+        // overlaps it on a device: it no longer delays the next step.
+        let t_snap = Instant::now();
+        for r in rows.iter().filter(|r| r.snapshot) {
+            // A snapshot that cannot be taken is only not kept; a device fault is sticky and
+            // the read below reports it.
+            let _ = self.snapshot(&*r.session);
+        }
+        self.snapshot_time = t_snap.elapsed();
+        let scratch = buffers.of(&mut self.decode, &mut self.batch_decode, &mut self.prefill);
+        Ok(match choose {
+            _ if k == 0 => Chosen::Logits(Vec::new()),
             Choose::Logits => {
-                self.model.step(&batch, &mut self.states, scratch)?;
                 let mut out = std::mem::take(&mut self.spare_logits);
                 self.model.backend.read_tensor(&scratch.logits, k, &mut out)?;
                 Chosen::Logits(out)
             }
-            Choose::Greedy { v_eff } => Chosen::Ids(self.model.step_greedy(&batch, &mut self.states, scratch, v_eff)?),
-            Choose::Sample { v_eff } => Chosen::Ids(self.model.step_sample(&batch, &mut self.states, scratch, v_eff)?),
-        };
-        for r in rows.iter_mut() {
-            r.session.position += r.take;
-        }
-        Ok(chosen)
+            Choose::Greedy { v_eff } => Chosen::Ids(self.model.backend.argmax_read(&scratch.logits, k, v_eff)?),
+            Choose::Sample { v_eff } => Chosen::Ids(self.model.backend.sample_read(&scratch.logits, k, v_eff)?),
+        })
+    }
+
+    /// Host time the last [`Engine::step_sessions`] spent taking its snapshots
+    /// ([`StepRows::snapshot`]), while the device ran the step.
+    pub fn snapshot_time(&self) -> Duration {
+        self.snapshot_time
     }
 
     /// Hands a step's result back once it has been read, so that the next
@@ -701,6 +724,27 @@ pub struct StepRows<'a> {
     /// Whether every one of them wants logits (a prompt whose logits are all kept); implies
     /// `logits`.
     pub all_logits: bool,
+    /// Whether to keep the session's state after the step as a snapshot ([`Engine::snapshot`]).
+    pub snapshot: bool,
+}
+
+/// Which of the engine's buffers a step runs on.
+#[derive(Clone, Copy)]
+enum StepBuffers {
+    Decode,
+    Batch,
+    Prefill,
+}
+
+impl StepBuffers {
+    /// These buffers among the engine's (allocated before the step).
+    fn of<'a, B: Backend>(self, decode: &'a mut Scratch<B>, batch: &'a mut Option<Scratch<B>>, prefill: &'a mut Option<Scratch<B>>) -> &'a mut Scratch<B> {
+        match self {
+            StepBuffers::Decode => decode,
+            StepBuffers::Batch => batch.as_mut().expect("allocated before the step"),
+            StepBuffers::Prefill => prefill.as_mut().expect("allocated before the step"),
+        }
+    }
 }
 
 /// What a step returns ([`Engine::step_sessions`]).
@@ -847,7 +891,10 @@ mod tests {
         a.tokens.extend_from_slice(&[3, 1, 4, 1]);
         b.tokens.extend_from_slice(&[2, 7]);
         let step = |e: &mut Engine<Cpu>, a: &mut Session, b: &mut Session| {
-            let mut rows = [StepRows { session: a, take: 1, logits: true, all_logits: false }, StepRows { session: b, take: 1, logits: true, all_logits: false }];
+            let mut rows = [
+                StepRows { session: a, take: 1, logits: true, all_logits: false, snapshot: false },
+                StepRows { session: b, take: 1, logits: true, all_logits: false, snapshot: false },
+            ];
             e.step_sessions(&mut rows, Choose::Logits).unwrap()
         };
         let first = step(&mut e, &mut a, &mut b);

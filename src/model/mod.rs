@@ -110,15 +110,7 @@ impl<B: Backend> Model<B> {
     /// Runs one step: checks and prepares the states, runs [`forward`], advances the states.
     /// The logits of `batch.logit_rows` are then in `scratch.logits`.
     pub fn step(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>) -> Result<(), BackendError> {
-        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
-            return Err(BackendError::Batch(format!(
-                "{} rows / {} logits rows exceed the scratch buffers ({} / {})",
-                batch.rows(),
-                batch.logit_rows.len(),
-                scratch.max_rows,
-                scratch.max_logit_rows
-            )));
-        }
+        check_fits(batch, scratch)?;
         self.backend.begin_step_within(states, batch, scratch.max_rows, scratch.max_logit_rows)?;
         forward(self, batch, states, scratch);
         self.backend.end_step(states, batch)
@@ -127,28 +119,51 @@ impl<B: Backend> Model<B> {
     /// [`Model::step`], then greedy sampling of every logits row over ids `< v_eff`, on the
     /// device where the backend has one (and recorded into the same graph as the step).
     pub fn step_greedy(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<Vec<u32>, BackendError> {
-        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
-            return self.step(batch, states, scratch).map(|_| Vec::new());
-        }
+        self.launch_greedy(batch, states, scratch, v_eff)?;
+        self.backend.argmax_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+    }
+
+    /// [`Model::step_greedy`] without reading the ids ([`Backend::argmax_read`] does): on a
+    /// device the step and the choice are enqueued, and what the host does before the read
+    /// overlaps them.
+    pub fn launch_greedy(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<(), BackendError> {
+        check_fits(batch, scratch)?;
         self.backend.begin_step_within(states, batch, scratch.max_rows, scratch.max_logit_rows)?;
         forward(self, batch, states, scratch);
         self.backend.argmax_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
-        self.backend.end_step(states, batch)?;
-        self.backend.argmax_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+        self.backend.end_step(states, batch)
     }
 
     /// [`Model::step`], then sampling on the device as [`Backend::set_sampling`] prepared (which
     /// the caller ran first and which returned `true`).
     pub fn step_sample(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<Vec<u32>, BackendError> {
-        if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
-            return Err(BackendError::Batch("the step exceeds its scratch buffers".into()));
-        }
+        self.launch_sample(batch, states, scratch, v_eff)?;
+        self.backend.sample_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+    }
+
+    /// [`Model::step_sample`] without reading the ids ([`Backend::sample_read`] does), as
+    /// [`Model::launch_greedy`].
+    pub fn launch_sample(&self, batch: &Batch, states: &mut B::States, scratch: &mut Scratch<B>, v_eff: usize) -> Result<(), BackendError> {
+        check_fits(batch, scratch)?;
         self.backend.begin_step_within(states, batch, scratch.max_rows, scratch.max_logit_rows)?;
         forward(self, batch, states, scratch);
         self.backend.sample_enqueue(&scratch.logits, batch.logit_rows.len(), v_eff);
-        self.backend.end_step(states, batch)?;
-        self.backend.sample_read(&scratch.logits, batch.logit_rows.len(), v_eff)
+        self.backend.end_step(states, batch)
     }
+}
+
+/// Refuses a step larger than the buffers it would run on.
+fn check_fits<B: Backend>(batch: &Batch, scratch: &Scratch<B>) -> Result<(), BackendError> {
+    if batch.rows() > scratch.max_rows || batch.logit_rows.len() > scratch.max_logit_rows {
+        return Err(BackendError::Batch(format!(
+            "{} rows / {} logits rows exceed the scratch buffers ({} / {})",
+            batch.rows(),
+            batch.logit_rows.len(),
+            scratch.max_rows,
+            scratch.max_logit_rows
+        )));
+    }
+    Ok(())
 }
 
 /// Activation buffers of one step (sized for the largest step they serve).

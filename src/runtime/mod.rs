@@ -542,6 +542,15 @@ impl Seq {
     fn decoding(&self) -> bool {
         self.output.generated() > 0
     }
+    /// Whether the state after a step feeding `take` tokens (sampling the next when `samples`)
+    /// is kept as a snapshot: at a multiple of the stride `every` (0: none), at a turn
+    /// boundary, and at the end of the prompt when the step samples the first token. Not for a
+    /// request that keeps every prompt logit (it wants them, not reuse).
+    fn snapshot_due(&self, take: usize, samples: bool, every: usize) -> bool {
+        let pos = self.session().position() + take;
+        let first = samples && self.output.generated() == 0 && self.req.stop.max_tokens != Some(0);
+        !self.req.prompt_logits && ((every > 0 && pos.is_multiple_of(every)) || self.boundaries.contains(&pos) || (pos == self.prompt_len && first))
+    }
     fn send(&self, e: Event) {
         let _ = self.events.send(e);
     }
@@ -565,8 +574,6 @@ struct Worker<B: Backend> {
     /// its channel is woken by each send, and wakes sent back to back find a woken worker of the
     /// server's async runtime instead of waking one per row.
     outbox: Vec<(usize, Event)>,
-    /// Sequences (indices into `running`) whose state is snapshotted after the tick's events.
-    snapshot_due: Vec<usize>,
     stats: Stats,
     stopping: bool,
     /// Start of the busy time not yet counted (host time is busy time less step time).
@@ -614,7 +621,6 @@ impl<B: Backend> Worker<B> {
             biased: Vec::new(),
             ids: Vec::new(),
             outbox: Vec::new(),
-            snapshot_due: Vec::new(),
             stats: Stats::default(),
             stopping: false,
             busy_since: Instant::now(),
@@ -913,11 +919,13 @@ impl<B: Backend> Worker<B> {
         let result = {
             let mut rows: Vec<StepRows<'_>> = Vec::with_capacity(stepped.len());
             let mut k = 0;
+            let snapshots = self.cfg.snapshots;
             for (i, s) in self.running.iter_mut().enumerate() {
                 if take[i] == 0 {
                     continue;
                 }
-                rows.push(StepRows { session: s.session.as_mut().expect("admitted"), take: take[i], logits: samples[k], all_logits: all_logits[k] });
+                let snapshot = snapshots.enabled() && s.snapshot_due(take[i], samples[k], snapshots.every);
+                rows.push(StepRows { session: s.session.as_mut().expect("admitted"), take: take[i], logits: samples[k], all_logits: all_logits[k], snapshot });
                 k += 1;
             }
             self.engine.step_sessions(&mut rows, choose)
@@ -948,7 +956,7 @@ impl<B: Backend> Worker<B> {
         self.publish(step_time, rows);
     }
 
-    /// Samples, applies stop rules, takes snapshots and emits events after a step.
+    /// Samples, applies stop rules and emits events after a step.
     fn after_step(&mut self, stepped: &[usize], take: &[usize], samples: &[bool], all_logits: &[bool], chosen: &Chosen, at: Instant) {
         let v = self.engine.model.config.vocab_size;
         let max_pos = self.engine.model.config.max_position_embeddings;
@@ -956,7 +964,6 @@ impl<B: Backend> Worker<B> {
         let mut id_index = 0;
         let mut done: Vec<(usize, FinishReason)> = Vec::new();
         let mut outbox = std::mem::take(&mut self.outbox);
-        let mut snapshot_due = std::mem::take(&mut self.snapshot_due);
         for (k, &i) in stepped.iter().enumerate() {
             let s = &mut self.running[i];
             let fed = take[i];
@@ -1029,35 +1036,18 @@ impl<B: Backend> Worker<B> {
                 }
             }
             offset += rows_of_seq;
-            // Snapshots where due: a stride multiple, a turn boundary, the end of the prompt.
-            if self.cfg.snapshots.enabled() && !s.req.prompt_logits {
-                let se = s.session();
-                let pos = se.position();
-                let stride = self.cfg.snapshots.every;
-                let due = (stride > 0 && pos.is_multiple_of(stride)) || s.boundaries.contains(&pos) || (pos == s.prompt_len && s.output.generated() == 1);
-                if due {
-                    snapshot_due.push(i);
-                }
-            }
         }
         let t_send = Instant::now();
         for (i, e) in outbox.drain(..) {
             self.running[i].send(e);
         }
-        let t_snap = Instant::now();
-        for &i in &snapshot_due {
-            let _ = self.engine.snapshot(self.running[i].session());
-        }
-        let t_finish = Instant::now();
-        snapshot_due.clear();
         self.outbox = outbox;
-        self.snapshot_due = snapshot_due;
         for (i, reason) in done.into_iter().rev() {
             let s = self.running.remove(i);
             self.finish(s, reason);
         }
-        self.phases[1] += t_snap - t_send + t_finish.elapsed();
-        self.phases[2] += t_finish - t_snap;
+        self.phases[1] += t_send.elapsed();
+        self.phases[2] += self.engine.snapshot_time();
     }
 
     /// Counts the tick (its step, and the busy time since the previous tick's count less the
