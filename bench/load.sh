@@ -125,7 +125,8 @@ for r in range(1, reps + 1):
             med = lambda i: statistics.median(x[i] for x in full) / 1e3
             print(f"ticks rep {r} {side}: {len(full)} full-batch ticks of {c} rows: interval {med(0):.2f} ms, step {med(1):.2f} ms, host {med(2):.3f} ms (medians)")
         # Ticks that carry prompt rows, where the time to first token goes: step and host time
-        # summed, and of the host time admission, events and snapshots (newer logs).
+        # summed, and of the host time admission and events, then the snapshots' host time (taken
+        # while the step runs from 02ca0ef, so inside the step time).
         prompt = [t for t in rows if t[2] > t[3]]
         if prompt:
             line = f"ticks rep {r} {side}: {len(prompt)} prompt ticks: step {sum(t[5] for t in prompt) / 1e3:.1f} ms, host {sum(t[6] for t in prompt) / 1e3:.1f} ms"

@@ -7,9 +7,9 @@
 //! memory budget allow (each resumes from the longest prefix snapshot of its prompt); preempt
 //! the newest sequences (state swapped to host memory) when the running ones outgrow the
 //! budget; plan the rows ([`scheduler`]: decode rows first, then prompt chunks, under a token
-//! budget); run one [`Engine::step_sessions`]; sample every row with its own settings (on the
-//! device where it can: greedy, or the device sampler); apply the stop rules ([`stop`]);
-//! take snapshots; emit the events.
+//! budget); run one [`Engine::step_sessions`] (which also takes the snapshots due after it,
+//! while the device runs it); sample every row with its own settings (on the device where it
+//! can: greedy, or the device sampler); apply the stop rules ([`stop`]); emit the events.
 //!
 //! Exactness: a sequence's logits and ids do not depend on what else shares its steps, how its
 //! prompt was split, or whether it was preempted or resumed from a snapshot
@@ -580,7 +580,8 @@ struct Worker<B: Backend> {
     busy_since: Instant,
     /// `TENSORFOLD_TICK_LOG=FILE`: one line per tick, times from the worker's start.
     tick_log: Option<(Instant, std::io::BufWriter<std::fs::File>)>,
-    /// Host time of this tick so far in admission, events and snapshots (for the tick log).
+    /// Time of this tick so far in admission, events (host) and snapshots (during the step),
+    /// for the tick log.
     phases: [Duration; 3],
     /// The helper threads that prepare grammar masks during steps (started by the first
     /// constrained tick, with [`RuntimeConfig::overlap_masks`]).
@@ -600,7 +601,7 @@ impl<B: Backend> Worker<B> {
         let tick_log = std::env::var_os("TENSORFOLD_TICK_LOG").and_then(|p| match std::fs::File::create(&p) {
             Ok(f) => {
                 let mut w = std::io::BufWriter::new(f);
-                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us admit_us events_us snapshots_us (host: busy time since the previous tick's end less the step; of it, admission with cancels and preemption, sending events with finishing, snapshots)");
+                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us admit_us events_us snapshots_us (host: busy time since the previous tick's end less the step; of it, admission with cancels and preemption, sending events with finishing; snapshots_us: host time taking snapshots while the step ran, inside step_us)");
                 Some((Instant::now(), w))
             }
             Err(e) => {
