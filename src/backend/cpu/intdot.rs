@@ -43,6 +43,8 @@ const PAIR_BYTES: usize = 6 * ACT_BLOCK;
 /// once for all of them; below it, each output reads its codes as stored (the tile's unpacking
 /// costs about three one-row products).
 pub const ROW_LANES_MIN_ROWS: usize = 4;
+/// The same threshold for AVX2's tiles of eight weight rows.
+pub const AVX2_ROW_LANES_MIN_ROWS: usize = 4;
 
 /// The order of elements inside a block's plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -94,10 +96,18 @@ impl Layout {
 }
 
 /// Output rows a task of a product of `w` over `rows` input rows should be a multiple of on
-/// `isa`, when the integer kernel works in tiles (16 weight rows from [`ROW_LANES_MIN_ROWS`]
-/// input rows, 4-bit codes on VNNI): a task of 24 rows would leave half of its second tile idle.
+/// `isa`, when the integer kernel works in tiles (4-bit codes: 16 weight rows from
+/// [`ROW_LANES_MIN_ROWS`] input rows on VNNI, 8 from [`AVX2_ROW_LANES_MIN_ROWS`] on AVX2): a
+/// task of 24 rows would leave half of its second tile of sixteen idle.
 pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
-    (matches!(w.data, MatrixData::Affine { bits: 4, .. }) && rows >= ROW_LANES_MIN_ROWS && vnni(isa)).then_some(16)
+    if !matches!(w.data, MatrixData::Affine { bits: 4, .. }) {
+        return None;
+    }
+    if vnni(isa) {
+        (rows >= ROW_LANES_MIN_ROWS).then_some(16)
+    } else {
+        (isa >= Isa::Avx2 && rows >= AVX2_ROW_LANES_MIN_ROWS).then_some(8)
+    }
 }
 
 /// Whether `isa` is AVX-512 on a CPU with VNNI (`vpdpbusd`).
@@ -285,21 +295,27 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     let units = cols / ul;
     let groups = cols / gs;
     let (wb, sb) = (cols * bits / 8, groups * scale_dtype.size());
-    let fast = bits == 4 && vnni(isa);
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
     scratch.ints.resize(units, 0);
     // The fold's chunk bounds, the same for every output.
     let bounds: [usize; PRODUCT_CHUNKS + 1] = std::array::from_fn(|c| if c < PRODUCT_CHUNKS { chunk_units(units, c).0 } else { units });
     #[cfg(target_arch = "x86_64")]
-    if fast {
+    if bits == 4 && isa >= Isa::Avx2 {
         let w = (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype);
-        // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
+        // SAFETY: `vnni` checked the CPU, and Avx2 (and Avx512) is only chosen when it reports
+        // AVX2 and FMA; the caller's contract on `y`.
         unsafe {
-            if xq.rows >= ROW_LANES_MIN_ROWS {
-                vnni::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+            if vnni(isa) {
+                if xq.rows >= ROW_LANES_MIN_ROWS {
+                    vnni::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+                } else {
+                    vnni::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+                }
+            } else if xq.rows >= AVX2_ROW_LANES_MIN_ROWS {
+                avx2::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
             } else {
-                vnni::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+                avx2::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
             }
         }
         return;
@@ -326,6 +342,10 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
         }
     }
 }
+
+/// Weights of one product: codes, scales, biases (all rows) and the scales' type.
+#[cfg(target_arch = "x86_64")]
+type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
 
 /// Per-call buffers of [`matmul`]: a row's scales and biases (per group and per unit), its
 /// unit integers and values, and the row-lanes kernel's tile of unpacked codes and scales.
@@ -416,7 +436,7 @@ fn unit_ints_portable(bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints:
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{ACT_BLOCK, PAIR_BYTES};
+    use super::{unit_len, FloatType, QuantRows, Scratch, Weights, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
     use std::arch::x86_64::*;
 
     /// Sum of the eight i32 lanes.
@@ -512,6 +532,374 @@ mod avx2 {
                 } else {
                     ints[h] = i;
                 }
+            }
+        }
+    }
+
+    /// Bytes ahead of the codes in use that a decode product asks the cache for.
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// Block `blk` of one weight row (4-bit codes) against one input row: lanes 0..4 hold its
+    /// first 32 elements, 4..8 the rest, each lane `a0 + 256·a1 + 65536·a2` modulo 2^32 (`ap`
+    /// the lane's sum of codes times plane `p`). Each plane's even and odd products add in
+    /// 16 bits (|·| ≤ 4·15·128) before `vpmaddwd` widens them, by 1 or 256.
+    #[inline(always)]
+    unsafe fn block_ints(codes: &[u8], planes: &[i8], blk: usize) -> __m256i {
+        unsafe {
+            let (mask, ones, c256) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1), _mm256_set1_epi16(256));
+            let c = load_codes(codes, blk * 32);
+            let lo = _mm256_and_si256(c, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+            // Plane p of this block: evens at p·128 + (blk % 2)·32, odds 64 further.
+            let pl = &planes[(blk / 2) * PAIR_BYTES + (blk % 2) * 32..];
+            let p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, plane(pl, 0)), _mm256_maddubs_epi16(hi, plane(pl, ACT_BLOCK)));
+            let p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, plane(pl, 2 * ACT_BLOCK)), _mm256_maddubs_epi16(hi, plane(pl, 3 * ACT_BLOCK)));
+            let p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, plane(pl, 4 * ACT_BLOCK)), _mm256_maddubs_epi16(hi, plane(pl, 5 * ACT_BLOCK)));
+            let a01 = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, c256));
+            _mm256_add_epi32(a01, _mm256_slli_epi32(_mm256_madd_epi16(p2, ones), 16))
+        }
+    }
+
+    /// Per 128-bit half, the sums of the four lanes of `a`, `b`, `c`, `d` in that order.
+    #[inline(always)]
+    unsafe fn sum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m256i {
+        unsafe {
+            let l1 = |a: __m256i, b: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+            let (x, y) = (l1(a, b), l1(c, d));
+            _mm256_add_epi32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y))
+        }
+    }
+
+    /// Eight units' integers of one weight row against one input row, in unit order from unit
+    /// `u0` (units past `units` are 0): units of 64 are blocks, summed over all eight lanes of
+    /// [`block_ints`]; units of 32 are halves of blocks, summed over four.
+    #[inline(always)]
+    unsafe fn eight_units(whole: bool, codes: &[u8], planes: &[i8], bl: usize, u0: usize) -> __m256i {
+        unsafe {
+            let z = _mm256_setzero_si256();
+            let bi = |blk: usize| if blk < bl { block_ints(codes, planes, blk) } else { z };
+            if whole {
+                let b0 = u0;
+                let v0 = sum4(bi(b0), bi(b0 + 1), bi(b0 + 2), bi(b0 + 3));
+                let v1 = sum4(bi(b0 + 4), bi(b0 + 5), bi(b0 + 6), bi(b0 + 7));
+                // Low halves of v0, v1 hold the first 32 elements' sums of blocks 0..4, 4..8.
+                _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(v0, v1), _mm256_permute2x128_si256::<0x31>(v0, v1))
+            } else {
+                let b0 = u0 / 2;
+                // Lanes: units 0 2 4 6 | 1 3 5 7.
+                let v = sum4(bi(b0), bi(b0 + 1), bi(b0 + 2), bi(b0 + 3));
+                _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+            }
+        }
+    }
+
+    /// One weight row's scales and biases per unit: bf16 in place (one group per unit), or
+    /// widened to f32.
+    #[derive(Clone, Copy)]
+    enum Scales<'a> {
+        Bf16(&'a [u8], &'a [u8]),
+        F32(&'a [f32], &'a [f32]),
+    }
+
+    impl Scales<'_> {
+        /// Units `u0..u0+8` as f32 (all inside the row): a bf16 is the top half of its f32.
+        #[inline(always)]
+        unsafe fn load(self, u0: usize) -> (__m256, __m256) {
+            unsafe {
+                match self {
+                    Scales::Bf16(s, b) => {
+                        let w = |r: &[u8]| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.as_ptr().add(2 * u0) as *const __m128i)), 16));
+                        (w(s), w(b))
+                    }
+                    Scales::F32(s, b) => (_mm256_loadu_ps(s.as_ptr().add(u0)), _mm256_loadu_ps(b.as_ptr().add(u0))),
+                }
+            }
+        }
+    }
+
+    /// One output of 4-bit codes against one input row of the Planes form: eight units'
+    /// integers at a time ([`eight_units`]), their values `fma(s·d, f32(I), b·(d·f32(S)))`
+    /// eight lanes at once into `v`, then the fold in unit order (`bounds`: the chunks' first
+    /// units, then the unit count). A final group of fewer than eight units goes through
+    /// eight-element copies of its factors (zeros past the end).
+    #[inline(always)]
+    unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
+        let units = bounds[PRODUCT_CHUNKS];
+        let bl = ev.len() / 6;
+        debug_assert!(v.len() >= units.next_multiple_of(8) && planes.len() == bl.div_ceil(2) * PAIR_BYTES);
+        let whole = ul == ACT_BLOCK;
+        let (dof, sof) = if whole { (0, bl) } else { (2 * bl, 4 * bl) };
+        let mut u0 = 0;
+        while u0 < units {
+            // SAFETY: blocks below `bl` lie inside `codes` and `planes`; whole groups of eight
+            // units inside the per-unit slices, the last group copied.
+            unsafe {
+                prefetch(codes.as_ptr().wrapping_add(u0 * ul / 2 + PREFETCH_BYTES));
+                let i = eight_units(whole, codes, planes, bl, u0);
+                let (d, ds, s, b) = if u0 + 8 <= units {
+                    let (s, b) = sc.load(u0);
+                    (_mm256_loadu_ps(ev.as_ptr().add(dof + u0)), _mm256_loadu_ps(ev.as_ptr().add(sof + u0)), s, b)
+                } else {
+                    let k = units - u0;
+                    let mut f = [[0.0f32; 8]; 4];
+                    f[0][..k].copy_from_slice(&ev[dof + u0..dof + units]);
+                    f[1][..k].copy_from_slice(&ev[sof + u0..sof + units]);
+                    for j in 0..k {
+                        (f[2][j], f[3][j]) = match sc {
+                            Scales::Bf16(s, b) => (bf16(s, u0 + j), bf16(b, u0 + j)),
+                            Scales::F32(s, b) => (s[u0 + j], b[u0 + j]),
+                        };
+                    }
+                    let ld = |k: usize| _mm256_loadu_ps(f[k].as_ptr());
+                    (ld(0), ld(1), ld(2), ld(3))
+                };
+                let val = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(i), _mm256_mul_ps(b, ds));
+                _mm256_storeu_ps(v.as_mut_ptr().add(u0), val);
+            }
+            u0 += 8;
+        }
+        // numerics::fold_units, with the chunk bounds computed once per product.
+        let mut y = 0.0f32;
+        for c in 0..PRODUCT_CHUNKS {
+            let mut acc = 0.0f32;
+            for &x in &v[bounds[c]..bounds[c + 1]] {
+                acc += x;
+            }
+            y += acc;
+        }
+        y
+    }
+
+    /// The bf16 at index `i` of `r`, widened.
+    #[inline(always)]
+    fn bf16(r: &[u8], i: usize) -> f32 {
+        f32::from_bits((u16::from_le_bytes([r[2 * i], r[2 * i + 1]]) as u32) << 16)
+    }
+
+    /// A hint to bring the line at `p` into the cache (no effect on any value; `p` need not
+    /// be inside an allocation).
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch reads nothing architecturally.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+
+    /// `y[t][n]` for every input row (a few) and `n in n0..n0+count`, one output at a time
+    /// with [`row_value`]: the codes as stored, 4 KiB of them prefetched ahead.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn matmul_each(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (ul, units) = (unit_len(gs), bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (xq.cols / 2, xq.cols / gs * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        scratch.su.resize(units, 0.0);
+        scratch.bu.resize(units, 0.0);
+        scratch.v.resize(units.next_multiple_of(8), 0.0);
+        let Scratch { su, bu, v, .. } = scratch;
+        // Bf16 with one group per unit is read in place; the rest widened per unit first.
+        let raw = dt == FloatType::BF16 && gs == ul;
+        let rows: Vec<(&[i8], &[f32])> = (0..xq.rows)
+            .map(|t| {
+                let (_, _, p, e) = xq.row(t);
+                (p, e)
+            })
+            .collect();
+        for n in n0..n0 + count {
+            // SAFETY: row n's codes, scales and biases lie inside the buffers (asserted above).
+            let (codes, sr, br) = unsafe {
+                (
+                    std::slice::from_raw_parts(weight.as_ptr().add(n * wb), wb),
+                    std::slice::from_raw_parts(scales.as_ptr().add(n * sb), sb),
+                    std::slice::from_raw_parts(biases.as_ptr().add(n * sb), sb),
+                )
+            };
+            if !raw {
+                for u in 0..units {
+                    su[u] = dt.get(sr, u * ul / gs);
+                    bu[u] = dt.get(br, u * ul / gs);
+                }
+            }
+            let sc = if raw { Scales::Bf16(sr, br) } else { Scales::F32(su, bu) };
+            // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
+            prefetch(scales.as_ptr().wrapping_add((n + 8) * sb));
+            prefetch(biases.as_ptr().wrapping_add((n + 8) * sb));
+            for (t, &(planes, ev)) in rows.iter().enumerate() {
+                // SAFETY: the caller's contract on `y`.
+                unsafe { *y.add(t * ldy + n) = row_value(ul, codes, planes, ev, sc, bounds, v) };
+            }
+        }
+    }
+
+    /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane.
+    const ROW_LANES: usize = 8;
+
+    /// `y[t][n]` for every input row of the Planes form and `n in n0..n0+count`, weight rows in
+    /// the lanes: each tile of eight weight rows has its codes unpacked once into
+    /// `[block][quad][row][4 codes]` (and its scales into `[unit][row]`), then every input
+    /// row's quad of each plane is broadcast against a quad of all eight rows (`vpmaddubsw`).
+    /// A unit's eight even quads (or eight odd ones), then its other eight, add in 16 bits
+    /// (|·| ≤ 8·2·15·128 < 2^15) before `vpmaddwd` widens them. The epilogue and fold run per
+    /// lane (one weight row) in unit order, per input row.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn matmul_rows(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (cols, bl) = (xq.cols, xq.blocks);
+        let (ul, groups, units) = (unit_len(gs), cols / gs, bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (cols / 2, groups * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        scratch.codes.resize(bl * 16 * 4 * ROW_LANES, 0);
+        scratch.ts.resize(units * ROW_LANES, 0.0);
+        scratch.tb.resize(units * ROW_LANES, 0.0);
+        let Scratch { codes, ts, tb, .. } = scratch;
+        let mask = _mm256_set1_epi8(15);
+        let mut n = n0;
+        while n < n0 + count {
+            let live = (n0 + count - n).min(ROW_LANES);
+            // Lanes past `live` repeat the last row: computed, never stored.
+            for r in 0..ROW_LANES {
+                let row = n + r.min(live - 1);
+                let c = &weight[row * wb..(row + 1) * wb];
+                for b in 0..bl {
+                    // SAFETY: `load_codes` stays inside the row; the stores inside the tile.
+                    unsafe {
+                        let v = load_codes(c, 32 * b);
+                        let mut q = [0u32; 16];
+                        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, _mm256_and_si256(v, mask));
+                        _mm256_storeu_si256(q.as_mut_ptr().add(8) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
+                        let at = codes.as_mut_ptr().add(b * 16 * 4 * ROW_LANES + 4 * r) as *mut u32;
+                        for (k, &qk) in q.iter().enumerate() {
+                            at.add(k * ROW_LANES).write_unaligned(qk);
+                        }
+                    }
+                }
+                let (sr, br) = (&scales[row * sb..(row + 1) * sb], &biases[row * sb..(row + 1) * sb]);
+                for u in 0..units {
+                    ts[u * ROW_LANES + r] = dt.get(sr, u * ul / gs);
+                    tb[u * ROW_LANES + r] = dt.get(br, u * ul / gs);
+                }
+            }
+            let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            let tl = RowTile { bl, bounds, codes, ts, tb };
+            let mut t0 = 0;
+            while t0 < xq.rows {
+                // SAFETY: the tile's buffers as filled above; the caller's contract on `y`.
+                unsafe {
+                    let left = xq.rows - t0;
+                    t0 += if ul == ACT_BLOCK {
+                        if left >= 2 {
+                            tl.store(&tl.tokens::<2, true>(xq, t0), y, ldy, n, t0, m)
+                        } else {
+                            tl.store(&tl.tokens::<1, true>(xq, t0), y, ldy, n, t0, m)
+                        }
+                    } else if left >= 2 {
+                        tl.store(&tl.tokens::<2, false>(xq, t0), y, ldy, n, t0, m)
+                    } else {
+                        tl.store(&tl.tokens::<1, false>(xq, t0), y, ldy, n, t0, m)
+                    };
+                }
+            }
+            n += live;
+        }
+    }
+
+    /// One tile of [`matmul_rows`]: its codes `[block][quad][row][4]`, scales and biases
+    /// `[unit][row]`.
+    struct RowTile<'a> {
+        bl: usize,
+        bounds: &'a [usize; PRODUCT_CHUNKS + 1],
+        codes: &'a [u8],
+        ts: &'a [f32],
+        tb: &'a [f32],
+    }
+
+    impl RowTile<'_> {
+        /// Writes `TT` input rows' outputs (the lanes of `m`) from `t0`; returns `TT`.
+        #[inline(always)]
+        unsafe fn store<const TT: usize>(&self, v: &[__m256; TT], y: *mut f32, ldy: usize, n: usize, t0: usize, m: __m256i) -> usize {
+            for (t, vt) in v.iter().enumerate() {
+                // SAFETY: the caller's contract on `y` (columns n..n+live of these rows).
+                unsafe { _mm256_maskstore_ps(y.add((t0 + t) * ldy + n), m, *vt) };
+            }
+            TT
+        }
+
+        /// The tile's outputs for input rows `t0..t0+TT`: lane `r` of `result[t]` is weight
+        /// row `r` against input row `t0 + t`. `WHOLE`: units of 64 (else of 32).
+        #[inline(always)]
+        unsafe fn tokens<const TT: usize, const WHOLE: bool>(&self, xq: &QuantRows, t0: usize) -> [__m256; TT] {
+            unsafe {
+                let bl = self.bl;
+                let (dof, sof) = if WHOLE { (0, bl) } else { (2 * bl, 4 * bl) };
+                let rows: [(*const i8, &[f32]); TT] = std::array::from_fn(|t| {
+                    let (_, _, p, e) = xq.row(t0 + t);
+                    (p.as_ptr(), e)
+                });
+                let (ones, c256) = (_mm256_set1_epi16(1), _mm256_set1_epi16(256));
+                let mut y = [_mm256_setzero_ps(); TT];
+                for c in 0..PRODUCT_CHUNKS {
+                    let mut acc_c = [_mm256_setzero_ps(); TT];
+                    for u in self.bounds[c]..self.bounds[c + 1] {
+                        let (blk, half) = if WHOLE { (u, 0) } else { (u / 2, u % 2) };
+                        // The block's evens start here in each plane of its pair; odds 64 on.
+                        let base = (blk / 2) * PAIR_BYTES + (blk % 2) * 32;
+                        let wq = self.codes.as_ptr().add(blk * 16 * 4 * ROW_LANES);
+                        let mut it = [_mm256_setzero_si256(); TT];
+                        // A unit of 64 is quads 0..8 (evens), then 8..16 (odds); one of 32
+                        // its evens, quads 4h..4h+4, and its odds 8 further.
+                        for w in 0..if WHOLE { 2 } else { 1 } {
+                            let mut acc = [[_mm256_setzero_si256(); 3]; TT];
+                            for i in 0..8 {
+                                let k = if WHOLE { 8 * w + i } else { 4 * half + i / 2 + 8 * (i % 2) };
+                                let wv = _mm256_loadu_si256(wq.add(k * 4 * ROW_LANES) as *const __m256i);
+                                let off = base + (k / 8) * ACT_BLOCK + (k % 8) * 4;
+                                for (t, at) in acc.iter_mut().enumerate() {
+                                    let x = rows[t].0.add(off);
+                                    for (p, a) in at.iter_mut().enumerate() {
+                                        let xv = _mm256_set1_epi32((x.add(p * 2 * ACT_BLOCK) as *const i32).read_unaligned());
+                                        *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(wv, xv));
+                                    }
+                                }
+                            }
+                            for (t, [a0, a1, a2]) in acc.iter().enumerate() {
+                                let a01 = _mm256_add_epi32(_mm256_madd_epi16(*a0, ones), _mm256_madd_epi16(*a1, c256));
+                                it[t] = _mm256_add_epi32(it[t], _mm256_add_epi32(a01, _mm256_slli_epi32(_mm256_madd_epi16(*a2, ones), 16)));
+                            }
+                        }
+                        let (s, b) = (_mm256_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES)), _mm256_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES)));
+                        for t in 0..TT {
+                            let ev = rows[t].1;
+                            let sd = _mm256_mul_ps(s, _mm256_set1_ps(ev[dof + u]));
+                            let v = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(it[t]), _mm256_mul_ps(b, _mm256_set1_ps(ev[sof + u])));
+                            acc_c[t] = _mm256_add_ps(acc_c[t], v);
+                        }
+                    }
+                    for t in 0..TT {
+                        y[t] = _mm256_add_ps(y[t], acc_c[t]);
+                    }
+                }
+                y
             }
         }
     }
@@ -624,7 +1012,7 @@ mod avx512 {
 /// exact).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    use super::{unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
+    use super::{unit_len, FloatType, QuantRows, Scratch, Weights, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the codes in use that a decode product asks the cache for (as the f32
@@ -1001,9 +1389,6 @@ mod vnni {
             }
         }
     }
-
-    /// Weights of one product: codes, scales, biases (all rows) and the scales' type.
-    pub type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
 }
 
 #[cfg(test)]
