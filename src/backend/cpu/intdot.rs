@@ -188,8 +188,11 @@ impl QuantRows {
             if self.isa == Isa::Avx512 {
                 // SAFETY: Avx512 is only chosen when the CPU reports AVX-512 F/BW/VL.
                 unsafe { avx512::quantize_planes(self.layout, xr, d, sums, planes) };
+            } else if self.isa == Isa::Avx2 {
+                // SAFETY: Avx2 is only chosen when the CPU reports AVX2 and FMA.
+                unsafe { avx2q::quantize_planes(self.layout, xr, d, sums, planes) };
             }
-            if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
+            if !cfg!(target_arch = "x86_64") || self.isa == Isa::Portable {
                 planes.fill(0);
                 let layout = self.layout;
                 quantize_row(xr, d, sums, |b, e, p| {
@@ -900,6 +903,105 @@ mod avx2 {
                     }
                 }
                 y
+            }
+        }
+    }
+}
+
+/// The AVX2 quantizer: the bytes of [`quantize_row`] and the plane placement of each form,
+/// eight elements per operation. `x / d` is the same IEEE division and the conversion rounds
+/// to nearest even (the default MXCSR), so `xi` is `act_quant`'s.
+#[cfg(target_arch = "x86_64")]
+mod avx2q {
+    use super::{Layout, ACT_BLOCK, PAIR_BYTES};
+    use crate::numerics::ACT_LEVELS;
+    use std::arch::x86_64::*;
+
+    /// The three planes of eight `xi` (numerics::act_planes, lane by lane), as i32 lanes.
+    #[inline(always)]
+    unsafe fn planes3(xi: __m256i) -> [__m256i; 3] {
+        unsafe {
+            let (c128, m255) = (_mm256_set1_epi32(128), _mm256_set1_epi32(255));
+            let p0 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(xi, c128), m255), c128);
+            let r1 = _mm256_srai_epi32(_mm256_sub_epi32(xi, p0), 8);
+            let p1 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(r1, c128), m255), c128);
+            let p2 = _mm256_srai_epi32(_mm256_sub_epi32(r1, p1), 8);
+            [p0, p1, p2]
+        }
+    }
+
+    /// Thirty-two i32 lanes inside the i8 range as bytes in element order (the packs
+    /// interleave 128-bit halves; the permutation puts them back).
+    #[inline(always)]
+    unsafe fn bytes32(v: &[__m256i]) -> __m256i {
+        unsafe {
+            let b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+        }
+    }
+
+    /// One row into the Planes form (`planes`: the row's pairs).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_planes(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], planes: &mut [i8]) {
+        let bl = d.len();
+        if bl % 2 == 1 {
+            // The missing second block of the last pair.
+            planes[(bl / 2) * PAIR_BYTES..].fill(0);
+        }
+        for b in 0..bl {
+            // SAFETY: the block lies inside `x`; the stores inside the row's pair `b / 2`.
+            unsafe {
+                let blk = &x[b * ACT_BLOCK..(b * ACT_BLOCK + ACT_BLOCK).min(x.len())];
+                let k = blk.len() / 8;
+                let v: [__m256; 8] = std::array::from_fn(|i| if i < k { _mm256_loadu_ps(blk.as_ptr().add(8 * i)) } else { _mm256_setzero_ps() });
+                // act_scale: NaN when any element is NaN, else max|x| / ACT_LEVELS.
+                let abs = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+                let (mut nan, mut m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for xv in &v {
+                    nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(*xv, *xv));
+                    m = _mm256_max_ps(m, _mm256_and_ps(*xv, abs));
+                }
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+                let db = if _mm256_movemask_ps(nan) != 0 { f32::NAN } else { _mm_cvtss_f32(m) / ACT_LEVELS };
+                let xi: [__m256i; 8] = if db.is_normal() {
+                    let dv = _mm256_set1_ps(db);
+                    std::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_div_ps(v[i], dv)))
+                } else {
+                    [_mm256_setzero_si256(); 8]
+                };
+                let hsum = |a: __m256i, b: __m256i, c: __m256i, e: __m256i| {
+                    let s = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, e));
+                    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+                    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
+                };
+                d[b] = db;
+                sums[2 * b] = hsum(xi[0], xi[1], xi[2], xi[3]);
+                sums[2 * b + 1] = hsum(xi[4], xi[5], xi[6], xi[7]);
+                let pl: [[__m256i; 3]; 8] = std::array::from_fn(|i| planes3(xi[i]));
+                let base = planes.as_mut_ptr().add((b / 2) * PAIR_BYTES);
+                for p in 0..3 {
+                    let col: [__m256i; 8] = std::array::from_fn(|i| pl[i][p]);
+                    // Elements 0..32 and 32..64 of plane p.
+                    let (lo, hi) = (bytes32(&col[..4]), bytes32(&col[4..]));
+                    let at = base.add(p * 2 * ACT_BLOCK);
+                    match layout {
+                        Layout::Natural => {
+                            _mm256_storeu_si256(at.add((b % 2) * ACT_BLOCK) as *mut __m256i, lo);
+                            _mm256_storeu_si256(at.add((b % 2) * ACT_BLOCK + 32) as *mut __m256i, hi);
+                        }
+                        Layout::Nibbles => {
+                            // Per 16 elements, evens then odds; then per 32, [evens | odds].
+                            let eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+                            let split = |v: __m256i| _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(v, eo));
+                            let (lo, hi) = (split(lo), split(hi));
+                            _mm256_storeu_si256(at.add((b % 2) * 32) as *mut __m256i, _mm256_permute2x128_si256::<0x20>(lo, hi));
+                            _mm256_storeu_si256(at.add(ACT_BLOCK + (b % 2) * 32) as *mut __m256i, _mm256_permute2x128_si256::<0x31>(lo, hi));
+                        }
+                    }
+                }
             }
         }
     }
