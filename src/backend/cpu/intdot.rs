@@ -44,7 +44,7 @@ const PAIR_BYTES: usize = 6 * ACT_BLOCK;
 /// costs about three one-row products).
 pub const ROW_LANES_MIN_ROWS: usize = 4;
 /// The same threshold for AVX2's tiles of eight weight rows.
-pub const AVX2_ROW_LANES_MIN_ROWS: usize = 4;
+pub const AVX2_ROW_LANES_MIN_ROWS: usize = 2;
 
 /// The order of elements inside a block's plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -106,7 +106,7 @@ pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
     if vnni(isa) {
         (rows >= ROW_LANES_MIN_ROWS).then_some(16)
     } else {
-        (isa >= Isa::Avx2 && rows >= AVX2_ROW_LANES_MIN_ROWS).then_some(8)
+        (isa >= Isa::Avx2 && rows >= AVX2_ROW_LANES_MIN_ROWS).then_some(avx2::ROW_LANES)
     }
 }
 
@@ -690,7 +690,7 @@ mod avx2 {
     /// `y[t][n]` for every input row (a few) and `n in n0..n0+count`, one output at a time
     /// with [`row_value`]: the codes as stored, 4 KiB of them prefetched ahead.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn matmul_each(
         gs: usize,
         w: Weights<'_>,
@@ -728,9 +728,10 @@ mod avx2 {
                 )
             };
             if !raw {
-                for u in 0..units {
-                    su[u] = dt.get(sr, u * ul / gs);
-                    bu[u] = dt.get(br, u * ul / gs);
+                // SAFETY: the row's scales and biases; `su` and `bu` hold its units.
+                unsafe {
+                    widen_units(dt, gs, ul, sr, su);
+                    widen_units(dt, gs, ul, br, bu);
                 }
             }
             let sc = if raw { Scales::Bf16(sr, br) } else { Scales::F32(su, bu) };
@@ -744,8 +745,61 @@ mod avx2 {
         }
     }
 
-    /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane.
-    const ROW_LANES: usize = 8;
+    /// The 8×8 transpose of 32-bit lanes: lane `j` of result `i` is lane `i` of `v[j]`.
+    #[inline(always)]
+    unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+        unsafe {
+            let t: [__m256i; 8] = std::array::from_fn(|i| {
+                let (a, b) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
+                if i % 2 == 0 {
+                    _mm256_unpacklo_epi32(a, b)
+                } else {
+                    _mm256_unpackhi_epi32(a, b)
+                }
+            });
+            // Per 128-bit half, u[4g + j] holds lane j (of the half) of v[4g..4g+4].
+            let u: [__m256i; 8] = std::array::from_fn(|i| {
+                let (g, j) = (i / 4, i % 4);
+                let (a, b) = (t[4 * g + j / 2], t[4 * g + 2 + j / 2]);
+                if j % 2 == 0 {
+                    _mm256_unpacklo_epi64(a, b)
+                } else {
+                    _mm256_unpackhi_epi64(a, b)
+                }
+            });
+            std::array::from_fn(|i| if i < 4 { _mm256_permute2x128_si256::<0x20>(u[i], u[4 + i]) } else { _mm256_permute2x128_si256::<0x31>(u[i - 4], u[i]) })
+        }
+    }
+
+    /// A weight row's scales (or biases) `r` widened per unit into `dst` (its units): eight
+    /// at a time where a unit is a group (each type's conversion to f32 is exact, so any
+    /// instruction gives `FloatType::get`'s value), one at a time otherwise.
+    #[inline(always)]
+    unsafe fn widen_units(dt: FloatType, gs: usize, ul: usize, r: &[u8], dst: &mut [f32]) {
+        let units = dst.len();
+        let mut u = 0;
+        if gs == ul {
+            while u + 8 <= units {
+                // SAFETY: units u..u+8 are groups inside `r` and units inside `dst`.
+                unsafe {
+                    let v = match dt {
+                        FloatType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.as_ptr().add(2 * u) as *const __m128i)), 16)),
+                        FloatType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(2 * u) as *const __m128i)),
+                        FloatType::F32 => _mm256_loadu_ps(r.as_ptr().add(4 * u) as *const f32),
+                    };
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(u), v);
+                }
+                u += 8;
+            }
+        }
+        for (k, d) in dst.iter_mut().enumerate().skip(u) {
+            *d = dt.get(r, k * ul / gs);
+        }
+    }
+
+    /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane of `H` vectors.
+    pub const ROW_LANES: usize = 16;
+    const H: usize = ROW_LANES / 8;
 
     /// `y[t][n]` for every input row of the Planes form and `n in n0..n0+count`, weight rows in
     /// the lanes: each tile of eight weight rows has its codes unpacked once into
@@ -755,7 +809,7 @@ mod avx2 {
     /// (|·| ≤ 8·2·15·128 < 2^15) before `vpmaddwd` widens them. The epilogue and fold run per
     /// lane (one weight row) in unit order, per input row.
     #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn matmul_rows(
         gs: usize,
         w: Weights<'_>,
@@ -772,38 +826,60 @@ mod avx2 {
         let (ul, groups, units) = (unit_len(gs), cols / gs, bounds[PRODUCT_CHUNKS]);
         let (wb, sb) = (cols / 2, groups * dt.size());
         assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        let units8 = units.next_multiple_of(8);
         scratch.codes.resize(bl * 16 * 4 * ROW_LANES, 0);
-        scratch.ts.resize(units * ROW_LANES, 0.0);
-        scratch.tb.resize(units * ROW_LANES, 0.0);
-        let Scratch { codes, ts, tb, .. } = scratch;
+        scratch.ts.resize(units8 * ROW_LANES, 0.0);
+        scratch.tb.resize(units8 * ROW_LANES, 0.0);
+        scratch.su.resize(ROW_LANES * units8, 0.0);
+        scratch.bu.resize(ROW_LANES * units8, 0.0);
+        let Scratch { codes, ts, tb, su, bu, .. } = scratch;
         let mask = _mm256_set1_epi8(15);
         let mut n = n0;
         while n < n0 + count {
             let live = (n0 + count - n).min(ROW_LANES);
             // Lanes past `live` repeat the last row: computed, never stored.
-            for r in 0..ROW_LANES {
-                let row = n + r.min(live - 1);
-                let c = &weight[row * wb..(row + 1) * wb];
-                for b in 0..bl {
-                    // SAFETY: `load_codes` stays inside the row; the stores inside the tile.
+            let row = |r: usize| n + r.min(live - 1);
+            // Per block and eight rows, their code vectors' low and high nibbles transposed:
+            // quad k of the eight rows is vector k.
+            for b in 0..bl {
+                for h in 0..H {
+                    // SAFETY: `load_codes` stays inside each row; the stores inside the tile.
                     unsafe {
-                        let v = load_codes(c, 32 * b);
-                        let mut q = [0u32; 16];
-                        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, _mm256_and_si256(v, mask));
-                        _mm256_storeu_si256(q.as_mut_ptr().add(8) as *mut __m256i, _mm256_and_si256(_mm256_srli_epi16(v, 4), mask));
-                        let at = codes.as_mut_ptr().add(b * 16 * 4 * ROW_LANES + 4 * r) as *mut u32;
-                        for (k, &qk) in q.iter().enumerate() {
-                            at.add(k * ROW_LANES).write_unaligned(qk);
+                        let v: [__m256i; 8] = std::array::from_fn(|r| load_codes(&weight[row(8 * h + r) * wb..(row(8 * h + r) + 1) * wb], 32 * b));
+                        let lo = transpose8(std::array::from_fn(|r| _mm256_and_si256(v[r], mask)));
+                        let hi = transpose8(std::array::from_fn(|r| _mm256_and_si256(_mm256_srli_epi16(v[r], 4), mask)));
+                        let at = codes.as_mut_ptr().add(b * 16 * 4 * ROW_LANES + 32 * h);
+                        for k in 0..8 {
+                            _mm256_storeu_si256(at.add(k * 4 * ROW_LANES) as *mut __m256i, lo[k]);
+                            _mm256_storeu_si256(at.add((8 + k) * 4 * ROW_LANES) as *mut __m256i, hi[k]);
                         }
                     }
                 }
-                let (sr, br) = (&scales[row * sb..(row + 1) * sb], &biases[row * sb..(row + 1) * sb]);
-                for u in 0..units {
-                    ts[u * ROW_LANES + r] = dt.get(sr, u * ul / gs);
-                    tb[u * ROW_LANES + r] = dt.get(br, u * ul / gs);
+            }
+            // Scales and biases per unit, row by row (`[row][unit]`; the padding to eight
+            // units is never read as a unit), then transposed to `[unit][row]`.
+            for r in 0..ROW_LANES {
+                let rw = row(r);
+                // SAFETY: the row's scales and biases, and its units in `su` and `bu`.
+                unsafe {
+                    widen_units(dt, gs, ul, &scales[rw * sb..(rw + 1) * sb], &mut su[r * units8..r * units8 + units]);
+                    widen_units(dt, gs, ul, &biases[rw * sb..(rw + 1) * sb], &mut bu[r * units8..r * units8 + units]);
                 }
             }
-            let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+            for (src, dst) in [(&*su, &mut *ts), (&*bu, &mut *tb)] {
+                for u0 in (0..units8).step_by(8) {
+                    for h in 0..H {
+                        // SAFETY: eight units of eight rows inside `src`, stored inside `dst`.
+                        unsafe {
+                            let t = transpose8(std::array::from_fn(|r| _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add((8 * h + r) * units8 + u0)))));
+                            for (j, tj) in t.iter().enumerate() {
+                                _mm256_storeu_si256(dst.as_mut_ptr().add((u0 + j) * ROW_LANES + 8 * h) as *mut __m256i, *tj);
+                            }
+                        }
+                    }
+                }
+            }
+            let m: [__m256i; H] = std::array::from_fn(|h| _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32 - 8 * h as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
             let tl = RowTile { bl, bounds, codes, ts, tb };
             let mut t0 = 0;
             while t0 < xq.rows {
@@ -812,14 +888,14 @@ mod avx2 {
                     let left = xq.rows - t0;
                     t0 += if ul == ACT_BLOCK {
                         if left >= 2 {
-                            tl.store(&tl.tokens::<2, true>(xq, t0), y, ldy, n, t0, m)
+                            tl.store(&tl.tokens::<2, true>(xq, t0), y, ldy, n, t0, &m)
                         } else {
-                            tl.store(&tl.tokens::<1, true>(xq, t0), y, ldy, n, t0, m)
+                            tl.store(&tl.tokens::<1, true>(xq, t0), y, ldy, n, t0, &m)
                         }
                     } else if left >= 2 {
-                        tl.store(&tl.tokens::<2, false>(xq, t0), y, ldy, n, t0, m)
+                        tl.store(&tl.tokens::<2, false>(xq, t0), y, ldy, n, t0, &m)
                     } else {
-                        tl.store(&tl.tokens::<1, false>(xq, t0), y, ldy, n, t0, m)
+                        tl.store(&tl.tokens::<1, false>(xq, t0), y, ldy, n, t0, &m)
                     };
                 }
             }
@@ -840,18 +916,20 @@ mod avx2 {
     impl RowTile<'_> {
         /// Writes `TT` input rows' outputs (the lanes of `m`) from `t0`; returns `TT`.
         #[inline(always)]
-        unsafe fn store<const TT: usize>(&self, v: &[__m256; TT], y: *mut f32, ldy: usize, n: usize, t0: usize, m: __m256i) -> usize {
+        unsafe fn store<const TT: usize>(&self, v: &[[__m256; H]; TT], y: *mut f32, ldy: usize, n: usize, t0: usize, m: &[__m256i; H]) -> usize {
             for (t, vt) in v.iter().enumerate() {
-                // SAFETY: the caller's contract on `y` (columns n..n+live of these rows).
-                unsafe { _mm256_maskstore_ps(y.add((t0 + t) * ldy + n), m, *vt) };
+                for h in 0..H {
+                    // SAFETY: the caller's contract on `y` (columns n..n+live of these rows).
+                    unsafe { _mm256_maskstore_ps(y.add((t0 + t) * ldy + n + 8 * h), m[h], vt[h]) };
+                }
             }
             TT
         }
 
-        /// The tile's outputs for input rows `t0..t0+TT`: lane `r` of `result[t]` is weight
-        /// row `r` against input row `t0 + t`. `WHOLE`: units of 64 (else of 32).
+        /// The tile's outputs for input rows `t0..t0+TT`: lane `r` of `result[t][h]` is weight
+        /// row `8h + r` against input row `t0 + t`. `WHOLE`: units of 64 (else of 32).
         #[inline(always)]
-        unsafe fn tokens<const TT: usize, const WHOLE: bool>(&self, xq: &QuantRows, t0: usize) -> [__m256; TT] {
+        unsafe fn tokens<const TT: usize, const WHOLE: bool>(&self, xq: &QuantRows, t0: usize) -> [[__m256; H]; TT] {
             unsafe {
                 let bl = self.bl;
                 let (dof, sof) = if WHOLE { (0, bl) } else { (2 * bl, 4 * bl) };
@@ -860,46 +938,54 @@ mod avx2 {
                     (p.as_ptr(), e)
                 });
                 let (ones, c256) = (_mm256_set1_epi16(1), _mm256_set1_epi16(256));
-                let mut y = [_mm256_setzero_ps(); TT];
+                let mut y = [[_mm256_setzero_ps(); H]; TT];
                 for c in 0..PRODUCT_CHUNKS {
-                    let mut acc_c = [_mm256_setzero_ps(); TT];
+                    let mut acc_c = [[_mm256_setzero_ps(); H]; TT];
                     for u in self.bounds[c]..self.bounds[c + 1] {
                         let (blk, half) = if WHOLE { (u, 0) } else { (u / 2, u % 2) };
                         // The block's evens start here in each plane of its pair; odds 64 on.
                         let base = (blk / 2) * PAIR_BYTES + (blk % 2) * 32;
                         let wq = self.codes.as_ptr().add(blk * 16 * 4 * ROW_LANES);
-                        let mut it = [_mm256_setzero_si256(); TT];
+                        let mut it = [[_mm256_setzero_si256(); H]; TT];
                         // A unit of 64 is quads 0..8 (evens), then 8..16 (odds); one of 32
                         // its evens, quads 4h..4h+4, and its odds 8 further.
                         for w in 0..if WHOLE { 2 } else { 1 } {
-                            let mut acc = [[_mm256_setzero_si256(); 3]; TT];
+                            let mut acc = [[[_mm256_setzero_si256(); H]; 3]; TT];
                             for i in 0..8 {
                                 let k = if WHOLE { 8 * w + i } else { 4 * half + i / 2 + 8 * (i % 2) };
-                                let wv = _mm256_loadu_si256(wq.add(k * 4 * ROW_LANES) as *const __m256i);
+                                let wv: [__m256i; H] = std::array::from_fn(|h| _mm256_loadu_si256(wq.add(k * 4 * ROW_LANES + 32 * h) as *const __m256i));
                                 let off = base + (k / 8) * ACT_BLOCK + (k % 8) * 4;
                                 for (t, at) in acc.iter_mut().enumerate() {
                                     let x = rows[t].0.add(off);
                                     for (p, a) in at.iter_mut().enumerate() {
                                         let xv = _mm256_set1_epi32((x.add(p * 2 * ACT_BLOCK) as *const i32).read_unaligned());
-                                        *a = _mm256_add_epi16(*a, _mm256_maddubs_epi16(wv, xv));
+                                        for h in 0..H {
+                                            a[h] = _mm256_add_epi16(a[h], _mm256_maddubs_epi16(wv[h], xv));
+                                        }
                                     }
                                 }
                             }
-                            for (t, [a0, a1, a2]) in acc.iter().enumerate() {
-                                let a01 = _mm256_add_epi32(_mm256_madd_epi16(*a0, ones), _mm256_madd_epi16(*a1, c256));
-                                it[t] = _mm256_add_epi32(it[t], _mm256_add_epi32(a01, _mm256_slli_epi32(_mm256_madd_epi16(*a2, ones), 16)));
+                            for (t, at) in acc.iter().enumerate() {
+                                for h in 0..H {
+                                    let a01 = _mm256_add_epi32(_mm256_madd_epi16(at[0][h], ones), _mm256_madd_epi16(at[1][h], c256));
+                                    it[t][h] = _mm256_add_epi32(it[t][h], _mm256_add_epi32(a01, _mm256_slli_epi32(_mm256_madd_epi16(at[2][h], ones), 16)));
+                                }
                             }
                         }
-                        let (s, b) = (_mm256_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES)), _mm256_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES)));
-                        for t in 0..TT {
-                            let ev = rows[t].1;
-                            let sd = _mm256_mul_ps(s, _mm256_set1_ps(ev[dof + u]));
-                            let v = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(it[t]), _mm256_mul_ps(b, _mm256_set1_ps(ev[sof + u])));
-                            acc_c[t] = _mm256_add_ps(acc_c[t], v);
+                        for h in 0..H {
+                            let (s, b) = (_mm256_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES + 8 * h)), _mm256_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES + 8 * h)));
+                            for t in 0..TT {
+                                let ev = rows[t].1;
+                                let sd = _mm256_mul_ps(s, _mm256_set1_ps(ev[dof + u]));
+                                let v = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(it[t][h]), _mm256_mul_ps(b, _mm256_set1_ps(ev[sof + u])));
+                                acc_c[t][h] = _mm256_add_ps(acc_c[t][h], v);
+                            }
                         }
                     }
                     for t in 0..TT {
-                        y[t] = _mm256_add_ps(y[t], acc_c[t]);
+                        for h in 0..H {
+                            y[t][h] = _mm256_add_ps(y[t][h], acc_c[t][h]);
+                        }
                     }
                 }
                 y
@@ -981,9 +1067,9 @@ mod avx2q {
                 sums[2 * b] = hsum(xi[0], xi[1], xi[2], xi[3]);
                 sums[2 * b + 1] = hsum(xi[4], xi[5], xi[6], xi[7]);
                 let pl: [[__m256i; 3]; 8] = std::array::from_fn(|i| planes3(xi[i]));
+                let cols: [[__m256i; 8]; 3] = std::array::from_fn(|p| std::array::from_fn(|i| pl[i][p]));
                 let base = planes.as_mut_ptr().add((b / 2) * PAIR_BYTES);
-                for p in 0..3 {
-                    let col: [__m256i; 8] = std::array::from_fn(|i| pl[i][p]);
+                for (p, col) in cols.iter().enumerate() {
                     // Elements 0..32 and 32..64 of plane p.
                     let (lo, hi) = (bytes32(&col[..4]), bytes32(&col[4..]));
                     let at = base.add(p * 2 * ACT_BLOCK);
@@ -1596,11 +1682,85 @@ mod tests {
         }
     }
 
+    /// The edges of the tiled kernels (AVX2: sixteen weight rows, two input rows a pass;
+    /// VNNI: sixteen rows, up to eight input rows a pass) and of the one-row kernels (eight or
+    /// sixteen units a step): weight row counts around 8, 16 and 32, input row counts on
+    /// both sides of each kernel's threshold and of a pass, tasks starting inside a tile,
+    /// every group size and scale type, odd block counts, final half blocks and unit counts
+    /// that leave one unit past a step.
+    #[test]
+    fn tile_edges_give_the_reference_bits() {
+        let mut rng = Rng(23);
+        for &(gs, cols) in &[(32usize, 224usize), (64, 192), (128, 384), (64, 1088), (32, 1056), (128, 128)] {
+            for dt in [FloatType::BF16, FloatType::F16, FloatType::F32] {
+                for rows in [1usize, 2, 7, 9, 16, 17, 33] {
+                    let w = affine(rows, cols, 4, gs, dt, &mut rng);
+                    for tokens in [1usize, 2, 3, 4, 7, 9, 17] {
+                        let x = inputs(tokens, cols, true, &mut rng);
+                        let want: Vec<u32> = (0..tokens * rows).map(|i| reference(&w, &x[(i / rows) * cols..(i / rows + 1) * cols], i % rows).to_bits()).collect();
+                        for isa in Isa::available() {
+                            let mut xq = QuantRows::default();
+                            xq.shape(isa, tokens, cols, Layout::Nibbles);
+                            let base = xq.base();
+                            unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                            // Tasks split at a third of the rows (inside a tile), reusing one scratch.
+                            let mut y = vec![f32::NAN; tokens * rows];
+                            let mut scratch = Scratch::default();
+                            let split = rows / 3;
+                            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
+                            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
+                            for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                                assert_eq!(got.to_bits(), want, "{isa:?} gs {gs} cols {cols} {dt:?} rows {rows} tokens {tokens}: t {} n {}", i / rows, i % rows);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Units at the bound of AVX2's 16-bit sums: codes of 15 against `xi = -32 896` (planes
+    /// -128, -128, 0) in all but one element per block, so eight quads of a plane add to
+    /// 8·2·15·(-128) = -30 720 before widening; every group size, one input row and many.
+    #[test]
+    fn units_at_the_16_bit_bound_keep_their_bits() {
+        // d = 2032 / 2 080 768 = 2^-10 exactly, so the others give xi = -32.125 · 2^10.
+        for gs in [32, 64, 128] {
+            let (rows, cols) = (17, 256);
+            let mut w = affine(rows, cols, 4, gs, FloatType::BF16, &mut Rng(5));
+            if let MatrixData::Affine { weight, .. } = &mut w.data {
+                *weight = Bytes::from_vec(vec![0xff; rows * cols / 2]);
+            }
+            for tokens in [1, 2, 3, 17] {
+                let x: Vec<f32> = (0..tokens * cols).map(|i| if i % 64 == 7 { 2032.0 } else { -32.125 }).collect();
+                let mut q = QuantRows::default();
+                q.shape(Isa::Portable, tokens, cols, Layout::Nibbles);
+                let base = q.base();
+                unsafe { q.fill_rows(base, &x, 0, tokens) };
+                assert_eq!((q.d[0], q.sums[0]), (2f32.powi(-10), 2_080_768 - 31 * 32_896), "the input is not at the bound");
+                for isa in Isa::available() {
+                    let mut xq = QuantRows::default();
+                    xq.shape(isa, tokens, cols, Layout::Nibbles);
+                    let base = xq.base();
+                    unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
+                    for t in 0..tokens {
+                        for n in 0..rows {
+                            let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
+                            assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} gs {gs} tokens {tokens} t {t} n {n}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A unit at the bound of its integer: codes of 15 against `xi = ±2 080 768` everywhere
     /// (|I| = 64·15·2 080 768, just under 2^31), one input row and many, against the reference.
     #[test]
     fn units_at_the_integer_bound_keep_their_bits() {
-        for tokens in [1, 17] {
+        for tokens in [1, 2, 3, 17] {
             at_the_bound(tokens);
         }
     }
