@@ -623,8 +623,8 @@ mod avx2 {
     /// One output of 4-bit codes against one input row of the Planes form: eight units'
     /// integers at a time ([`eight_units`]), their values `fma(s·d, f32(I), b·(d·f32(S)))`
     /// eight lanes at once into `v`, then the fold in unit order (`bounds`: the chunks' first
-    /// units, then the unit count). A final group of fewer than eight units goes through
-    /// eight-element copies of its factors (zeros past the end).
+    /// units, then the unit count). A final group of fewer than eight units loads its factors
+    /// masked and copies its scales (zeros past the end).
     #[inline(always)]
     unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
         let units = bounds[PRODUCT_CHUNKS];
@@ -644,17 +644,16 @@ mod avx2 {
                     (_mm256_loadu_ps(ev.as_ptr().add(dof + u0)), _mm256_loadu_ps(ev.as_ptr().add(sof + u0)), s, b)
                 } else {
                     let k = units - u0;
-                    let mut f = [[0.0f32; 8]; 4];
-                    f[0][..k].copy_from_slice(&ev[dof + u0..dof + units]);
-                    f[1][..k].copy_from_slice(&ev[sof + u0..sof + units]);
+                    let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(k as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                    let mut f = [[0.0f32; 8]; 2];
                     for j in 0..k {
-                        (f[2][j], f[3][j]) = match sc {
+                        (f[0][j], f[1][j]) = match sc {
                             Scales::Bf16(s, b) => (bf16(s, u0 + j), bf16(b, u0 + j)),
                             Scales::F32(s, b) => (s[u0 + j], b[u0 + j]),
                         };
                     }
-                    let ld = |k: usize| _mm256_loadu_ps(f[k].as_ptr());
-                    (ld(0), ld(1), ld(2), ld(3))
+                    let (d, ds) = (_mm256_maskload_ps(ev.as_ptr().add(dof + u0), m), _mm256_maskload_ps(ev.as_ptr().add(sof + u0), m));
+                    (d, ds, _mm256_loadu_ps(f[0].as_ptr()), _mm256_loadu_ps(f[1].as_ptr()))
                 };
                 let val = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(i), _mm256_mul_ps(b, ds));
                 _mm256_storeu_ps(v.as_mut_ptr().add(u0), val);
@@ -712,12 +711,6 @@ mod avx2 {
         let Scratch { su, bu, v, .. } = scratch;
         // Bf16 with one group per unit is read in place; the rest widened per unit first.
         let raw = dt == FloatType::BF16 && gs == ul;
-        let rows: Vec<(&[i8], &[f32])> = (0..xq.rows)
-            .map(|t| {
-                let (_, _, p, e) = xq.row(t);
-                (p, e)
-            })
-            .collect();
         for n in n0..n0 + count {
             // SAFETY: row n's codes, scales and biases lie inside the buffers (asserted above).
             let (codes, sr, br) = unsafe {
@@ -738,7 +731,8 @@ mod avx2 {
             // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
             prefetch(scales.as_ptr().wrapping_add((n + 8) * sb));
             prefetch(biases.as_ptr().wrapping_add((n + 8) * sb));
-            for (t, &(planes, ev)) in rows.iter().enumerate() {
+            for t in 0..xq.rows {
+                let (_, _, planes, ev) = xq.row(t);
                 // SAFETY: the caller's contract on `y`.
                 unsafe { *y.add(t * ldy + n) = row_value(ul, codes, planes, ev, sc, bounds, v) };
             }
