@@ -19,7 +19,16 @@
 //!   outputs, and the epilogue and fold run per lane, each in its own order.
 //!
 //! AVX2 multiplies with `vpmaddubsw` (unsigned 4-bit codes by signed planes: a pair of
-//! products cannot saturate) and `vpmaddwd`.
+//! products cannot saturate, |·| ≤ 2·15·128) and widens with `vpmaddwd`, in the same two forms
+//! for 4-bit codes:
+//! - **one input row**: a block's products of each plane add in 16 bits and widen; a shuffle
+//!   tree sums eight units at once, and the epilogue runs eight units per instruction;
+//! - **two or more input rows**: a tile of sixteen weight rows, one per 32-bit lane of two
+//!   vectors, so each broadcast quad of a plane meets both; eight quads of a plane add in 16
+//!   bits (|·| ≤ 8·2·15·128 < 2^15) before they widen, and the epilogue and fold run per lane.
+//!
+//! 8-bit codes on AVX2 (and without VNNI) take the generic loop: each output and input row
+//! re-reads the codes, and the epilogue is scalar.
 //!
 //! Exactness of the 32-bit sums (4-bit codes): a unit's `I` satisfies |I| ≤ 64·15·2 080 768 <
 //! 2^31, and every plane's partial sum is far inside i32 (|Σ q·p| ≤ 64·15·128). The lanes add
