@@ -605,11 +605,12 @@ mod avx2 {
         }
     }
 
-    /// One weight row's scales and biases per unit: bf16 in place (one group per unit), or
-    /// widened to f32.
+    /// One weight row's scales and biases per unit: bf16 in place (one group per unit, or
+    /// per two units), or widened to f32.
     #[derive(Clone, Copy)]
     enum Scales<'a> {
         Bf16(&'a [u8], &'a [u8]),
+        Bf16Pairs(&'a [u8], &'a [u8]),
         F32(&'a [f32], &'a [f32]),
     }
 
@@ -621,6 +622,17 @@ mod avx2 {
                 match self {
                     Scales::Bf16(s, b) => {
                         let w = |r: &[u8]| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.as_ptr().add(2 * u0) as *const __m128i)), 16));
+                        (w(s), w(b))
+                    }
+                    Scales::Bf16Pairs(s, b) => {
+                        // Groups u0/2..u0/2+4, each into two lanes.
+                        let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+                        let w = |r: &[u8]| {
+                            _mm256_castsi256_ps(_mm256_slli_epi32(
+                                _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(_mm_loadl_epi64(r.as_ptr().add(u0) as *const __m128i)), pairs),
+                                16,
+                            ))
+                        };
                         (w(s), w(b))
                     }
                     Scales::F32(s, b) => (_mm256_loadu_ps(s.as_ptr().add(u0)), _mm256_loadu_ps(b.as_ptr().add(u0))),
@@ -658,6 +670,7 @@ mod avx2 {
                     for j in 0..k {
                         (f[0][j], f[1][j]) = match sc {
                             Scales::Bf16(s, b) => (bf16(s, u0 + j), bf16(b, u0 + j)),
+                            Scales::Bf16Pairs(s, b) => (bf16(s, (u0 + j) / 2), bf16(b, (u0 + j) / 2)),
                             Scales::F32(s, b) => (s[u0 + j], b[u0 + j]),
                         };
                     }
@@ -718,8 +731,8 @@ mod avx2 {
         scratch.bu.resize(units, 0.0);
         scratch.v.resize(units.next_multiple_of(8), 0.0);
         let Scratch { su, bu, v, .. } = scratch;
-        // Bf16 with one group per unit is read in place; the rest widened per unit first.
-        let raw = dt == FloatType::BF16 && gs == ul;
+        // Bf16 with a group per unit or per two is read in place; the rest widened per unit.
+        let raw = dt == FloatType::BF16 && (gs == ul || gs == 2 * ul);
         for n in n0..n0 + count {
             // SAFETY: row n's codes, scales and biases lie inside the buffers (asserted above).
             let (codes, sr, br) = unsafe {
@@ -736,7 +749,11 @@ mod avx2 {
                     widen_units(dt, gs, ul, br, bu);
                 }
             }
-            let sc = if raw { Scales::Bf16(sr, br) } else { Scales::F32(su, bu) };
+            let sc = match (raw, gs == ul) {
+                (true, true) => Scales::Bf16(sr, br),
+                (true, false) => Scales::Bf16Pairs(sr, br),
+                (false, _) => Scales::F32(su, bu),
+            };
             // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
             prefetch(scales.as_ptr().wrapping_add((n + 8) * sb));
             prefetch(biases.as_ptr().wrapping_add((n + 8) * sb));
@@ -775,8 +792,8 @@ mod avx2 {
     }
 
     /// A weight row's scales (or biases) `r` widened per unit into `dst` (its units): eight
-    /// at a time where a unit is a group (each type's conversion to f32 is exact, so any
-    /// instruction gives `FloatType::get`'s value), one at a time otherwise.
+    /// at a time where a unit is a group or half of one (each type's conversion to f32 is
+    /// exact, so any instruction gives `FloatType::get`'s value), one at a time otherwise.
     #[inline(always)]
     unsafe fn widen_units(dt: FloatType, gs: usize, ul: usize, r: &[u8], dst: &mut [f32]) {
         let units = dst.len();
@@ -791,6 +808,22 @@ mod avx2 {
                         FloatType::F32 => _mm256_loadu_ps(r.as_ptr().add(4 * u) as *const f32),
                     };
                     _mm256_storeu_ps(dst.as_mut_ptr().add(u), v);
+                }
+                u += 8;
+            }
+        } else if gs == 2 * ul {
+            // Groups of two units (128): four groups, each into two lanes.
+            let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            while u + 8 <= units {
+                // SAFETY: groups u/2..u/2+4 lie inside `r`, units u..u+8 inside `dst`.
+                unsafe {
+                    let g = u / 2;
+                    let v = match dt {
+                        FloatType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadl_epi64(r.as_ptr().add(2 * g) as *const __m128i)), 16)),
+                        FloatType::F16 => _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(r.as_ptr().add(2 * g) as *const __m128i))),
+                        FloatType::F32 => _mm256_castps128_ps256(_mm_loadu_ps(r.as_ptr().add(4 * g) as *const f32)),
+                    };
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(u), _mm256_permutevar8x32_ps(v, pairs));
                 }
                 u += 8;
             }
