@@ -52,7 +52,8 @@ const PAIR_BYTES: usize = 6 * ACT_BLOCK;
 /// once for all of them; below it, each output reads its codes as stored (the tile's unpacking
 /// costs about three one-row products).
 pub const ROW_LANES_MIN_ROWS: usize = 4;
-/// The same threshold for AVX2's tiles of eight weight rows.
+/// The same threshold for AVX2's tiles of sixteen weight rows (two vectors of eight lanes),
+/// whose unpacking is transposed eight rows at a time and costs less than a one-row product.
 pub const AVX2_ROW_LANES_MIN_ROWS: usize = 2;
 
 /// The order of elements inside a block's plane.
@@ -105,9 +106,9 @@ impl Layout {
 }
 
 /// Output rows a task of a product of `w` over `rows` input rows should be a multiple of on
-/// `isa`, when the integer kernel works in tiles (4-bit codes: 16 weight rows from
-/// [`ROW_LANES_MIN_ROWS`] input rows on VNNI, 8 from [`AVX2_ROW_LANES_MIN_ROWS`] on AVX2): a
-/// task of 24 rows would leave half of its second tile of sixteen idle.
+/// `isa`, when the integer kernel works in tiles (4-bit codes: 16 weight rows, from
+/// [`ROW_LANES_MIN_ROWS`] input rows on VNNI and [`AVX2_ROW_LANES_MIN_ROWS`] on AVX2): a task
+/// of 24 rows would leave half of its second tile idle.
 pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
     if !matches!(w.data, MatrixData::Affine { bits: 4, .. }) {
         return None;
@@ -838,12 +839,12 @@ mod avx2 {
     const H: usize = ROW_LANES / 8;
 
     /// `y[t][n]` for every input row of the Planes form and `n in n0..n0+count`, weight rows in
-    /// the lanes: each tile of eight weight rows has its codes unpacked once into
+    /// the lanes: each tile of sixteen weight rows has its codes unpacked once into
     /// `[block][quad][row][4 codes]` (and its scales into `[unit][row]`), then every input
-    /// row's quad of each plane is broadcast against a quad of all eight rows (`vpmaddubsw`).
-    /// A unit's eight even quads (or eight odd ones), then its other eight, add in 16 bits
-    /// (|·| ≤ 8·2·15·128 < 2^15) before `vpmaddwd` widens them. The epilogue and fold run per
-    /// lane (one weight row) in unit order, per input row.
+    /// row's quad of each plane is broadcast and meets the quads of rows 0..8 and 8..16
+    /// (`vpmaddubsw`, two input rows a pass). A unit's eight even quads (or eight odd ones),
+    /// then its other eight, add in 16 bits (|·| ≤ 8·2·15·128 < 2^15) before `vpmaddwd` widens
+    /// them. The epilogue and fold run per lane (one weight row) in unit order, per input row.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn matmul_rows(
