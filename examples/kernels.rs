@@ -1,4 +1,5 @@
-//! Times the CPU matrix-product kernels on random 4-bit weights in isolation (one thread):
+//! Times the CPU matrix-product kernels on random 4-bit weights (`BITS=8` for 8-bit, `GS` for
+//! the group size) in isolation (one thread):
 //! `cargo run --release --example kernels -- [tokens] [rows] [cols] [reps]`. Prints ms per
 //! call, weight GB/s and GFLOP/s. `PRODUCTS=int` times the integer-exact products instead
 //! (and the input's quantization); `CPU_TIME=1` measures the calling
@@ -16,13 +17,15 @@ fn main() {
     let rows = *a.get(1).unwrap_or(&8192);
     let cols = *a.get(2).unwrap_or(&1024);
     let reps = *a.get(3).unwrap_or(&20);
-    let gs = 64;
+    // `BITS` (4 or 8) and `GS` (32, 64, 128) pick the codes and the group size.
+    let env = |k: &str, d: usize| std::env::var(k).ok().and_then(|s| s.parse().ok()).unwrap_or(d);
+    let (bits, gs) = (env("BITS", 4), env("GS", 64));
     let mut state = 1u64;
     let mut next = || {
         state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         (state >> 33) as u32
     };
-    let codes: Vec<u8> = (0..rows * cols / 2).map(|_| next() as u8).collect();
+    let codes: Vec<u8> = (0..rows * cols * bits / 8).map(|_| next() as u8).collect();
     let sc: Vec<u8> = (0..rows * cols / gs).flat_map(|_| half::bf16::from_f32(0.01 + (next() % 100) as f32 * 1e-4).to_bits().to_le_bytes()).collect();
     let bi: Vec<u8> = (0..rows * cols / gs).flat_map(|_| half::bf16::from_f32(-0.05).to_bits().to_le_bytes()).collect();
     let w = Matrix {
@@ -30,7 +33,7 @@ fn main() {
         rows,
         cols,
         data: MatrixData::Affine {
-            bits: 4,
+            bits: bits as u32,
             group_size: gs,
             weight: Bytes::from_vec(codes),
             scales: Bytes::from_vec(sc),
@@ -49,7 +52,7 @@ fn main() {
                 let mut scratch = intdot::Scratch::default();
                 for _ in 0..reps {
                     let t = Instant::now();
-                    xq.shape(isa, tokens, cols, Layout::Nibbles);
+                    xq.shape(isa, tokens, cols, Layout::of(&w).unwrap());
                     let base = xq.base();
                     unsafe { xq.fill_rows(base, &x, 0, tokens) };
                     best_q = best_q.min(t.elapsed().as_secs_f64());

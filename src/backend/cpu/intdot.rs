@@ -19,7 +19,16 @@
 //!   outputs, and the epilogue and fold run per lane, each in its own order.
 //!
 //! AVX2 multiplies with `vpmaddubsw` (unsigned 4-bit codes by signed planes: a pair of
-//! products cannot saturate) and `vpmaddwd`.
+//! products cannot saturate, |·| ≤ 2·15·128) and widens with `vpmaddwd`, in the same two forms
+//! for 4-bit codes:
+//! - **one input row**: a block's products of each plane add in 16 bits and widen; a shuffle
+//!   tree sums eight units at once, and the epilogue runs eight units per instruction;
+//! - **two or more input rows**: a tile of sixteen weight rows, one per 32-bit lane of two
+//!   vectors, so each broadcast quad of a plane meets both; eight quads of a plane add in 16
+//!   bits (|·| ≤ 8·2·15·128 < 2^15) before they widen, and the epilogue and fold run per lane.
+//!
+//! 8-bit codes on AVX2 (and without VNNI) take the generic loop: each output and input row
+//! re-reads the codes, and the epilogue is scalar.
 //!
 //! Exactness of the 32-bit sums (4-bit codes): a unit's `I` satisfies |I| ≤ 64·15·2 080 768 <
 //! 2^31, and every plane's partial sum is far inside i32 (|Σ q·p| ≤ 64·15·128). The lanes add
@@ -43,6 +52,9 @@ const PAIR_BYTES: usize = 6 * ACT_BLOCK;
 /// once for all of them; below it, each output reads its codes as stored (the tile's unpacking
 /// costs about three one-row products).
 pub const ROW_LANES_MIN_ROWS: usize = 4;
+/// The same threshold for AVX2's tiles of sixteen weight rows (two vectors of eight lanes),
+/// whose unpacking is transposed eight rows at a time and costs less than a one-row product.
+pub const AVX2_ROW_LANES_MIN_ROWS: usize = 2;
 
 /// The order of elements inside a block's plane.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -94,10 +106,18 @@ impl Layout {
 }
 
 /// Output rows a task of a product of `w` over `rows` input rows should be a multiple of on
-/// `isa`, when the integer kernel works in tiles (16 weight rows from [`ROW_LANES_MIN_ROWS`]
-/// input rows, 4-bit codes on VNNI): a task of 24 rows would leave half of its second tile idle.
+/// `isa`, when the integer kernel works in tiles (4-bit codes: 16 weight rows, from
+/// [`ROW_LANES_MIN_ROWS`] input rows on VNNI and [`AVX2_ROW_LANES_MIN_ROWS`] on AVX2): a task
+/// of 24 rows would leave half of its second tile idle.
 pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
-    (matches!(w.data, MatrixData::Affine { bits: 4, .. }) && rows >= ROW_LANES_MIN_ROWS && vnni(isa)).then_some(16)
+    if !matches!(w.data, MatrixData::Affine { bits: 4, .. }) {
+        return None;
+    }
+    if vnni(isa) {
+        (rows >= ROW_LANES_MIN_ROWS).then_some(16)
+    } else {
+        (isa >= Isa::Avx2 && rows >= AVX2_ROW_LANES_MIN_ROWS).then_some(avx2::ROW_LANES)
+    }
 }
 
 /// Whether `isa` is AVX-512 on a CPU with VNNI (`vpdpbusd`).
@@ -178,8 +198,11 @@ impl QuantRows {
             if self.isa == Isa::Avx512 {
                 // SAFETY: Avx512 is only chosen when the CPU reports AVX-512 F/BW/VL.
                 unsafe { avx512::quantize_planes(self.layout, xr, d, sums, planes) };
+            } else if self.isa == Isa::Avx2 {
+                // SAFETY: Avx2 is only chosen when the CPU reports AVX2 and FMA.
+                unsafe { avx2q::quantize_planes(self.layout, xr, d, sums, planes) };
             }
-            if !cfg!(target_arch = "x86_64") || self.isa != Isa::Avx512 {
+            if !cfg!(target_arch = "x86_64") || self.isa == Isa::Portable {
                 planes.fill(0);
                 let layout = self.layout;
                 quantize_row(xr, d, sums, |b, e, p| {
@@ -285,21 +308,27 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
     let units = cols / ul;
     let groups = cols / gs;
     let (wb, sb) = (cols * bits / 8, groups * scale_dtype.size());
-    let fast = bits == 4 && vnni(isa);
     scratch.s.resize(groups, 0.0);
     scratch.b.resize(groups, 0.0);
     scratch.ints.resize(units, 0);
     // The fold's chunk bounds, the same for every output.
     let bounds: [usize; PRODUCT_CHUNKS + 1] = std::array::from_fn(|c| if c < PRODUCT_CHUNKS { chunk_units(units, c).0 } else { units });
     #[cfg(target_arch = "x86_64")]
-    if fast {
+    if bits == 4 && isa >= Isa::Avx2 {
         let w = (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype);
-        // SAFETY: `vnni` checked the CPU; the caller's contract on `y`.
+        // SAFETY: `vnni` checked the CPU, and Avx2 (and Avx512) is only chosen when it reports
+        // AVX2 and FMA; the caller's contract on `y`.
         unsafe {
-            if xq.rows >= ROW_LANES_MIN_ROWS {
-                vnni::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+            if vnni(isa) {
+                if xq.rows >= ROW_LANES_MIN_ROWS {
+                    vnni::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+                } else {
+                    vnni::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+                }
+            } else if xq.rows >= AVX2_ROW_LANES_MIN_ROWS {
+                avx2::matmul_rows(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
             } else {
-                vnni::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
+                avx2::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
             }
         }
         return;
@@ -326,6 +355,10 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
         }
     }
 }
+
+/// Weights of one product: codes, scales, biases (all rows) and the scales' type.
+#[cfg(target_arch = "x86_64")]
+type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
 
 /// Per-call buffers of [`matmul`]: a row's scales and biases (per group and per unit), its
 /// unit integers and values, and the row-lanes kernel's tile of unpacked codes and scales.
@@ -416,7 +449,7 @@ fn unit_ints_portable(bits: usize, ul: usize, codes: &[u8], planes: &[i8], ints:
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{ACT_BLOCK, PAIR_BYTES};
+    use super::{unit_len, FloatType, QuantRows, Scratch, Weights, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
     use std::arch::x86_64::*;
 
     /// Sum of the eight i32 lanes.
@@ -511,6 +544,586 @@ mod avx2 {
                     }
                 } else {
                     ints[h] = i;
+                }
+            }
+        }
+    }
+
+    /// Bytes ahead of the codes in use that a decode product asks the cache for.
+    const PREFETCH_BYTES: usize = 4096;
+
+    /// Block `blk` of one weight row (4-bit codes) against one input row: lanes 0..4 hold its
+    /// first 32 elements, 4..8 the rest, each lane `a0 + 256·a1 + 65536·a2` modulo 2^32 (`ap`
+    /// the lane's sum of codes times plane `p`). Each plane's even and odd products add in
+    /// 16 bits (|·| ≤ 4·15·128) before `vpmaddwd` widens them, by 1 or 256.
+    #[inline(always)]
+    unsafe fn block_ints(codes: &[u8], planes: &[i8], blk: usize) -> __m256i {
+        unsafe {
+            let (mask, ones, c256) = (_mm256_set1_epi8(15), _mm256_set1_epi16(1), _mm256_set1_epi16(256));
+            let c = load_codes(codes, blk * 32);
+            let lo = _mm256_and_si256(c, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+            // Plane p of this block: evens at p·128 + (blk % 2)·32, odds 64 further.
+            let pl = &planes[(blk / 2) * PAIR_BYTES + (blk % 2) * 32..];
+            let p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, plane(pl, 0)), _mm256_maddubs_epi16(hi, plane(pl, ACT_BLOCK)));
+            let p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, plane(pl, 2 * ACT_BLOCK)), _mm256_maddubs_epi16(hi, plane(pl, 3 * ACT_BLOCK)));
+            let p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, plane(pl, 4 * ACT_BLOCK)), _mm256_maddubs_epi16(hi, plane(pl, 5 * ACT_BLOCK)));
+            let a01 = _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, c256));
+            _mm256_add_epi32(a01, _mm256_slli_epi32(_mm256_madd_epi16(p2, ones), 16))
+        }
+    }
+
+    /// Per 128-bit half, the sums of the four lanes of `a`, `b`, `c`, `d` in that order.
+    #[inline(always)]
+    unsafe fn sum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> __m256i {
+        unsafe {
+            let l1 = |a: __m256i, b: __m256i| _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+            let (x, y) = (l1(a, b), l1(c, d));
+            _mm256_add_epi32(_mm256_unpacklo_epi64(x, y), _mm256_unpackhi_epi64(x, y))
+        }
+    }
+
+    /// Eight units' integers of one weight row against one input row, in unit order from unit
+    /// `u0` (units past `units` are 0): units of 64 are blocks, summed over all eight lanes of
+    /// [`block_ints`]; units of 32 are halves of blocks, summed over four.
+    #[inline(always)]
+    unsafe fn eight_units(whole: bool, codes: &[u8], planes: &[i8], bl: usize, u0: usize) -> __m256i {
+        unsafe {
+            let z = _mm256_setzero_si256();
+            let bi = |blk: usize| if blk < bl { block_ints(codes, planes, blk) } else { z };
+            if whole {
+                let b0 = u0;
+                let v0 = sum4(bi(b0), bi(b0 + 1), bi(b0 + 2), bi(b0 + 3));
+                let v1 = sum4(bi(b0 + 4), bi(b0 + 5), bi(b0 + 6), bi(b0 + 7));
+                // Low halves of v0, v1 hold the first 32 elements' sums of blocks 0..4, 4..8.
+                _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(v0, v1), _mm256_permute2x128_si256::<0x31>(v0, v1))
+            } else {
+                let b0 = u0 / 2;
+                // Lanes: units 0 2 4 6 | 1 3 5 7.
+                let v = sum4(bi(b0), bi(b0 + 1), bi(b0 + 2), bi(b0 + 3));
+                _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+            }
+        }
+    }
+
+    /// One weight row's scales and biases per unit: bf16 in place (one group per unit, or
+    /// per two units), or widened to f32.
+    #[derive(Clone, Copy)]
+    enum Scales<'a> {
+        Bf16(&'a [u8], &'a [u8]),
+        Bf16Pairs(&'a [u8], &'a [u8]),
+        F32(&'a [f32], &'a [f32]),
+    }
+
+    impl Scales<'_> {
+        /// Units `u0..u0+8` as f32 (all inside the row): a bf16 is the top half of its f32.
+        #[inline(always)]
+        unsafe fn load(self, u0: usize) -> (__m256, __m256) {
+            unsafe {
+                match self {
+                    Scales::Bf16(s, b) => {
+                        let w = |r: &[u8]| _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.as_ptr().add(2 * u0) as *const __m128i)), 16));
+                        (w(s), w(b))
+                    }
+                    Scales::Bf16Pairs(s, b) => {
+                        // Groups u0/2..u0/2+4, each into two lanes.
+                        let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+                        let w = |r: &[u8]| {
+                            _mm256_castsi256_ps(_mm256_slli_epi32(
+                                _mm256_permutevar8x32_epi32(_mm256_cvtepu16_epi32(_mm_loadl_epi64(r.as_ptr().add(u0) as *const __m128i)), pairs),
+                                16,
+                            ))
+                        };
+                        (w(s), w(b))
+                    }
+                    Scales::F32(s, b) => (_mm256_loadu_ps(s.as_ptr().add(u0)), _mm256_loadu_ps(b.as_ptr().add(u0))),
+                }
+            }
+        }
+    }
+
+    /// One output of 4-bit codes against one input row of the Planes form: eight units'
+    /// integers at a time ([`eight_units`]), their values `fma(s·d, f32(I), b·(d·f32(S)))`
+    /// eight lanes at once into `v`, then the fold in unit order (`bounds`: the chunks' first
+    /// units, then the unit count). A final group of fewer than eight units loads its factors
+    /// masked and copies its scales (zeros past the end).
+    #[inline(always)]
+    unsafe fn row_value(ul: usize, codes: &[u8], planes: &[i8], ev: &[f32], sc: Scales<'_>, bounds: &[usize; PRODUCT_CHUNKS + 1], v: &mut [f32]) -> f32 {
+        let units = bounds[PRODUCT_CHUNKS];
+        let bl = ev.len() / 6;
+        debug_assert!(v.len() >= units.next_multiple_of(8) && planes.len() == bl.div_ceil(2) * PAIR_BYTES);
+        let whole = ul == ACT_BLOCK;
+        let (dof, sof) = if whole { (0, bl) } else { (2 * bl, 4 * bl) };
+        let mut u0 = 0;
+        while u0 < units {
+            // SAFETY: blocks below `bl` lie inside `codes` and `planes`; whole groups of eight
+            // units inside the per-unit slices, the last group copied.
+            unsafe {
+                prefetch(codes.as_ptr().wrapping_add(u0 * ul / 2 + PREFETCH_BYTES));
+                let i = eight_units(whole, codes, planes, bl, u0);
+                let (d, ds, s, b) = if u0 + 8 <= units {
+                    let (s, b) = sc.load(u0);
+                    (_mm256_loadu_ps(ev.as_ptr().add(dof + u0)), _mm256_loadu_ps(ev.as_ptr().add(sof + u0)), s, b)
+                } else {
+                    let k = units - u0;
+                    let m = _mm256_cmpgt_epi32(_mm256_set1_epi32(k as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+                    let mut f = [[0.0f32; 8]; 2];
+                    for j in 0..k {
+                        (f[0][j], f[1][j]) = match sc {
+                            Scales::Bf16(s, b) => (bf16(s, u0 + j), bf16(b, u0 + j)),
+                            Scales::Bf16Pairs(s, b) => (bf16(s, (u0 + j) / 2), bf16(b, (u0 + j) / 2)),
+                            Scales::F32(s, b) => (s[u0 + j], b[u0 + j]),
+                        };
+                    }
+                    let (d, ds) = (_mm256_maskload_ps(ev.as_ptr().add(dof + u0), m), _mm256_maskload_ps(ev.as_ptr().add(sof + u0), m));
+                    (d, ds, _mm256_loadu_ps(f[0].as_ptr()), _mm256_loadu_ps(f[1].as_ptr()))
+                };
+                let val = _mm256_fmadd_ps(_mm256_mul_ps(s, d), _mm256_cvtepi32_ps(i), _mm256_mul_ps(b, ds));
+                _mm256_storeu_ps(v.as_mut_ptr().add(u0), val);
+            }
+            u0 += 8;
+        }
+        // numerics::fold_units, with the chunk bounds computed once per product.
+        let mut y = 0.0f32;
+        for c in 0..PRODUCT_CHUNKS {
+            let mut acc = 0.0f32;
+            for &x in &v[bounds[c]..bounds[c + 1]] {
+                acc += x;
+            }
+            y += acc;
+        }
+        y
+    }
+
+    /// The bf16 at index `i` of `r`, widened.
+    #[inline(always)]
+    fn bf16(r: &[u8], i: usize) -> f32 {
+        f32::from_bits((u16::from_le_bytes([r[2 * i], r[2 * i + 1]]) as u32) << 16)
+    }
+
+    /// A hint to bring the line at `p` into the cache (no effect on any value; `p` need not
+    /// be inside an allocation).
+    #[inline(always)]
+    fn prefetch(p: *const u8) {
+        // SAFETY: a prefetch reads nothing architecturally.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) };
+    }
+
+    /// `y[t][n]` for every input row (a few) and `n in n0..n0+count`, one output at a time
+    /// with [`row_value`]: the codes as stored, 4 KiB of them prefetched ahead.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn matmul_each(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (ul, units) = (unit_len(gs), bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (xq.cols / 2, xq.cols / gs * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        scratch.su.resize(units, 0.0);
+        scratch.bu.resize(units, 0.0);
+        scratch.v.resize(units.next_multiple_of(8), 0.0);
+        let Scratch { su, bu, v, .. } = scratch;
+        // Bf16 with a group per unit or per two is read in place; the rest widened per unit.
+        let raw = dt == FloatType::BF16 && (gs == ul || gs == 2 * ul);
+        for n in n0..n0 + count {
+            // SAFETY: row n's codes, scales and biases lie inside the buffers (asserted above).
+            let (codes, sr, br) = unsafe {
+                (
+                    std::slice::from_raw_parts(weight.as_ptr().add(n * wb), wb),
+                    std::slice::from_raw_parts(scales.as_ptr().add(n * sb), sb),
+                    std::slice::from_raw_parts(biases.as_ptr().add(n * sb), sb),
+                )
+            };
+            if !raw {
+                // SAFETY: the row's scales and biases; `su` and `bu` hold its units.
+                unsafe {
+                    widen_units(dt, gs, ul, sr, su);
+                    widen_units(dt, gs, ul, br, bu);
+                }
+            }
+            let sc = match (raw, gs == ul) {
+                (true, true) => Scales::Bf16(sr, br),
+                (true, false) => Scales::Bf16Pairs(sr, br),
+                (false, _) => Scales::F32(su, bu),
+            };
+            // The scales of rows ahead (a hint: the hardware prefetcher follows the codes).
+            prefetch(scales.as_ptr().wrapping_add((n + 8) * sb));
+            prefetch(biases.as_ptr().wrapping_add((n + 8) * sb));
+            for t in 0..xq.rows {
+                let (_, _, planes, ev) = xq.row(t);
+                // SAFETY: the caller's contract on `y`.
+                unsafe { *y.add(t * ldy + n) = row_value(ul, codes, planes, ev, sc, bounds, v) };
+            }
+        }
+    }
+
+    /// The 8×8 transpose of 32-bit lanes: lane `j` of result `i` is lane `i` of `v[j]`.
+    #[inline(always)]
+    unsafe fn transpose8(v: [__m256i; 8]) -> [__m256i; 8] {
+        unsafe {
+            let t: [__m256i; 8] = std::array::from_fn(|i| {
+                let (a, b) = (v[2 * (i / 2)], v[2 * (i / 2) + 1]);
+                if i % 2 == 0 {
+                    _mm256_unpacklo_epi32(a, b)
+                } else {
+                    _mm256_unpackhi_epi32(a, b)
+                }
+            });
+            // Per 128-bit half, u[4g + j] holds lane j (of the half) of v[4g..4g+4].
+            let u: [__m256i; 8] = std::array::from_fn(|i| {
+                let (g, j) = (i / 4, i % 4);
+                let (a, b) = (t[4 * g + j / 2], t[4 * g + 2 + j / 2]);
+                if j % 2 == 0 {
+                    _mm256_unpacklo_epi64(a, b)
+                } else {
+                    _mm256_unpackhi_epi64(a, b)
+                }
+            });
+            std::array::from_fn(|i| if i < 4 { _mm256_permute2x128_si256::<0x20>(u[i], u[4 + i]) } else { _mm256_permute2x128_si256::<0x31>(u[i - 4], u[i]) })
+        }
+    }
+
+    /// A weight row's scales (or biases) `r` widened per unit into `dst` (its units): eight
+    /// at a time where a unit is a group or half of one (each type's conversion to f32 is
+    /// exact, so any instruction gives `FloatType::get`'s value), one at a time otherwise.
+    #[inline(always)]
+    unsafe fn widen_units(dt: FloatType, gs: usize, ul: usize, r: &[u8], dst: &mut [f32]) {
+        let units = dst.len();
+        let mut u = 0;
+        if gs == ul {
+            while u + 8 <= units {
+                // SAFETY: units u..u+8 are groups inside `r` and units inside `dst`.
+                unsafe {
+                    let v = match dt {
+                        FloatType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(r.as_ptr().add(2 * u) as *const __m128i)), 16)),
+                        FloatType::F16 => _mm256_cvtph_ps(_mm_loadu_si128(r.as_ptr().add(2 * u) as *const __m128i)),
+                        FloatType::F32 => _mm256_loadu_ps(r.as_ptr().add(4 * u) as *const f32),
+                    };
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(u), v);
+                }
+                u += 8;
+            }
+        } else if gs == 2 * ul {
+            // Groups of two units (128): four groups, each into two lanes.
+            let pairs = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            while u + 8 <= units {
+                // SAFETY: groups u/2..u/2+4 lie inside `r`, units u..u+8 inside `dst`.
+                unsafe {
+                    let g = u / 2;
+                    let v = match dt {
+                        FloatType::BF16 => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadl_epi64(r.as_ptr().add(2 * g) as *const __m128i)), 16)),
+                        FloatType::F16 => _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(r.as_ptr().add(2 * g) as *const __m128i))),
+                        FloatType::F32 => _mm256_castps128_ps256(_mm_loadu_ps(r.as_ptr().add(4 * g) as *const f32)),
+                    };
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(u), _mm256_permutevar8x32_ps(v, pairs));
+                }
+                u += 8;
+            }
+        }
+        for (k, d) in dst.iter_mut().enumerate().skip(u) {
+            *d = dt.get(r, k * ul / gs);
+        }
+    }
+
+    /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane of `H` vectors.
+    pub const ROW_LANES: usize = 16;
+    const H: usize = ROW_LANES / 8;
+
+    /// `y[t][n]` for every input row of the Planes form and `n in n0..n0+count`, weight rows in
+    /// the lanes: each tile of sixteen weight rows has its codes unpacked once into
+    /// `[block][quad][row][4 codes]` (and its scales into `[unit][row]`), then every input
+    /// row's quad of each plane is broadcast and meets the quads of rows 0..8 and 8..16
+    /// (`vpmaddubsw`, two input rows a pass). A unit's eight even quads (or eight odd ones),
+    /// then its other eight, add in 16 bits (|·| ≤ 8·2·15·128 < 2^15) before `vpmaddwd` widens
+    /// them. The epilogue and fold run per lane (one weight row) in unit order, per input row.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn matmul_rows(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (cols, bl) = (xq.cols, xq.blocks);
+        let (ul, groups, units) = (unit_len(gs), cols / gs, bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (cols / 2, groups * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        let units8 = units.next_multiple_of(8);
+        scratch.codes.resize(bl * 16 * 4 * ROW_LANES, 0);
+        scratch.ts.resize(units8 * ROW_LANES, 0.0);
+        scratch.tb.resize(units8 * ROW_LANES, 0.0);
+        scratch.su.resize(ROW_LANES * units8, 0.0);
+        scratch.bu.resize(ROW_LANES * units8, 0.0);
+        let Scratch { codes, ts, tb, su, bu, .. } = scratch;
+        let mask = _mm256_set1_epi8(15);
+        let mut n = n0;
+        while n < n0 + count {
+            let live = (n0 + count - n).min(ROW_LANES);
+            // Lanes past `live` repeat the last row: computed, never stored.
+            let row = |r: usize| n + r.min(live - 1);
+            // Per block and eight rows, their code vectors' low and high nibbles transposed:
+            // quad k of the eight rows is vector k.
+            for b in 0..bl {
+                for h in 0..H {
+                    // SAFETY: `load_codes` stays inside each row; the stores inside the tile.
+                    unsafe {
+                        let v: [__m256i; 8] = std::array::from_fn(|r| load_codes(&weight[row(8 * h + r) * wb..(row(8 * h + r) + 1) * wb], 32 * b));
+                        let lo = transpose8(std::array::from_fn(|r| _mm256_and_si256(v[r], mask)));
+                        let hi = transpose8(std::array::from_fn(|r| _mm256_and_si256(_mm256_srli_epi16(v[r], 4), mask)));
+                        let at = codes.as_mut_ptr().add(b * 16 * 4 * ROW_LANES + 32 * h);
+                        for k in 0..8 {
+                            _mm256_storeu_si256(at.add(k * 4 * ROW_LANES) as *mut __m256i, lo[k]);
+                            _mm256_storeu_si256(at.add((8 + k) * 4 * ROW_LANES) as *mut __m256i, hi[k]);
+                        }
+                    }
+                }
+            }
+            // Scales and biases per unit, row by row (`[row][unit]`; the padding to eight
+            // units is never read as a unit), then transposed to `[unit][row]`.
+            for r in 0..ROW_LANES {
+                let rw = row(r);
+                // SAFETY: the row's scales and biases, and its units in `su` and `bu`.
+                unsafe {
+                    widen_units(dt, gs, ul, &scales[rw * sb..(rw + 1) * sb], &mut su[r * units8..r * units8 + units]);
+                    widen_units(dt, gs, ul, &biases[rw * sb..(rw + 1) * sb], &mut bu[r * units8..r * units8 + units]);
+                }
+            }
+            for (src, dst) in [(&*su, &mut *ts), (&*bu, &mut *tb)] {
+                for u0 in (0..units8).step_by(8) {
+                    for h in 0..H {
+                        // SAFETY: eight units of eight rows inside `src`, stored inside `dst`.
+                        unsafe {
+                            let t = transpose8(std::array::from_fn(|r| _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add((8 * h + r) * units8 + u0)))));
+                            for (j, tj) in t.iter().enumerate() {
+                                _mm256_storeu_si256(dst.as_mut_ptr().add((u0 + j) * ROW_LANES + 8 * h) as *mut __m256i, *tj);
+                            }
+                        }
+                    }
+                }
+            }
+            let m: [__m256i; H] = std::array::from_fn(|h| _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32 - 8 * h as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            let tl = RowTile { bl, bounds, codes, ts, tb };
+            let mut t0 = 0;
+            while t0 < xq.rows {
+                // SAFETY: the tile's buffers as filled above; the caller's contract on `y`.
+                unsafe {
+                    let left = xq.rows - t0;
+                    t0 += if ul == ACT_BLOCK {
+                        if left >= 2 {
+                            tl.store(&tl.tokens::<2, true>(xq, t0), y, ldy, n, t0, &m)
+                        } else {
+                            tl.store(&tl.tokens::<1, true>(xq, t0), y, ldy, n, t0, &m)
+                        }
+                    } else if left >= 2 {
+                        tl.store(&tl.tokens::<2, false>(xq, t0), y, ldy, n, t0, &m)
+                    } else {
+                        tl.store(&tl.tokens::<1, false>(xq, t0), y, ldy, n, t0, &m)
+                    };
+                }
+            }
+            n += live;
+        }
+    }
+
+    /// One tile of [`matmul_rows`]: its codes `[block][quad][row][4]`, scales and biases
+    /// `[unit][row]`.
+    struct RowTile<'a> {
+        bl: usize,
+        bounds: &'a [usize; PRODUCT_CHUNKS + 1],
+        codes: &'a [u8],
+        ts: &'a [f32],
+        tb: &'a [f32],
+    }
+
+    impl RowTile<'_> {
+        /// Writes `TT` input rows' outputs (the lanes of `m`) from `t0`; returns `TT`.
+        #[inline(always)]
+        unsafe fn store<const TT: usize>(&self, v: &[[__m256; H]; TT], y: *mut f32, ldy: usize, n: usize, t0: usize, m: &[__m256i; H]) -> usize {
+            for (t, vt) in v.iter().enumerate() {
+                for h in 0..H {
+                    // SAFETY: the caller's contract on `y` (columns n..n+live of these rows).
+                    unsafe { _mm256_maskstore_ps(y.add((t0 + t) * ldy + n + 8 * h), m[h], vt[h]) };
+                }
+            }
+            TT
+        }
+
+        /// The tile's outputs for input rows `t0..t0+TT`: lane `r` of `result[t][h]` is weight
+        /// row `8h + r` against input row `t0 + t`. `WHOLE`: units of 64 (else of 32).
+        #[inline(always)]
+        unsafe fn tokens<const TT: usize, const WHOLE: bool>(&self, xq: &QuantRows, t0: usize) -> [[__m256; H]; TT] {
+            unsafe {
+                let bl = self.bl;
+                let (dof, sof) = if WHOLE { (0, bl) } else { (2 * bl, 4 * bl) };
+                let rows: [(*const i8, &[f32]); TT] = std::array::from_fn(|t| {
+                    let (_, _, p, e) = xq.row(t0 + t);
+                    (p.as_ptr(), e)
+                });
+                let (ones, c256) = (_mm256_set1_epi16(1), _mm256_set1_epi16(256));
+                let mut y = [[_mm256_setzero_ps(); H]; TT];
+                for c in 0..PRODUCT_CHUNKS {
+                    let mut acc_c = [[_mm256_setzero_ps(); H]; TT];
+                    for u in self.bounds[c]..self.bounds[c + 1] {
+                        let (blk, half) = if WHOLE { (u, 0) } else { (u / 2, u % 2) };
+                        // The block's evens start here in each plane of its pair; odds 64 on.
+                        let base = (blk / 2) * PAIR_BYTES + (blk % 2) * 32;
+                        let wq = self.codes.as_ptr().add(blk * 16 * 4 * ROW_LANES);
+                        let mut it = [[_mm256_setzero_si256(); H]; TT];
+                        // A unit of 64 is quads 0..8 (evens), then 8..16 (odds); one of 32
+                        // its evens, quads 4h..4h+4, and its odds 8 further.
+                        for w in 0..if WHOLE { 2 } else { 1 } {
+                            let mut acc = [[[_mm256_setzero_si256(); H]; 3]; TT];
+                            for i in 0..8 {
+                                let k = if WHOLE { 8 * w + i } else { 4 * half + i / 2 + 8 * (i % 2) };
+                                let wv: [__m256i; H] = std::array::from_fn(|h| _mm256_loadu_si256(wq.add(k * 4 * ROW_LANES + 32 * h) as *const __m256i));
+                                let off = base + (k / 8) * ACT_BLOCK + (k % 8) * 4;
+                                for (t, at) in acc.iter_mut().enumerate() {
+                                    let x = rows[t].0.add(off);
+                                    for (p, a) in at.iter_mut().enumerate() {
+                                        let xv = _mm256_set1_epi32((x.add(p * 2 * ACT_BLOCK) as *const i32).read_unaligned());
+                                        for h in 0..H {
+                                            a[h] = _mm256_add_epi16(a[h], _mm256_maddubs_epi16(wv[h], xv));
+                                        }
+                                    }
+                                }
+                            }
+                            for (t, at) in acc.iter().enumerate() {
+                                for h in 0..H {
+                                    let a01 = _mm256_add_epi32(_mm256_madd_epi16(at[0][h], ones), _mm256_madd_epi16(at[1][h], c256));
+                                    it[t][h] = _mm256_add_epi32(it[t][h], _mm256_add_epi32(a01, _mm256_slli_epi32(_mm256_madd_epi16(at[2][h], ones), 16)));
+                                }
+                            }
+                        }
+                        for h in 0..H {
+                            let (s, b) = (_mm256_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES + 8 * h)), _mm256_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES + 8 * h)));
+                            for t in 0..TT {
+                                let ev = rows[t].1;
+                                let sd = _mm256_mul_ps(s, _mm256_set1_ps(ev[dof + u]));
+                                let v = _mm256_fmadd_ps(sd, _mm256_cvtepi32_ps(it[t][h]), _mm256_mul_ps(b, _mm256_set1_ps(ev[sof + u])));
+                                acc_c[t][h] = _mm256_add_ps(acc_c[t][h], v);
+                            }
+                        }
+                    }
+                    for t in 0..TT {
+                        for h in 0..H {
+                            y[t][h] = _mm256_add_ps(y[t][h], acc_c[t][h]);
+                        }
+                    }
+                }
+                y
+            }
+        }
+    }
+}
+
+/// The AVX2 quantizer: the bytes of [`quantize_row`] and the plane placement of each form,
+/// eight elements per operation. `x / d` is the same IEEE division and the conversion rounds
+/// to nearest even (the default MXCSR), so `xi` is `act_quant`'s.
+#[cfg(target_arch = "x86_64")]
+mod avx2q {
+    use super::{Layout, ACT_BLOCK, PAIR_BYTES};
+    use crate::numerics::ACT_LEVELS;
+    use std::arch::x86_64::*;
+
+    /// The three planes of eight `xi` (numerics::act_planes, lane by lane), as i32 lanes.
+    #[inline(always)]
+    unsafe fn planes3(xi: __m256i) -> [__m256i; 3] {
+        unsafe {
+            let (c128, m255) = (_mm256_set1_epi32(128), _mm256_set1_epi32(255));
+            let p0 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(xi, c128), m255), c128);
+            let r1 = _mm256_srai_epi32(_mm256_sub_epi32(xi, p0), 8);
+            let p1 = _mm256_sub_epi32(_mm256_and_si256(_mm256_add_epi32(r1, c128), m255), c128);
+            let p2 = _mm256_srai_epi32(_mm256_sub_epi32(r1, p1), 8);
+            [p0, p1, p2]
+        }
+    }
+
+    /// Thirty-two i32 lanes inside the i8 range as bytes in element order (the packs
+    /// interleave 128-bit halves; the permutation puts them back).
+    #[inline(always)]
+    unsafe fn bytes32(v: &[__m256i]) -> __m256i {
+        unsafe {
+            let b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+        }
+    }
+
+    /// One row into the Planes form (`planes`: the row's pairs).
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_planes(layout: Layout, x: &[f32], d: &mut [f32], sums: &mut [i32], planes: &mut [i8]) {
+        let bl = d.len();
+        if bl % 2 == 1 {
+            // The missing second block of the last pair.
+            planes[(bl / 2) * PAIR_BYTES..].fill(0);
+        }
+        for b in 0..bl {
+            // SAFETY: the block lies inside `x`; the stores inside the row's pair `b / 2`.
+            unsafe {
+                let blk = &x[b * ACT_BLOCK..(b * ACT_BLOCK + ACT_BLOCK).min(x.len())];
+                let k = blk.len() / 8;
+                let v: [__m256; 8] = std::array::from_fn(|i| if i < k { _mm256_loadu_ps(blk.as_ptr().add(8 * i)) } else { _mm256_setzero_ps() });
+                // act_scale: NaN when any element is NaN, else max|x| / ACT_LEVELS.
+                let abs = _mm256_castsi256_ps(_mm256_set1_epi32(i32::MAX));
+                let (mut nan, mut m) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                for xv in &v {
+                    nan = _mm256_or_ps(nan, _mm256_cmp_ps::<_CMP_UNORD_Q>(*xv, *xv));
+                    m = _mm256_max_ps(m, _mm256_and_ps(*xv, abs));
+                }
+                let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+                let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+                let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+                let db = if _mm256_movemask_ps(nan) != 0 { f32::NAN } else { _mm_cvtss_f32(m) / ACT_LEVELS };
+                let xi: [__m256i; 8] = if db.is_normal() {
+                    let dv = _mm256_set1_ps(db);
+                    std::array::from_fn(|i| _mm256_cvtps_epi32(_mm256_div_ps(v[i], dv)))
+                } else {
+                    [_mm256_setzero_si256(); 8]
+                };
+                let hsum = |a: __m256i, b: __m256i, c: __m256i, e: __m256i| {
+                    let s = _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, e));
+                    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+                    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)))
+                };
+                d[b] = db;
+                sums[2 * b] = hsum(xi[0], xi[1], xi[2], xi[3]);
+                sums[2 * b + 1] = hsum(xi[4], xi[5], xi[6], xi[7]);
+                let pl: [[__m256i; 3]; 8] = std::array::from_fn(|i| planes3(xi[i]));
+                let cols: [[__m256i; 8]; 3] = std::array::from_fn(|p| std::array::from_fn(|i| pl[i][p]));
+                let base = planes.as_mut_ptr().add((b / 2) * PAIR_BYTES);
+                for (p, col) in cols.iter().enumerate() {
+                    // Elements 0..32 and 32..64 of plane p.
+                    let (lo, hi) = (bytes32(&col[..4]), bytes32(&col[4..]));
+                    let at = base.add(p * 2 * ACT_BLOCK);
+                    match layout {
+                        Layout::Natural => {
+                            _mm256_storeu_si256(at.add((b % 2) * ACT_BLOCK) as *mut __m256i, lo);
+                            _mm256_storeu_si256(at.add((b % 2) * ACT_BLOCK + 32) as *mut __m256i, hi);
+                        }
+                        Layout::Nibbles => {
+                            // Per 16 elements, evens then odds; then per 32, [evens | odds].
+                            let eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+                            let split = |v: __m256i| _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_shuffle_epi8(v, eo));
+                            let (lo, hi) = (split(lo), split(hi));
+                            _mm256_storeu_si256(at.add((b % 2) * 32) as *mut __m256i, _mm256_permute2x128_si256::<0x20>(lo, hi));
+                            _mm256_storeu_si256(at.add(ACT_BLOCK + (b % 2) * 32) as *mut __m256i, _mm256_permute2x128_si256::<0x31>(lo, hi));
+                        }
+                    }
                 }
             }
         }
@@ -624,7 +1237,7 @@ mod avx512 {
 /// exact).
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    use super::{unit_len, FloatType, QuantRows, Scratch, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
+    use super::{unit_len, FloatType, QuantRows, Scratch, Weights, ACT_BLOCK, PAIR_BYTES, PRODUCT_CHUNKS};
     use std::arch::x86_64::*;
 
     /// Bytes ahead of the codes in use that a decode product asks the cache for (as the f32
@@ -1001,9 +1614,6 @@ mod vnni {
             }
         }
     }
-
-    /// Weights of one product: codes, scales, biases (all rows) and the scales' type.
-    pub type Weights<'a> = (&'a [u8], &'a [u8], &'a [u8], FloatType);
 }
 
 #[cfg(test)]
@@ -1109,11 +1719,85 @@ mod tests {
         }
     }
 
+    /// The edges of the tiled kernels (AVX2: sixteen weight rows, two input rows a pass;
+    /// VNNI: sixteen rows, up to eight input rows a pass) and of the one-row kernels (eight or
+    /// sixteen units a step): weight row counts around 8, 16 and 32, input row counts on
+    /// both sides of each kernel's threshold and of a pass, tasks starting inside a tile,
+    /// every group size and scale type, odd block counts, final half blocks and unit counts
+    /// that leave one unit past a step.
+    #[test]
+    fn tile_edges_give_the_reference_bits() {
+        let mut rng = Rng(23);
+        for &(gs, cols) in &[(32usize, 224usize), (64, 192), (128, 384), (64, 1088), (32, 1056), (128, 128)] {
+            for dt in [FloatType::BF16, FloatType::F16, FloatType::F32] {
+                for rows in [1usize, 2, 7, 9, 16, 17, 33] {
+                    let w = affine(rows, cols, 4, gs, dt, &mut rng);
+                    for tokens in [1usize, 2, 3, 4, 7, 9, 17] {
+                        let x = inputs(tokens, cols, true, &mut rng);
+                        let want: Vec<u32> = (0..tokens * rows).map(|i| reference(&w, &x[(i / rows) * cols..(i / rows + 1) * cols], i % rows).to_bits()).collect();
+                        for isa in Isa::available() {
+                            let mut xq = QuantRows::default();
+                            xq.shape(isa, tokens, cols, Layout::Nibbles);
+                            let base = xq.base();
+                            unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                            // Tasks split at a third of the rows (inside a tile), reusing one scratch.
+                            let mut y = vec![f32::NAN; tokens * rows];
+                            let mut scratch = Scratch::default();
+                            let split = rows / 3;
+                            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
+                            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
+                            for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                                assert_eq!(got.to_bits(), want, "{isa:?} gs {gs} cols {cols} {dt:?} rows {rows} tokens {tokens}: t {} n {}", i / rows, i % rows);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Units at the bound of AVX2's 16-bit sums: codes of 15 against `xi = -32 896` (planes
+    /// -128, -128, 0) in all but one element per block, so eight quads of a plane add to
+    /// 8·2·15·(-128) = -30 720 before widening; every group size, one input row and many.
+    #[test]
+    fn units_at_the_16_bit_bound_keep_their_bits() {
+        // d = 2032 / 2 080 768 = 2^-10 exactly, so the others give xi = -32.125 · 2^10.
+        for gs in [32, 64, 128] {
+            let (rows, cols) = (17, 256);
+            let mut w = affine(rows, cols, 4, gs, FloatType::BF16, &mut Rng(5));
+            if let MatrixData::Affine { weight, .. } = &mut w.data {
+                *weight = Bytes::from_vec(vec![0xff; rows * cols / 2]);
+            }
+            for tokens in [1, 2, 3, 17] {
+                let x: Vec<f32> = (0..tokens * cols).map(|i| if i % 64 == 7 { 2032.0 } else { -32.125 }).collect();
+                let mut q = QuantRows::default();
+                q.shape(Isa::Portable, tokens, cols, Layout::Nibbles);
+                let base = q.base();
+                unsafe { q.fill_rows(base, &x, 0, tokens) };
+                assert_eq!((q.d[0], q.sums[0]), (2f32.powi(-10), 2_080_768 - 31 * 32_896), "the input is not at the bound");
+                for isa in Isa::available() {
+                    let mut xq = QuantRows::default();
+                    xq.shape(isa, tokens, cols, Layout::Nibbles);
+                    let base = xq.base();
+                    unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                    let mut y = vec![f32::NAN; tokens * rows];
+                    unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
+                    for t in 0..tokens {
+                        for n in 0..rows {
+                            let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
+                            assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} gs {gs} tokens {tokens} t {t} n {n}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A unit at the bound of its integer: codes of 15 against `xi = ±2 080 768` everywhere
     /// (|I| = 64·15·2 080 768, just under 2^31), one input row and many, against the reference.
     #[test]
     fn units_at_the_integer_bound_keep_their_bits() {
-        for tokens in [1, 17] {
+        for tokens in [1, 2, 3, 17] {
             at_the_bound(tokens);
         }
     }
