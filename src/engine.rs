@@ -318,7 +318,11 @@ impl<B: Backend> Engine<B> {
 
     /// One model step over the pending tokens of several resident sessions: `rows[i].take`
     /// tokens of session `i` (from its position), rows in the order given, the last row of each
-    /// `rows[i].logits` session wanting logits. Every session advances by its `take`.
+    /// `rows[i].logits` session wanting logits. Every session advances by its `take`. The
+    /// sessions with `rows[i].snapshot` are snapshotted ([`Engine::snapshot`]) once the step is
+    /// enqueued and before its result is read, so on a device that host work overlaps the
+    /// step; a read that then fails leaves the positions advanced and the snapshots kept (the
+    /// states did advance).
     ///
     /// `choose` says what comes back: the logits rows (`[k, V]`, in the order of the sessions
     /// that want them), or the ids chosen where the logits are (greedy, or the device sampler

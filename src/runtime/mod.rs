@@ -254,10 +254,10 @@ pub struct Stats {
     /// Prompt tokens fed and tokens generated, so far.
     pub prompt_tokens: u64,
     pub generated_tokens: u64,
-    /// Time inside model steps ([`Engine::step_sessions`], the batch's host-side assembly and
-    /// the read of its ids or logits included), and every other moment the runtime's thread is
-    /// busy: commands, admission, preemption, planning, sampling, stop rules, snapshots, events,
-    /// publishing these stats. Not counted: waiting for a command while idle (and the snapshot
+    /// Time inside model steps ([`Engine::step_sessions`], the batch's host-side assembly, the
+    /// snapshots due after the step and the read of its ids or logits included), and every other
+    /// moment the runtime's thread is busy: commands, admission, preemption, planning, sampling,
+    /// stop rules, snapshots at a request's end, events, publishing these stats. Not counted: waiting for a command while idle (and the snapshot
     /// spilling done then), and the pause when nothing can run.
     pub step_time: Duration,
     pub host_time: Duration,
@@ -545,7 +545,8 @@ impl Seq {
     /// Whether the state after a step feeding `take` tokens (sampling the next when `samples`)
     /// is kept as a snapshot: at a multiple of the stride `every` (0: none), at a turn
     /// boundary, and at the end of the prompt when the step samples the first token. Not for a
-    /// request that keeps every prompt logit (it wants them, not reuse).
+    /// request that keeps every prompt logit (it wants them, not reuse). Decided before the
+    /// step, so a row whose grammar then fails still leaves its snapshot (a valid prefix state).
     fn snapshot_due(&self, take: usize, samples: bool, every: usize) -> bool {
         let pos = self.session().position() + take;
         let first = samples && self.output.generated() == 0 && self.req.stop.max_tokens != Some(0);
@@ -601,7 +602,7 @@ impl<B: Backend> Worker<B> {
         let tick_log = std::env::var_os("TENSORFOLD_TICK_LOG").and_then(|p| match std::fs::File::create(&p) {
             Ok(f) => {
                 let mut w = std::io::BufWriter::new(f);
-                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us admit_us events_us snapshots_us (host: busy time since the previous tick's end less the step; of it, admission with cancels and preemption, sending events with finishing; snapshots_us: host time taking snapshots while the step ran, inside step_us)");
+                let _ = writeln!(w, "# tick end_us rows decode_rows seqs step_us host_us admit_us events_us snapshots_us (host: busy time since the previous tick's end less the step; of it, admission with cancels and preemption, sending events with finishing; snapshots_us: taking the step's snapshots, inside step_us; on CUDA's slot tier it overlaps the device)");
                 Some((Instant::now(), w))
             }
             Err(e) => {
