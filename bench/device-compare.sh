@@ -105,6 +105,13 @@ fi
 log "waiting for llama.cpp's build"
 wait $BUILD
 tail -2 "$OUT/llama-build.log" | tee -a "$S"
+# Batch-1 decode again now that the build no longer holds the cores: a token's graph launch and
+# wait are host work, and the compiler's jobs delay them
+# (bench/results/2026-12-07-h100-snapshots-overlap-02ca0ef.md).
+for pr in $PRODUCTS; do
+  log "tensorfold bench --products $pr: tg128 at context 0, the build done"
+  $TF bench -m /tmp/tf/models/$PRESET --device cuda --products $pr -p 16 -c 0 -n 128 -r 5 2>&1 | grep -E "^tg" | tee -a "$S"
+done
 B=/tmp/llama/build/bin
 log "convert to GGUF f16 (waiting), quantize Q4_0"
 wait $CONVERT
