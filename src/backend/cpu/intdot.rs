@@ -110,6 +110,9 @@ impl Layout {
 /// [`ROW_LANES_MIN_ROWS`] input rows on VNNI and [`AVX2_ROW_LANES_MIN_ROWS`] on AVX2): a task
 /// of 24 rows would leave half of its second tile idle.
 pub fn row_granule(isa: Isa, w: &Matrix, rows: usize) -> Option<usize> {
+    if matches!(w.data, MatrixData::Affine { bits: 8, .. }) {
+        return (isa >= Isa::Avx2 && rows >= AVX2_ROW_LANES_MIN_ROWS).then_some(avx2::ROW_LANES);
+    }
     if !matches!(w.data, MatrixData::Affine { bits: 4, .. }) {
         return None;
     }
@@ -154,6 +157,10 @@ pub struct QuantRows {
     /// block, `d` per half block, `d·f32(S)` per half block (the operands of `unit_value` for
     /// units of 64 or 32).
     ev: Vec<f32>,
+    /// Natural layout only: `[rows][2·cols]` the i16 digits of each `xi` in element order,
+    /// `L` (its low 16 bits, signed) for every element, then `H = (xi - L) / 65536` (|H| ≤ 32),
+    /// so `xi = L + 65536·H` exactly: the operands of AVX2's 8-bit code tiles (`vpmaddwd`).
+    wide: Vec<i16>,
 }
 
 impl QuantRows {
@@ -174,6 +181,7 @@ impl QuantRows {
         self.sums.resize(rows * 2 * bl, 0);
         self.planes.resize(rows * bl.div_ceil(2) * PAIR_BYTES, 0);
         self.ev.resize(rows * 6 * bl, 0.0);
+        self.wide.resize(if layout == Layout::Natural { rows * 2 * cols } else { 0 }, 0);
     }
 
     /// Quantizes rows `r0..r1` of `x` (`[rows, cols]`) into buffers shaped by [`Self::shape`].
@@ -217,12 +225,29 @@ impl QuantRows {
                     ev[ev_index(k, b, bl)] = v;
                 }
             }
+            if self.layout == Layout::Natural {
+                // SAFETY: row r's digits, which only this call writes.
+                let wide = unsafe { std::slice::from_raw_parts_mut(base.wide.add(r * 2 * cols), 2 * cols) };
+                let (lo, hi) = wide.split_at_mut(cols);
+                #[cfg(target_arch = "x86_64")]
+                if self.isa >= Isa::Avx2 {
+                    // SAFETY: Avx2 (and Avx512) is only chosen when the CPU reports AVX2.
+                    unsafe { avx2q::wide_digits(planes, lo, hi) };
+                    continue;
+                }
+                for e in 0..cols {
+                    let pl = |p: usize| planes[Layout::Natural.plane_at(e / ACT_BLOCK, p, e % ACT_BLOCK)] as i32;
+                    let xi = pl(0) + 256 * pl(1) + 65536 * pl(2);
+                    lo[e] = xi as i16;
+                    hi[e] = ((xi - lo[e] as i32) >> 16) as i16;
+                }
+            }
         }
     }
 
     /// Raw pointers for [`Self::fill_rows`] from several threads.
     pub fn base(&mut self) -> QuantBase {
-        QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr(), ev: self.ev.as_mut_ptr() }
+        QuantBase { d: self.d.as_mut_ptr(), sums: self.sums.as_mut_ptr(), planes: self.planes.as_mut_ptr(), ev: self.ev.as_mut_ptr(), wide: self.wide.as_mut_ptr() }
     }
 
     /// Row `t`: scales, sums, planes, epilogue factors.
@@ -231,6 +256,13 @@ impl QuantRows {
         let bl = self.blocks;
         let pb = bl.div_ceil(2) * PAIR_BYTES;
         (&self.d[t * bl..(t + 1) * bl], &self.sums[t * 2 * bl..(t + 1) * 2 * bl], &self.planes[t * pb..(t + 1) * pb], &self.ev[t * 6 * bl..(t + 1) * 6 * bl])
+    }
+
+    /// Row `t`'s digits `L` and `H` (Natural layout only).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn wide_row(&self, t: usize) -> (&[i16], &[i16]) {
+        self.wide[t * 2 * self.cols..(t + 1) * 2 * self.cols].split_at(self.cols)
     }
 }
 
@@ -260,6 +292,7 @@ pub struct QuantBase {
     sums: *mut i32,
     planes: *mut i8,
     ev: *mut f32,
+    wide: *mut i16,
 }
 // SAFETY: only handed to `fill_rows`, whose callers write disjoint rows.
 unsafe impl Send for QuantBase {}
@@ -331,6 +364,13 @@ pub unsafe fn matmul(isa: Isa, w: &Matrix, xq: &QuantRows, y: *mut f32, ldy: usi
                 avx2::matmul_each(gs, w, xq, &bounds, y, ldy, n0, count, scratch);
             }
         }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if bits == 8 && isa >= Isa::Avx2 && xq.rows >= AVX2_ROW_LANES_MIN_ROWS {
+        // SAFETY: Avx2 (and Avx512) is only chosen when the CPU reports AVX2 and FMA; the
+        // caller's contract on `y`.
+        unsafe { avx2::matmul_rows8(gs, (weight.as_slice(), scales.as_slice(), biases.as_slice(), *scale_dtype), xq, &bounds, y, ldy, n0, count, scratch) };
         return;
     }
     let Scratch { s, b, ints, .. } = scratch;
@@ -1029,6 +1069,172 @@ mod avx2 {
             }
         }
     }
+
+    /// `f32(a + 65536·b)` per lane, rounded once to nearest even (as `i64 as f32`): the sum is
+    /// exact in f64 (|·| < 2^53), and so is its conversion from the two i32 lanes.
+    #[inline(always)]
+    unsafe fn exact_f32(a: __m256i, b: __m256i) -> __m256 {
+        unsafe {
+            let k = _mm256_set1_pd(65536.0);
+            let half = |a: __m128i, b: __m128i| _mm256_cvtpd_ps(_mm256_fmadd_pd(_mm256_cvtepi32_pd(b), k, _mm256_cvtepi32_pd(a)));
+            let lo = half(_mm256_castsi256_si128(a), _mm256_castsi256_si128(b));
+            let hi = half(_mm256_extracti128_si256(a, 1), _mm256_extracti128_si256(b, 1));
+            _mm256_set_m128(hi, lo)
+        }
+    }
+
+    /// [`matmul_rows`] for 8-bit codes: each tile of sixteen weight rows has its codes widened
+    /// once to i16 pairs, `[block][pair][row][2]`, and every input row's pair of digits `L`
+    /// (and of `H`, [`QuantRows`]' wide form) is broadcast against them (`vpmaddwd`, two input
+    /// rows a pass). Exactness: per unit and lane `A = Σ q·L` and `B = Σ q·H` add in i32
+    /// (|A| ≤ 64·255·32 768 = 2^29, |B| ≤ 64·255·32), and `I = A + 65536·B` (up to about
+    /// 2^35) reaches f32 through f64 ([`exact_f32`]). The epilogue and fold run per lane in
+    /// unit order, per input row, as for 4-bit codes.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn matmul_rows8(
+        gs: usize,
+        w: Weights<'_>,
+        xq: &QuantRows,
+        bounds: &[usize; PRODUCT_CHUNKS + 1],
+        y: *mut f32,
+        ldy: usize,
+        n0: usize,
+        count: usize,
+        scratch: &mut Scratch,
+    ) {
+        let (weight, scales, biases, dt) = w;
+        let (cols, bl) = (xq.cols, xq.blocks);
+        let (ul, groups, units) = (unit_len(gs), cols / gs, bounds[PRODUCT_CHUNKS]);
+        let (wb, sb) = (cols, groups * dt.size());
+        assert!((n0 + count) * wb <= weight.len() && (n0 + count) * sb <= scales.len().min(biases.len()));
+        assert!(xq.wide.len() == xq.rows * 2 * cols);
+        let units8 = units.next_multiple_of(8);
+        scratch.codes.resize(bl * 32 * 4 * ROW_LANES, 0);
+        scratch.ts.resize(units8 * ROW_LANES, 0.0);
+        scratch.tb.resize(units8 * ROW_LANES, 0.0);
+        scratch.su.resize(ROW_LANES * units8, 0.0);
+        scratch.bu.resize(ROW_LANES * units8, 0.0);
+        let Scratch { codes, ts, tb, su, bu, .. } = scratch;
+        let mut n = n0;
+        while n < n0 + count {
+            let live = (n0 + count - n).min(ROW_LANES);
+            // Lanes past `live` repeat the last row: computed, never stored.
+            let row = |r: usize| n + r.min(live - 1);
+            // Per 16 elements and eight rows, their codes widened to eight i16 pairs and
+            // transposed: pair k of the eight rows is vector k.
+            for q in 0..cols / 16 {
+                for h in 0..H {
+                    // SAFETY: 16 bytes inside each row (cols is a multiple of 32); the stores
+                    // inside the tile.
+                    unsafe {
+                        let v: [__m256i; 8] = std::array::from_fn(|r| _mm256_cvtepu8_epi16(_mm_loadu_si128(weight.as_ptr().add(row(8 * h + r) * wb + 16 * q) as *const __m128i)));
+                        let t = transpose8(v);
+                        let at = codes.as_mut_ptr().add(8 * q * 4 * ROW_LANES + 32 * h);
+                        for (k, tk) in t.iter().enumerate() {
+                            _mm256_storeu_si256(at.add(k * 4 * ROW_LANES) as *mut __m256i, *tk);
+                        }
+                    }
+                }
+            }
+            for r in 0..ROW_LANES {
+                let rw = row(r);
+                // SAFETY: the row's scales and biases, and its units in `su` and `bu`.
+                unsafe {
+                    widen_units(dt, gs, ul, &scales[rw * sb..(rw + 1) * sb], &mut su[r * units8..r * units8 + units]);
+                    widen_units(dt, gs, ul, &biases[rw * sb..(rw + 1) * sb], &mut bu[r * units8..r * units8 + units]);
+                }
+            }
+            for (src, dst) in [(&*su, &mut *ts), (&*bu, &mut *tb)] {
+                for u0 in (0..units8).step_by(8) {
+                    for h in 0..H {
+                        // SAFETY: eight units of eight rows inside `src`, stored inside `dst`.
+                        unsafe {
+                            let t = transpose8(std::array::from_fn(|r| _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add((8 * h + r) * units8 + u0)))));
+                            for (j, tj) in t.iter().enumerate() {
+                                _mm256_storeu_si256(dst.as_mut_ptr().add((u0 + j) * ROW_LANES + 8 * h) as *mut __m256i, *tj);
+                            }
+                        }
+                    }
+                }
+            }
+            let m: [__m256i; H] = std::array::from_fn(|h| _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32 - 8 * h as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            let tl = RowTile { bl, bounds, codes, ts, tb };
+            let mut t0 = 0;
+            while t0 < xq.rows {
+                // SAFETY: the tile's buffers as filled above; the caller's contract on `y`.
+                unsafe {
+                    let left = xq.rows - t0;
+                    t0 += if ul == ACT_BLOCK {
+                        if left >= 2 {
+                            tl.store(&tl.tokens8::<2, true>(xq, t0), y, ldy, n, t0, &m)
+                        } else {
+                            tl.store(&tl.tokens8::<1, true>(xq, t0), y, ldy, n, t0, &m)
+                        }
+                    } else if left >= 2 {
+                        tl.store(&tl.tokens8::<2, false>(xq, t0), y, ldy, n, t0, &m)
+                    } else {
+                        tl.store(&tl.tokens8::<1, false>(xq, t0), y, ldy, n, t0, &m)
+                    };
+                }
+            }
+            n += live;
+        }
+    }
+
+    impl RowTile<'_> {
+        /// [`RowTile::tokens`] for a tile of 8-bit codes (`[pair][row][2]` i16, pairs in
+        /// element order).
+        #[inline(always)]
+        unsafe fn tokens8<const TT: usize, const WHOLE: bool>(&self, xq: &QuantRows, t0: usize) -> [[__m256; H]; TT] {
+            unsafe {
+                let bl = self.bl;
+                let ul = if WHOLE { ACT_BLOCK } else { ACT_BLOCK / 2 };
+                let (dof, sof) = if WHOLE { (0, bl) } else { (2 * bl, 4 * bl) };
+                let rows: [(*const i16, *const i16, &[f32]); TT] = std::array::from_fn(|t| {
+                    let (lo, hi) = xq.wide_row(t0 + t);
+                    let (_, _, _, e) = xq.row(t0 + t);
+                    (lo.as_ptr(), hi.as_ptr(), e)
+                });
+                let mut y = [[_mm256_setzero_ps(); H]; TT];
+                for c in 0..PRODUCT_CHUNKS {
+                    let mut acc_c = [[_mm256_setzero_ps(); H]; TT];
+                    for u in self.bounds[c]..self.bounds[c + 1] {
+                        let e0 = u * ul;
+                        let wq = self.codes.as_ptr().add((e0 / 2) * 4 * ROW_LANES);
+                        let mut a = [[_mm256_setzero_si256(); H]; TT];
+                        let mut b = [[_mm256_setzero_si256(); H]; TT];
+                        for i in 0..ul / 2 {
+                            let wv: [__m256i; H] = std::array::from_fn(|h| _mm256_loadu_si256(wq.add(i * 4 * ROW_LANES + 32 * h) as *const __m256i));
+                            for t in 0..TT {
+                                let xl = _mm256_set1_epi32((rows[t].0.add(e0 + 2 * i) as *const i32).read_unaligned());
+                                let xh = _mm256_set1_epi32((rows[t].1.add(e0 + 2 * i) as *const i32).read_unaligned());
+                                for h in 0..H {
+                                    a[t][h] = _mm256_add_epi32(a[t][h], _mm256_madd_epi16(wv[h], xl));
+                                    b[t][h] = _mm256_add_epi32(b[t][h], _mm256_madd_epi16(wv[h], xh));
+                                }
+                            }
+                        }
+                        for h in 0..H {
+                            let (s, bb) = (_mm256_loadu_ps(self.ts.as_ptr().add(u * ROW_LANES + 8 * h)), _mm256_loadu_ps(self.tb.as_ptr().add(u * ROW_LANES + 8 * h)));
+                            for t in 0..TT {
+                                let ev = rows[t].2;
+                                let sd = _mm256_mul_ps(s, _mm256_set1_ps(ev[dof + u]));
+                                let v = _mm256_fmadd_ps(sd, exact_f32(a[t][h], b[t][h]), _mm256_mul_ps(bb, _mm256_set1_ps(ev[sof + u])));
+                                acc_c[t][h] = _mm256_add_ps(acc_c[t][h], v);
+                            }
+                        }
+                    }
+                    for t in 0..TT {
+                        for h in 0..H {
+                            y[t][h] = _mm256_add_ps(y[t][h], acc_c[t][h]);
+                        }
+                    }
+                }
+                y
+            }
+        }
+    }
 }
 
 /// The AVX2 quantizer: the bytes of [`quantize_row`] and the plane placement of each form,
@@ -1060,6 +1266,28 @@ mod avx2q {
         unsafe {
             let b = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
             _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+        }
+    }
+
+    /// The wide form of one row (Natural planes): per 16 elements the planes widened to i16,
+    /// `L = p0 + (p1 << 8)` wrapping, and `H = p2 - 1` exactly where that wrapped (`p1 < 0`
+    /// and `L ≥ 0`: `p0 + 256·p1 < -32 768`), else `p2`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn wide_digits(planes: &[i8], lo: &mut [i16], hi: &mut [i16]) {
+        let cols = lo.len();
+        assert!(cols.is_multiple_of(16) && hi.len() == cols && planes.len() >= cols.div_ceil(2 * ACT_BLOCK) * PAIR_BYTES);
+        for e in (0..cols).step_by(16) {
+            let (b, j) = (e / ACT_BLOCK, e % ACT_BLOCK);
+            let at = (b / 2) * PAIR_BYTES + (b % 2) * ACT_BLOCK + j;
+            // SAFETY: 16 bytes of each plane inside the row (asserted), and of `lo` and `hi`.
+            unsafe {
+                let p = |k: usize| _mm256_cvtepi8_epi16(_mm_loadu_si128(planes.as_ptr().add(at + k * 2 * ACT_BLOCK) as *const __m128i));
+                let (p0, p1, p2) = (p(0), p(1), p(2));
+                let l = _mm256_add_epi16(p0, _mm256_slli_epi16(p1, 8));
+                let h = _mm256_add_epi16(p2, _mm256_srai_epi16(_mm256_andnot_si256(l, p1), 15));
+                _mm256_storeu_si256(lo.as_mut_ptr().add(e) as *mut __m256i, l);
+                _mm256_storeu_si256(hi.as_mut_ptr().add(e) as *mut __m256i, h);
+            }
         }
     }
 
@@ -1682,8 +1910,21 @@ mod tests {
     #[test]
     fn every_isa_gives_the_reference_bits() {
         let mut rng = Rng(7);
-        let shapes: &[(u32, usize, usize)] =
-            &[(4, 64, 256), (4, 32, 224), (4, 128, 384), (8, 64, 192), (8, 32, 96), (8, 128, 256), (4, 64, 64), (4, 32, 32), (4, 64, 192), (4, 64, 1088), (4, 32, 1056)];
+        let shapes: &[(u32, usize, usize)] = &[
+            (4, 64, 256),
+            (4, 32, 224),
+            (4, 128, 384),
+            (8, 64, 192),
+            (8, 32, 96),
+            (8, 128, 256),
+            (8, 32, 1056),
+            (8, 64, 1088),
+            (4, 64, 64),
+            (4, 32, 32),
+            (4, 64, 192),
+            (4, 64, 1088),
+            (4, 32, 1056),
+        ];
         for &(bits, gs, cols) in shapes {
             for (dt, rows, tokens) in [
                 (FloatType::BF16, 5, 3),
@@ -1728,16 +1969,28 @@ mod tests {
     #[test]
     fn tile_edges_give_the_reference_bits() {
         let mut rng = Rng(23);
-        for &(gs, cols) in &[(32usize, 224usize), (64, 192), (128, 384), (64, 1088), (32, 1056), (128, 128)] {
+        for &(bits, gs, cols) in &[
+            (4, 32usize, 224usize),
+            (4, 64, 192),
+            (4, 128, 384),
+            (4, 64, 1088),
+            (4, 32, 1056),
+            (4, 128, 128),
+            (8, 32, 224),
+            (8, 64, 192),
+            (8, 128, 384),
+            (8, 32, 1056),
+            (8, 128, 128),
+        ] {
             for dt in [FloatType::BF16, FloatType::F16, FloatType::F32] {
                 for rows in [1usize, 2, 7, 9, 16, 17, 33] {
-                    let w = affine(rows, cols, 4, gs, dt, &mut rng);
+                    let w = affine(rows, cols, bits, gs, dt, &mut rng);
                     for tokens in [1usize, 2, 3, 4, 7, 9, 17] {
                         let x = inputs(tokens, cols, true, &mut rng);
                         let want: Vec<u32> = (0..tokens * rows).map(|i| reference(&w, &x[(i / rows) * cols..(i / rows + 1) * cols], i % rows).to_bits()).collect();
                         for isa in Isa::available() {
                             let mut xq = QuantRows::default();
-                            xq.shape(isa, tokens, cols, Layout::Nibbles);
+                            xq.shape(isa, tokens, cols, Layout::of(&w).unwrap());
                             let base = xq.base();
                             unsafe { xq.fill_rows(base, &x, 0, tokens) };
                             // Tasks split at a third of the rows (inside a tile), reusing one scratch.
@@ -1747,7 +2000,7 @@ mod tests {
                             unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, split, &mut scratch) };
                             unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, split, rows - split, &mut scratch) };
                             for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
-                                assert_eq!(got.to_bits(), want, "{isa:?} gs {gs} cols {cols} {dt:?} rows {rows} tokens {tokens}: t {} n {}", i / rows, i % rows);
+                                assert_eq!(got.to_bits(), want, "{isa:?} bits {bits} gs {gs} cols {cols} {dt:?} rows {rows} tokens {tokens}: t {} n {}", i / rows, i % rows);
                             }
                         }
                     }
@@ -1793,25 +2046,71 @@ mod tests {
         }
     }
 
+    /// Units at the bounds of AVX2's 8-bit tiles: codes of 255 against `xi = -32 768` (digits
+    /// `L = -32 768`, `H = 0`: |Σ q·L| at its bound, 64·255·2^15) or `xi = -32 896` (`L =
+    /// 32 640`, `H = -1`, the borrow of the low digit) in all but one element per block, whose
+    /// `xi = 2 080 768` has `H = 32`; every group size and scale type, one input row and many.
+    #[test]
+    fn eight_bit_units_at_the_digit_bounds_keep_their_bits() {
+        for other in [-32.0f32, -32.125] {
+            for gs in [32, 64, 128] {
+                for dt in [FloatType::BF16, FloatType::F16, FloatType::F32] {
+                    let (rows, cols) = (17, 256);
+                    let mut w = affine(rows, cols, 8, gs, dt, &mut Rng(5));
+                    if let MatrixData::Affine { weight, .. } = &mut w.data {
+                        *weight = Bytes::from_vec(vec![0xff; rows * cols]);
+                    }
+                    for tokens in [1, 2, 3, 17] {
+                        let x: Vec<f32> = (0..tokens * cols).map(|i| if i % 64 == 7 { 2032.0 } else { other }).collect();
+                        let mut q = QuantRows::default();
+                        q.shape(Isa::Portable, tokens, cols, Layout::Natural);
+                        let base = q.base();
+                        unsafe { q.fill_rows(base, &x, 0, tokens) };
+                        assert_eq!(q.d[0], 2f32.powi(-10), "the input is not at the bound");
+                        assert_eq!((q.wide[0], q.wide[cols]), (((other * 1024.0) as i32) as i16, if other == -32.0 { 0 } else { -1 }));
+                        for isa in Isa::available() {
+                            let mut xq = QuantRows::default();
+                            xq.shape(isa, tokens, cols, Layout::Natural);
+                            let base = xq.base();
+                            unsafe { xq.fill_rows(base, &x, 0, tokens) };
+                            let mut y = vec![f32::NAN; tokens * rows];
+                            unsafe { matmul(isa, &w, &xq, y.as_mut_ptr(), rows, 0, rows, &mut Scratch::default()) };
+                            for t in 0..tokens {
+                                for n in 0..rows {
+                                    let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
+                                    assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} {other} gs {gs} {dt:?} tokens {tokens} t {t} n {n}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// A unit at the bound of its integer: codes of 15 against `xi = ±2 080 768` everywhere
     /// (|I| = 64·15·2 080 768, just under 2^31), one input row and many, against the reference.
     #[test]
     fn units_at_the_integer_bound_keep_their_bits() {
-        for tokens in [1, 2, 3, 17] {
-            at_the_bound(tokens);
+        for bits in [4, 8] {
+            for tokens in [1, 2, 3, 17] {
+                at_the_bound(bits, tokens);
+            }
         }
     }
 
-    fn at_the_bound(tokens: usize) {
+    /// Codes at their largest (15 or 255) against `xi = ±2 080 768`: for 8-bit codes |I| =
+    /// 64·255·2 080 768 ≈ 2^35, past i32 and f32's exact integers.
+    fn at_the_bound(bits: u32, tokens: usize) {
         let (rows, cols) = (9, 256);
-        let mut w = affine(rows, cols, 4, 64, FloatType::BF16, &mut Rng(3));
+        let mut w = affine(rows, cols, bits, 64, FloatType::BF16, &mut Rng(3));
         if let MatrixData::Affine { weight, .. } = &mut w.data {
-            *weight = Bytes::from_vec(vec![0xff; rows * cols / 2]);
+            *weight = Bytes::from_vec(vec![0xff; rows * cols * bits as usize / 8]);
         }
         let x: Vec<f32> = (0..tokens * cols).map(|i| if (i / 64) % 2 == 0 { 2.5 } else { -1.25 }).collect();
         for isa in Isa::available() {
             let mut xq = QuantRows::default();
-            xq.shape(isa, tokens, cols, Layout::Nibbles);
+            xq.shape(isa, tokens, cols, Layout::of(&w).unwrap());
             let base = xq.base();
             unsafe { xq.fill_rows(base, &x, 0, tokens) };
             let mut y = vec![f32::NAN; tokens * rows];
@@ -1819,7 +2118,7 @@ mod tests {
             for t in 0..tokens {
                 for n in 0..rows {
                     let want = reference(&w, &x[t * cols..(t + 1) * cols], n);
-                    assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} t {t} n {n}");
+                    assert_eq!(y[t * rows + n].to_bits(), want.to_bits(), "{isa:?} bits {bits} t {t} n {n}");
                 }
             }
         }
@@ -1853,6 +2152,7 @@ mod tests {
                     assert_eq!(got.sums, want.sums, "{isa:?} {layout:?} cols {cols}: sums");
                     assert_eq!(bits(&got.ev), bits(&want.ev), "{isa:?} {layout:?} cols {cols}: factors");
                     assert_eq!(got.planes, want.planes, "{isa:?} {layout:?} cols {cols}: planes");
+                    assert_eq!(got.wide, want.wide, "{isa:?} {layout:?} cols {cols}: digits");
                 }
             }
         }
