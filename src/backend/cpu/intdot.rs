@@ -43,8 +43,9 @@
 //! is exact modulo 2^32, and the true value lies in i32, so the result is `I` exactly whatever
 //! the intermediate values. 8-bit codes can reach |I| ≈ 2^35: the generic loop keeps 64-bit
 //! unit sums, and the 8-bit tile keeps per lane `A = Σ q·L` (|A| ≤ 64·255·2^15 = 2^29) and
-//! `B = Σ q·H` (|B| ≤ 64·255·32) in i32, exact, and forms `I = A + 65536·B` in f64 (exact below
-//! 2^53) before its one rounding to f32, the rounding of `i64 as f32`.
+//! `B = Σ q·H` (|B| ≤ 64·255·32) in i32, exact, and rounds `I = A + 65536·B` to f32 once, as
+//! `i64 as f32` does: `(B + (A >> 16))·65536` and `A & 0xffff` are exact in f32, and one `fma`
+//! adds them.
 //!
 //! Plane layout within a block. 4-bit codes split into low and high nibbles, which hold the
 //! even and odd elements; so for those matrices a block's plane is `[even elements of 0..32 |
@@ -1092,16 +1093,15 @@ mod avx2 {
         }
     }
 
-    /// `f32(a + 65536·b)` per lane, rounded once to nearest even (as `i64 as f32`): the sum is
-    /// exact in f64 (|·| < 2^53), and so is its conversion from the two i32 lanes.
+    /// `f32(a + 65536·b)` per lane, rounded once to nearest even (as `i64 as f32`), for |b| +
+    /// |a|/65536 < 2^24: with `c = b + (a >> 16)` and `l = a & 0xffff` the value is `c·65536 +
+    /// l`, both terms exact in f32, and one `fma` rounds their exact sum.
     #[inline(always)]
     unsafe fn exact_f32(a: __m256i, b: __m256i) -> __m256 {
         unsafe {
-            let k = _mm256_set1_pd(65536.0);
-            let half = |a: __m128i, b: __m128i| _mm256_cvtpd_ps(_mm256_fmadd_pd(_mm256_cvtepi32_pd(b), k, _mm256_cvtepi32_pd(a)));
-            let lo = half(_mm256_castsi256_si128(a), _mm256_castsi256_si128(b));
-            let hi = half(_mm256_extracti128_si256(a, 1), _mm256_extracti128_si256(b, 1));
-            _mm256_set_m128(hi, lo)
+            let c = _mm256_add_epi32(b, _mm256_srai_epi32(a, 16));
+            let l = _mm256_and_si256(a, _mm256_set1_epi32(0xffff));
+            _mm256_fmadd_ps(_mm256_cvtepi32_ps(c), _mm256_set1_ps(65536.0), _mm256_cvtepi32_ps(l))
         }
     }
 
@@ -1112,7 +1112,7 @@ mod avx2 {
     /// quads added in 16 bits before `vpmaddwd` widens them), two input rows a pass; the digits
     /// are [`QuantRows`]' wide form. Exactness: per unit and lane `A = Σ q·L` and `B = Σ q·H`
     /// add in i32 (|A| ≤ 64·255·32 768 = 2^29, |B| ≤ 64·255·32), and `I = A + 65536·B` (up to
-    /// about 2^35) reaches f32 through f64 ([`exact_f32`]). The epilogue and fold run per lane
+    /// about 2^35) reaches f32 with one rounding ([`exact_f32`]). The epilogue and fold run per lane
     /// in unit order, per input row, as for 4-bit codes.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
