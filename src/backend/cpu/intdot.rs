@@ -897,6 +897,54 @@ mod avx2 {
         }
     }
 
+    /// The scales and biases of a tile's rows `row(0..ROW_LANES)` per unit, transposed to
+    /// `[unit][row]` into `ts` and `tb`; `su` and `bu` hold them `[row][unit]` on the way, each
+    /// row's `units` padded to a multiple of eight (the padding is never read as a unit).
+    /// `s.3` is the bytes of one row's scales.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn tile_scales(
+        s: (&[u8], &[u8], FloatType, usize),
+        gs: usize,
+        ul: usize,
+        units: usize,
+        row: impl Fn(usize) -> usize,
+        su: &mut [f32],
+        bu: &mut [f32],
+        ts: &mut [f32],
+        tb: &mut [f32],
+    ) {
+        let (scales, biases, dt, sb) = s;
+        let units8 = units.next_multiple_of(8);
+        for r in 0..ROW_LANES {
+            let rw = row(r);
+            // SAFETY: the row's scales and biases, and its units in `su` and `bu`.
+            unsafe {
+                widen_units(dt, gs, ul, &scales[rw * sb..(rw + 1) * sb], &mut su[r * units8..r * units8 + units]);
+                widen_units(dt, gs, ul, &biases[rw * sb..(rw + 1) * sb], &mut bu[r * units8..r * units8 + units]);
+            }
+        }
+        for (src, dst) in [(&*su, &mut *ts), (&*bu, &mut *tb)] {
+            for u0 in (0..units8).step_by(8) {
+                for h in 0..H {
+                    // SAFETY: eight units of eight rows inside `src`, stored inside `dst`.
+                    unsafe {
+                        let t = transpose8(std::array::from_fn(|r| _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add((8 * h + r) * units8 + u0)))));
+                        for (j, tj) in t.iter().enumerate() {
+                            _mm256_storeu_si256(dst.as_mut_ptr().add((u0 + j) * ROW_LANES + 8 * h) as *mut __m256i, *tj);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Per vector of a tile, the lanes that hold one of its `live` weight rows (all ones).
+    #[inline(always)]
+    unsafe fn lane_mask(live: usize) -> [__m256i; H] {
+        unsafe { std::array::from_fn(|h| _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32 - 8 * h as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))) }
+    }
+
     /// Weight rows per tile of the row-lanes kernel: one per 32-bit lane of `H` vectors.
     pub const ROW_LANES: usize = 16;
     const H: usize = ROW_LANES / 8;
@@ -956,30 +1004,9 @@ mod avx2 {
                     }
                 }
             }
-            // Scales and biases per unit, row by row (`[row][unit]`; the padding to eight
-            // units is never read as a unit), then transposed to `[unit][row]`.
-            for r in 0..ROW_LANES {
-                let rw = row(r);
-                // SAFETY: the row's scales and biases, and its units in `su` and `bu`.
-                unsafe {
-                    widen_units(dt, gs, ul, &scales[rw * sb..(rw + 1) * sb], &mut su[r * units8..r * units8 + units]);
-                    widen_units(dt, gs, ul, &biases[rw * sb..(rw + 1) * sb], &mut bu[r * units8..r * units8 + units]);
-                }
-            }
-            for (src, dst) in [(&*su, &mut *ts), (&*bu, &mut *tb)] {
-                for u0 in (0..units8).step_by(8) {
-                    for h in 0..H {
-                        // SAFETY: eight units of eight rows inside `src`, stored inside `dst`.
-                        unsafe {
-                            let t = transpose8(std::array::from_fn(|r| _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add((8 * h + r) * units8 + u0)))));
-                            for (j, tj) in t.iter().enumerate() {
-                                _mm256_storeu_si256(dst.as_mut_ptr().add((u0 + j) * ROW_LANES + 8 * h) as *mut __m256i, *tj);
-                            }
-                        }
-                    }
-                }
-            }
-            let m: [__m256i; H] = std::array::from_fn(|h| _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32 - 8 * h as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            // SAFETY: the rows lie inside the weights (asserted above); the buffers as resized.
+            unsafe { tile_scales((scales, biases, dt, sb), gs, ul, units, row, su, bu, ts, tb) };
+            let m = lane_mask(live);
             let tl = RowTile { bl, bounds, codes, ts, tb };
             let mut t0 = 0;
             while t0 < xq.rows {
@@ -1171,28 +1198,9 @@ mod avx2 {
                     }
                 }
             }
-            for r in 0..ROW_LANES {
-                let rw = row(r);
-                // SAFETY: the row's scales and biases, and its units in `su` and `bu`.
-                unsafe {
-                    widen_units(dt, gs, ul, &scales[rw * sb..(rw + 1) * sb], &mut su[r * units8..r * units8 + units]);
-                    widen_units(dt, gs, ul, &biases[rw * sb..(rw + 1) * sb], &mut bu[r * units8..r * units8 + units]);
-                }
-            }
-            for (src, dst) in [(&*su, &mut *ts), (&*bu, &mut *tb)] {
-                for u0 in (0..units8).step_by(8) {
-                    for h in 0..H {
-                        // SAFETY: eight units of eight rows inside `src`, stored inside `dst`.
-                        unsafe {
-                            let t = transpose8(std::array::from_fn(|r| _mm256_castps_si256(_mm256_loadu_ps(src.as_ptr().add((8 * h + r) * units8 + u0)))));
-                            for (j, tj) in t.iter().enumerate() {
-                                _mm256_storeu_si256(dst.as_mut_ptr().add((u0 + j) * ROW_LANES + 8 * h) as *mut __m256i, *tj);
-                            }
-                        }
-                    }
-                }
-            }
-            let m: [__m256i; H] = std::array::from_fn(|h| _mm256_cmpgt_epi32(_mm256_set1_epi32(live as i32 - 8 * h as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            // SAFETY: the rows lie inside the weights (asserted above); the buffers as resized.
+            unsafe { tile_scales((scales, biases, dt, sb), gs, ul, units, row, su, bu, ts, tb) };
+            let m = lane_mask(live);
             let tl = RowTile { bl, bounds, codes, ts, tb };
             let mut t0 = 0;
             while t0 < xq.rows {
