@@ -257,8 +257,9 @@ pub struct Stats {
     /// Time inside model steps ([`Engine::step_sessions`], the batch's host-side assembly, the
     /// snapshots due after the step and the read of its ids or logits included), and every other
     /// moment the runtime's thread is busy: commands, admission, preemption, planning, sampling,
-    /// stop rules, snapshots at a request's end, events, publishing these stats. Not counted: waiting for a command while idle (and the snapshot
-    /// spilling done then), and the pause when nothing can run.
+    /// stop rules, snapshots at a request's end, events, publishing these stats. Not counted:
+    /// waiting for a command while idle (and the snapshot spilling done then), and the pause
+    /// when nothing can run.
     pub step_time: Duration,
     pub host_time: Duration,
     /// Requests finished, by reason: stop rule, cancelled, error.
