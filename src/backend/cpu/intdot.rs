@@ -1139,8 +1139,8 @@ mod avx2 {
     /// quads added in 16 bits before `vpmaddwd` widens them), two input rows a pass; the digits
     /// are [`QuantRows`]' wide form. Exactness: per unit and lane `A = Σ q·L` and `B = Σ q·H`
     /// add in i32 (|A| ≤ 64·255·32 768 = 2^29, |B| ≤ 64·255·32), and `I = A + 65536·B` (up to
-    /// about 2^35) reaches f32 with one rounding ([`exact_f32`]). The epilogue and fold run per lane
-    /// in unit order, per input row, as for 4-bit codes.
+    /// about 2^35) reaches f32 with one rounding ([`exact_f32`]). The epilogue and fold run per
+    /// lane in unit order, per input row, as for 4-bit codes.
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn matmul_rows8(
